@@ -1,0 +1,54 @@
+"""The base of every worker class a WorkerGroup runs: its rank, its thread budget, torch.distributed set-up."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+
+class Worker:
+    """Plain Python class (no Ray imports), so a worker can also be built and tested in-process."""
+
+    def __init__(self, rank: int, world_size: int, threads: int = 1, use_gpu: bool = False):
+        import torch
+
+        self.rank = rank
+        self.world_size = world_size
+        # A fixed thread count keeps float reductions in the same order run after run.
+        torch.set_num_threads(threads)
+        self.device = torch.device("cuda" if use_gpu and torch.cuda.is_available() else "cpu")
+
+    def ping(self) -> dict:
+        """Where this worker runs: used for placement checks and logs."""
+        return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "node_ip": node_ip()}
+
+    def free_address(self) -> tuple[str, int]:
+        """An address and free port on this worker's node for the process-group rendezvous."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            return node_ip(), sock.getsockname()[1]
+
+    def init_process_group(self, host: str, port: int, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{host}:{port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+
+
+def node_ip() -> str:
+    """This node's IP as Ray knows it, or the hostname's when outside Ray."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # pragma: no cover - outside a Ray worker
+        pass
+    return socket.gethostbyname(socket.gethostname())

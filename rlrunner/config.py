@@ -1,0 +1,310 @@
+"""The run configuration: a typed schema, loading through Hydra's compose API, and validation.
+
+The schema is a tree of dataclasses registered in Hydra's ConfigStore as ``grpo_schema``; every
+YAML in ``configs/`` starts from it, so a mistyped key or a wrong type is an error wherever it
+comes from (a YAML file or a command-line override), and the error names the key.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlrunner.errors import ConfigError
+
+# ---------------------------------------------------------------------------------------------
+# Schema
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ClusterConfig:
+    ray_address: Optional[str] = None  # null: RAY_ADDRESS, else a running `ray start` cluster, else embedded
+    num_cpus: Optional[int] = None  # CPUs of the embedded local Ray (null: all of this machine's)
+    cpus_per_actor_worker: float = 0.5
+    cpus_per_rollout_worker: float = 0.5
+    gpus_per_worker: float = 0.0
+    threads_per_worker: int = 1  # torch intra-op threads per worker; fixed so results do not vary
+    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    placement_timeout_s: float = 60.0
+
+
+@dataclass
+class LoggerConfig:
+    log_path: str = "${runner.output_dir}/${runner.experiment_name}"
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+@dataclass
+class RunnerConfig:
+    experiment_name: str = "grpo-arith"
+    output_dir: str = "./logs"
+    seed: int = 1
+    max_steps: int = 200
+    max_epochs: int = 1000
+    save_interval: int = 50
+    resume_dir: Optional[str] = None
+    max_ckpt_to_keep: Optional[int] = None
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+@dataclass
+class AlgorithmConfig:
+    group_size: int = 8
+    norm_adv_by_std: bool = True
+    clip_ratio: float = 0.2
+    clip_ratio_high: Optional[float] = None  # null: same as clip_ratio (symmetric clipping)
+    use_kl_loss: bool = False
+    kl_coef: float = 0.001
+    entropy_coef: float = 0.0
+
+
+@dataclass
+class SyntheticDataConfig:
+    num_problems: int = 4096
+    max_operand: int = 9
+    operations: str = "+"  # any of + - *
+
+
+@dataclass
+class DataConfig:
+    train_files: Optional[str] = None  # null: the synthetic arithmetic task; else .jsonl / .parquet path(s), comma-separated
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"  # dotted paths reach nested fields, e.g. reward_model.ground_truth
+    batch_size: int = 16  # prompts per step
+    max_prompt_length: int = 512
+    shuffle: bool = True
+    apply_chat_template: bool = True  # used when the tokenizer has a chat template
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None  # a local Hugging Face directory; null: the embedded tiny Qwen2 model
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+    override_config: dict[str, Any] = field(default_factory=dict)  # merged into the HF config
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | cosine
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class ActorConfig:
+    num_workers: int = 2
+    mini_batch_size: Optional[int] = None  # prompts per optimizer step; null: data.batch_size
+    micro_batch_size: int = 32  # sequences per forward/backward on one rank
+    ppo_epochs: int = 1
+    grad_clip: float = 1.0
+    param_dtype: str = "float32"  # FSDP2 mixed precision: dtype of gathered params
+    reduce_dtype: str = "float32"
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class RolloutConfig:
+    num_workers: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 6
+    generation_batch_size: int = 8  # prompts generated together (padded); fixed chunks of the step's batch
+
+
+@dataclass
+class RewardConfig:
+    verifier: Optional[str] = None  # null: arithmetic for the synthetic task, math for prompt files
+
+
+@dataclass
+class GRPOConfig:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+DEFAULT_CONFIG_NAME = "grpo"
+_SCHEMA_NAME = "grpo_schema"
+
+
+def default_config_dir() -> Path:
+    """``configs/`` beside the package (the repository layout), or $RLRUNNER_CONFIG_DIR."""
+    env = os.environ.get("RLRUNNER_CONFIG_DIR")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "configs"
+
+
+def _register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=_SCHEMA_NAME, node=GRPOConfig)
+
+
+def load_config(
+    overrides: list[str] | None = None,
+    config_name: str = DEFAULT_CONFIG_NAME,
+    config_dir: str | Path | None = None,
+) -> DictConfig:
+    """Compose ``config_name`` from ``config_dir`` with Hydra overrides; raise ConfigError on any problem.
+
+    The compose API is used instead of ``@hydra.main`` so that Hydra neither changes the working
+    directory nor writes output folders, and so errors can be reported in one line.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    directory = Path(config_dir) if config_dir else default_config_dir()
+    if not directory.is_dir():
+        raise ConfigError(f"config directory not found: {directory}")
+    if not (directory / f"{config_name}.yaml").is_file():
+        raise ConfigError(f"config '{config_name}' not found in {directory}")
+    _register_schema()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(directory.resolve()), version_base=None):
+            cfg = compose(config_name=config_name, overrides=list(overrides or []))
+    except Exception as exc:  # Hydra wraps OmegaConf errors in several layers
+        raise ConfigError(_describe_hydra_error(exc)) from None
+    finally:
+        GlobalHydra.instance().clear()
+    try:
+        OmegaConf.resolve(cfg)
+    except Exception as exc:
+        raise ConfigError(f"config interpolation failed: {_first_line(exc)}") from None
+    OmegaConf.set_struct(cfg, True)
+    validate_config(cfg)
+    return cfg
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _describe_hydra_error(exc: BaseException) -> str:
+    """One line naming the offending key, from the chain of Hydra / OmegaConf exceptions."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    chain: list[BaseException] = []
+    node: BaseException | None = exc
+    while node is not None and node not in chain:
+        chain.append(node)
+        node = node.__cause__ or node.__context__
+    for err in chain:
+        full_key = getattr(err, "full_key", None)
+        if isinstance(err, (ConfigKeyError, ConfigAttributeError)) and full_key:
+            return f"unknown config key '{full_key}' (check its spelling; `--cfg` prints every key)"
+        if isinstance(err, ValidationError) and full_key:
+            return f"bad value for config key '{full_key}': {_first_line(err)}"
+    message = _first_line(exc)
+    if message.startswith("Could not override"):
+        # e.g. "Could not override 'runner.foo'." when the cause has no key attached
+        return f"{message.rstrip('.')} : {_first_line(chain[-1])}"
+    return f"config error: {message}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: the constraints that types alone cannot express
+# ---------------------------------------------------------------------------------------------
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def mini_batch_prompts(cfg: DictConfig) -> int:
+    return cfg.actor.mini_batch_size or cfg.data.batch_size
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Raise ConfigError naming the first key whose value cannot work."""
+    positive = {
+        "runner.max_steps": cfg.runner.max_steps,
+        "runner.max_epochs": cfg.runner.max_epochs,
+        "data.batch_size": cfg.data.batch_size,
+        "algorithm.group_size": cfg.algorithm.group_size,
+        "actor.num_workers": cfg.actor.num_workers,
+        "actor.micro_batch_size": cfg.actor.micro_batch_size,
+        "actor.ppo_epochs": cfg.actor.ppo_epochs,
+        "rollout.num_workers": cfg.rollout.num_workers,
+        "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
+        "rollout.generation_batch_size": cfg.rollout.generation_batch_size,
+        "data.max_prompt_length": cfg.data.max_prompt_length,
+        "cluster.threads_per_worker": cfg.cluster.threads_per_worker,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    if cfg.algorithm.group_size < 2:
+        raise ConfigError(
+            f"algorithm.group_size must be at least 2 (GRPO compares samples within a group), got {cfg.algorithm.group_size}"
+        )
+    if cfg.rollout.temperature < 0:
+        raise ConfigError(f"rollout.temperature must be >= 0, got {cfg.rollout.temperature}")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
+    if cfg.runner.max_ckpt_to_keep is not None and cfg.runner.max_ckpt_to_keep < 1:
+        raise ConfigError(f"runner.max_ckpt_to_keep must be >= 1 or null, got {cfg.runner.max_ckpt_to_keep}")
+    for key in ("model.dtype", "actor.param_dtype", "actor.reduce_dtype"):
+        value = OmegaConf.select(cfg, key)
+        if value not in _DTYPES:
+            raise ConfigError(f"{key} must be one of {', '.join(_DTYPES)}, got '{value}'")
+    if cfg.actor.optim.lr_schedule not in ("constant", "cosine"):
+        raise ConfigError(f"actor.optim.lr_schedule must be 'constant' or 'cosine', got '{cfg.actor.optim.lr_schedule}'")
+    if len(cfg.actor.optim.betas) != 2:
+        raise ConfigError(f"actor.optim.betas must have two values, got {list(cfg.actor.optim.betas)}")
+    strategies = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+    if cfg.cluster.placement_strategy not in strategies:
+        raise ConfigError(f"cluster.placement_strategy must be one of {', '.join(strategies)}, got '{cfg.cluster.placement_strategy}'")
+    if set(cfg.data.synthetic.operations) - set("+-*") or not cfg.data.synthetic.operations:
+        raise ConfigError(f"data.synthetic.operations must be made of + - *, got '{cfg.data.synthetic.operations}'")
+    from rlrunner.rewards import REWARD_FUNCTIONS
+
+    if cfg.reward.verifier is not None and cfg.reward.verifier not in REWARD_FUNCTIONS:
+        raise ConfigError(f"reward.verifier must be one of {', '.join(sorted(REWARD_FUNCTIONS))} or null, got '{cfg.reward.verifier}'")
+    if cfg.data.synthetic.max_operand < 1:
+        raise ConfigError(f"data.synthetic.max_operand must be >= 1, got {cfg.data.synthetic.max_operand}")
+    _validate_batch_divisibility(cfg)
+
+
+def _validate_batch_divisibility(cfg: DictConfig) -> None:
+    """Every actor rank must get the same number of micro-batches, or the FSDP collectives would hang."""
+    batch = cfg.data.batch_size
+    mini = mini_batch_prompts(cfg)
+    group = cfg.algorithm.group_size
+    workers = cfg.actor.num_workers
+    micro = cfg.actor.micro_batch_size
+    if batch % mini:
+        raise ConfigError(f"data.batch_size ({batch}) must be a multiple of actor.mini_batch_size ({mini})")
+    sequences = mini * group
+    if sequences % workers:
+        raise ConfigError(
+            f"sequences per mini-batch (actor.mini_batch_size {mini} x algorithm.group_size {group} = {sequences}) "
+            f"must be divisible by actor.num_workers ({workers})"
+        )
+    per_rank = sequences // workers
+    if per_rank % micro:
+        raise ConfigError(
+            f"sequences per rank per mini-batch ({per_rank}) must be a multiple of actor.micro_batch_size ({micro})"
+        )
+
+
+def config_to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg)

@@ -1,0 +1,21 @@
+"""User-facing errors: each carries a one-line message and the process exit code it maps to."""
+
+from __future__ import annotations
+
+
+class RLRunnerError(Exception):
+    """A problem the user can fix; reported as one line, without a traceback."""
+
+    exit_code = 1
+
+
+class ConfigError(RLRunnerError):
+    """The configuration or its inputs (model path, data files) cannot work. Retrying will not help."""
+
+    exit_code = 2
+
+
+class ResourceError(RLRunnerError):
+    """The cluster cannot place the requested workers within the allowed wait."""
+
+    exit_code = 1

@@ -1,0 +1,86 @@
+"""Entry point: `python -m rlrunner.main_grpo [--config-name NAME] [--config-path DIR] [--cfg] [key=value ...]`.
+
+Config -> input checks -> Ray -> GRPORunner.run(). User errors end the process with one line on
+stderr and the exit code of their kind (see `rlrunner.errors`; 2 = configuration, do not retry).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import warnings
+
+from rlrunner.config import DEFAULT_CONFIG_NAME, config_to_yaml, load_config
+from rlrunner.errors import RLRunnerError
+
+logger = logging.getLogger("rlrunner")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m rlrunner.main_grpo",
+        description="GRPO training on Ray worker groups. Hydra overrides follow the options, e.g. runner.max_steps=20.",
+    )
+    parser.add_argument("--config-name", "-cn", default=DEFAULT_CONFIG_NAME, help="a YAML in the config folder, without .yaml")
+    parser.add_argument("--config-path", "-cp", default=None, help="the config folder (default: the repository's configs/)")
+    parser.add_argument("--cfg", action="store_true", help="print the composed config and exit")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides: key=value, +key=value, ~key")
+    return parser.parse_args(argv)
+
+
+def configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for noisy in ("ray", "transformers", "torch.distributed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+
+def check_inputs(cfg) -> None:
+    """Fail before any worker starts on inputs that cannot work (each check raises a one-line ConfigError)."""
+    from rlrunner.models.loading import check_model_path
+    from rlrunner.runner.metrics_logger import require_tensorboard
+
+    if cfg.model.path is not None:
+        check_model_path(cfg.model.path)
+    if cfg.runner.logger.tensorboard:
+        require_tensorboard()
+
+
+def user_error(exc: BaseException) -> RLRunnerError | None:
+    """The RLRunnerError behind `exc`, also when a Ray worker raised it."""
+    if isinstance(exc, RLRunnerError):
+        return exc
+    cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError keeps the worker's exception here
+    return cause if isinstance(cause, RLRunnerError) else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    configure_logging()
+    try:
+        cfg = load_config(args.overrides, config_name=args.config_name, config_dir=args.config_path)
+        if args.cfg:
+            print(config_to_yaml(cfg), end="")
+            return 0
+        check_inputs(cfg)
+        from rlrunner.cluster.ray_setup import init_ray
+        from rlrunner.runner.grpo_runner import GRPORunner
+
+        runner = GRPORunner(cfg)
+        init_ray(cfg.cluster.ray_address, cfg.cluster.num_cpus)
+        runner.run()
+        return 0
+    except KeyboardInterrupt:
+        print("rlrunner: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        error = user_error(exc)
+        if error is None:
+            raise
+        print(f"rlrunner: error: {error}", file=sys.stderr)
+        return error.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

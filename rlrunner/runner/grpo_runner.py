@@ -1,0 +1,228 @@
+"""The GRPO step loop on the driver: rollout -> reward -> advantages -> policy update -> weight sync.
+
+Reads top to bottom: `run()` builds the worker groups, pushes the actor's weights to the rollout
+group, then runs `train_step` for each global step and logs its metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from rlrunner.algorithms.grpo import group_advantages
+from rlrunner.cluster.worker_group import WorkerGroup
+from rlrunner.config import mini_batch_prompts
+from rlrunner.data.datasets import build_dataset
+from rlrunner.data.loader import PromptLoader
+from rlrunner.models.loading import build_tokenizer, token_ids
+from rlrunner.runner.batching import build_actor_batch, chunk, shard_actor_batch, split_evenly
+from rlrunner.runner.metrics_logger import MetricsLogger, Progress
+from rlrunner.utils.seeding import derive_seed
+from rlrunner.workers.actor import ActorWorker
+from rlrunner.workers.rollout import RolloutWorker
+
+logger = logging.getLogger(__name__)
+
+
+def reward_verifier(cfg: DictConfig) -> str:
+    """`reward.verifier`, or the natural one for the data: arithmetic for the synthetic task, math for files."""
+    if cfg.reward.verifier:
+        return cfg.reward.verifier
+    return "math" if cfg.data.train_files else "arithmetic"
+
+
+class GRPORunner:
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.log_path = Path(cfg.runner.logger.log_path).expanduser().resolve()
+        self.tokenizer = build_tokenizer(cfg.model)
+        self.token_ids = token_ids(cfg.model, self.tokenizer)
+        self.dataset = build_dataset(cfg.data, self.tokenizer, cfg.runner.seed)
+        self.loader = PromptLoader(self.dataset, cfg.data.batch_size, cfg.runner.seed, cfg.data.shuffle)
+        self.total_steps = min(cfg.runner.max_steps, cfg.runner.max_epochs * self.loader.steps_per_epoch)
+        self.num_minibatches = cfg.data.batch_size // mini_batch_prompts(cfg)
+        self.global_step = 0
+        self.actor_group: WorkerGroup | None = None
+        self.rollout_group: WorkerGroup | None = None
+
+    # -- worker groups -------------------------------------------------------------------------
+
+    def build_groups(self) -> None:
+        cfg = self.cfg.cluster
+        plain = lambda node: OmegaConf.to_container(node, resolve=True)  # noqa: E731
+        common = {"threads": cfg.threads_per_worker, "use_gpu": cfg.gpus_per_worker > 0}
+        placement = {
+            "gpus_per_worker": cfg.gpus_per_worker,
+            "placement_strategy": cfg.placement_strategy,
+            "placement_timeout_s": cfg.placement_timeout_s,
+        }
+        optimizer_steps = self.total_steps * self.num_minibatches * self.cfg.actor.ppo_epochs
+        self.actor_group = WorkerGroup(
+            "actor",
+            ActorWorker,
+            self.cfg.actor.num_workers,
+            worker_kwargs={
+                "model_cfg": plain(self.cfg.model),
+                "actor_cfg": plain(self.cfg.actor),
+                "algorithm_cfg": plain(self.cfg.algorithm),
+                "init_seed": derive_seed(self.cfg.runner.seed, "model_init"),
+                "total_optimizer_steps": optimizer_steps,
+                **common,
+            },
+            cpus_per_worker=cfg.cpus_per_actor_worker,
+            distributed=True,
+            **placement,
+        )
+        self.rollout_group = WorkerGroup(
+            "rollout",
+            RolloutWorker,
+            self.cfg.rollout.num_workers,
+            worker_kwargs={
+                "model_cfg": plain(self.cfg.model),
+                "rollout_cfg": plain(self.cfg.rollout),
+                "group_size": self.cfg.algorithm.group_size,
+                "verifier": reward_verifier(self.cfg),
+                "seed": self.cfg.runner.seed,
+                **common,
+            },
+            cpus_per_worker=cfg.cpus_per_rollout_worker,
+            **placement,
+        )
+        self.actor_group.call_all("setup")
+
+    def teardown_groups(self) -> None:
+        for group in (self.actor_group, self.rollout_group):
+            if group is not None:
+                group.shutdown()
+        self.actor_group = self.rollout_group = None
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def sync_weights(self) -> None:
+        """Every actor rank joins the gather; rank 0's full state dict goes to all rollout workers."""
+        refs = self.actor_group.call_all_async("full_state_dict")
+        loads = self.rollout_group.call_all_async("load_weights", refs[0])
+        self.actor_group.get(refs[1:])
+        self.rollout_group.get(loads)
+
+    def generate(self, step: int, prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Samples in prompt order; chunks of prompts are fixed here, so the result is the same for any worker count."""
+        chunks = chunk(prompts, self.cfg.rollout.generation_batch_size)
+        assignment = split_evenly(chunks, self.rollout_group.num_workers)
+        results = self.rollout_group.call_each("generate", [(step, part) for part in assignment])
+        return [sample for part in results for sample in part]
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        cfg = self.cfg
+        started = time.perf_counter()
+        prompts = self.loader.next_batch()
+        epoch = self.loader.epoch
+
+        samples = self.generate(step, prompts)
+        rollout_done = time.perf_counter()
+
+        rewards = torch.tensor([s["reward"] for s in samples], dtype=torch.float32)
+        advantages = group_advantages(rewards, cfg.algorithm.group_size, cfg.algorithm.norm_adv_by_std)
+        batch = build_actor_batch(samples, advantages, self.token_ids.pad)
+        shards = shard_actor_batch(batch, self.actor_group.num_workers, self.num_minibatches)
+        actor_stats = self.actor_group.call_each("update", [(shard,) for shard in shards])
+        update_done = time.perf_counter()
+
+        self.sync_weights()
+        sync_done = time.perf_counter()
+
+        metrics = {"data/epoch": epoch, **rollout_metrics(samples), **actor_metrics(actor_stats, cfg.algorithm)}
+        metrics.update(
+            {
+                "time/rollout_s": rollout_done - started,
+                "time/update_s": update_done - rollout_done,
+                "time/weight_sync_s": sync_done - update_done,
+                "time/step_s": sync_done - started,
+            }
+        )
+        return metrics
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def __enter__(self) -> "GRPORunner":
+        """Start the worker groups and give the rollout group the actor's weights."""
+        try:
+            self.build_groups()
+            self.sync_weights()
+        except BaseException:
+            self.teardown_groups()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.teardown_groups()
+
+    def train(self) -> dict[str, Any]:
+        """Run the steps up to `total_steps`; returns the last step's metrics."""
+        cfg = self.cfg.runner
+        logger.info("run %s: %d steps, logs in %s", cfg.experiment_name, self.total_steps, self.log_path)
+        metrics_log = MetricsLogger(self.log_path, self.global_step, cfg.logger.tensorboard)
+        progress = Progress(self.total_steps, self.global_step, cfg.logger.progress_bar)
+        last: dict[str, Any] = {}
+        try:
+            while self.global_step < self.total_steps:
+                step = self.global_step + 1
+                last = self.train_step(step)
+                self.global_step = step
+                metrics_log.log(step, last)
+                progress.update(step, last)
+        finally:
+            progress.close()
+            metrics_log.close()
+        return last
+
+    def run(self) -> dict[str, Any]:
+        with self:
+            return self.train()
+
+    def policy_weights(self) -> dict[str, torch.Tensor]:
+        """The actor's full weights (HF key names), gathered from the shards."""
+        return self.actor_group.call_all("full_state_dict")[0]
+
+
+def rollout_metrics(samples: list[dict[str, Any]]) -> dict[str, float]:
+    rewards = torch.tensor([s["reward"] for s in samples], dtype=torch.float64)
+    lengths = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.float64)
+    return {
+        "rollout/reward_mean": rewards.mean().item(),
+        "rollout/reward_std": rewards.std().item(),
+        "rollout/reward_max": rewards.max().item(),
+        "rollout/reward_min": rewards.min().item(),
+        "rollout/accuracy": (rewards == 1.0).double().mean().item(),
+        "rollout/response_length_mean": lengths.mean().item(),
+        "rollout/eos_frac": sum(s["finished"] for s in samples) / len(samples),
+    }
+
+
+def actor_metrics(per_rank: list[dict[str, float]], algorithm: DictConfig) -> dict[str, float]:
+    """Token means over all ranks (sums added in rank order, so the result is reproducible)."""
+    total = {key: sum(stats[key] for stats in per_rank) for key in per_rank[0]}
+    tokens = max(total["tokens"], 1.0)
+    pg_loss = total["pg_loss"] / tokens
+    metrics = {
+        "actor/pg_loss": pg_loss,
+        "actor/entropy": total["entropy"] / tokens,
+        "actor/pg_clipfrac": total["clipped"] / tokens,
+        "actor/ppo_kl": total["ppo_kl"] / tokens,
+        "actor/grad_norm": per_rank[0]["grad_norm"],
+        "actor/lr": per_rank[0]["lr"],
+        "actor/skipped_steps": per_rank[0]["skipped_steps"],
+    }
+    loss = pg_loss
+    if algorithm.use_kl_loss:
+        metrics["actor/kl"] = total["kl"] / tokens
+        loss += algorithm.kl_coef * metrics["actor/kl"]
+    if algorithm.entropy_coef:
+        loss -= algorithm.entropy_coef * metrics["actor/entropy"]
+    metrics["actor/loss"] = loss
+    return {"actor/loss": metrics.pop("actor/loss"), **metrics}

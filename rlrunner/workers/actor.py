@@ -1,0 +1,178 @@
+"""The actor worker: one rank of the FSDP2-sharded policy, its AdamW optimizer and LR schedule.
+
+The driver sends each rank its shard of the step's batch (see `rlrunner.runner.batching`):
+`num_minibatches` equal slices, one optimizer step each, every slice split into micro-batches
+whose gradients accumulate. The loss is a token mean over the whole mini-batch on all ranks: each
+rank divides its token sum by the mini-batch's global token count, known in advance.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from rlrunner.algorithms.grpo import clipped_policy_loss, kl_penalty, masked_sum, token_entropy, token_log_probs
+from rlrunner.cluster.worker import Worker
+from rlrunner.models.loading import build_model, build_tokenizer, torch_dtype
+from rlrunner.workers.optim import build_optimizer
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks (each becomes its own FSDP unit), found by class name for any HF decoder."""
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+def shard_model(model: torch.nn.Module, param_dtype: str, reduce_dtype: str, trainable: bool = True) -> torch.nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch_dtype(param_dtype), reduce_dtype=torch_dtype(reduce_dtype))
+    for layer in decoder_layers(model):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    model.requires_grad_(trainable)
+    return model
+
+
+class ActorWorker(Worker):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        model_cfg: dict[str, Any],
+        actor_cfg: dict[str, Any],
+        algorithm_cfg: dict[str, Any],
+        init_seed: int,
+        total_optimizer_steps: int,
+        threads: int = 1,
+        use_gpu: bool = False,
+    ):
+        super().__init__(rank, world_size, threads, use_gpu)
+        self.model_cfg = model_cfg
+        self.actor_cfg = actor_cfg
+        self.algorithm_cfg = algorithm_cfg
+        self.init_seed = init_seed
+        self.total_optimizer_steps = total_optimizer_steps
+
+    def setup(self) -> None:
+        """Build and shard the policy (and the frozen reference when KL is on). Needs the process group."""
+        tokenizer = build_tokenizer(self.model_cfg)
+        # Master weights stay float32; FSDP computes in actor.param_dtype.
+        model = build_model(self.model_cfg, tokenizer, self.init_seed, dtype="float32").to(self.device)
+        self.model = shard_model(model, self.actor_cfg["param_dtype"], self.actor_cfg["reduce_dtype"])
+        self.model.train()
+        self.optimizer, self.scheduler = build_optimizer(
+            self.model.parameters(), self.actor_cfg["optim"], self.total_optimizer_steps
+        )
+        self.ref_model = None
+        if self.algorithm_cfg["use_kl_loss"]:
+            ref = build_model(self.model_cfg, tokenizer, self.init_seed, dtype="float32").to(self.device)
+            self.ref_model = shard_model(ref, self.actor_cfg["param_dtype"], self.actor_cfg["reduce_dtype"], trainable=False)
+            self.ref_model.eval()
+
+    # -- forward helpers -----------------------------------------------------------------------
+
+    def _logits(self, model: torch.nn.Module, input_ids: torch.Tensor, width: int) -> torch.Tensor:
+        """Next-token logits for positions 0..width-2 of the (right-padded) rows."""
+        return model(input_ids=input_ids[:, :width].to(self.device), use_cache=False).logits[:, :-1]
+
+    def _micro_batches(self, shard: dict[str, torch.Tensor], rows: range):
+        micro = self.actor_cfg["micro_batch_size"]
+        for start in range(rows.start, rows.stop, micro):
+            index = slice(start, start + micro)
+            width = int(shard["lengths"][index].max())
+            yield index, width
+
+    @torch.no_grad()
+    def _log_probs(self, model: torch.nn.Module, shard: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Token log-probs of every row under `model`, with the same micro-batching as the update."""
+        out = torch.zeros_like(shard["loss_mask"], dtype=torch.float32)
+        for index, width in self._micro_batches(shard, range(shard["input_ids"].shape[0])):
+            logits = self._logits(model, shard["input_ids"][index], width)
+            targets = shard["input_ids"][index, 1:width].to(self.device)
+            out[index, : width - 1] = token_log_probs(logits, targets).cpu()
+        return out
+
+    # -- the update ----------------------------------------------------------------------------
+
+    def update(self, shard: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One GRPO policy update on this rank's shard; returns sums for the driver to combine."""
+        cfg, algo = self.actor_cfg, self.algorithm_cfg
+        rows = shard["input_ids"].shape[0]
+        token_counts = shard["token_counts"].tolist()
+        num_minibatches = len(token_counts)
+        rows_per_minibatch = rows // num_minibatches
+        # With one on-policy pass the old policy is the current one: its log-probs are the live ones, detached.
+        reuse_live = num_minibatches == 1 and cfg["ppo_epochs"] == 1
+        old_log_probs = None if reuse_live else self._log_probs(self.model, shard)
+        ref_log_probs = self._log_probs(self.ref_model, shard) if self.ref_model is not None else None
+        clip_low = algo["clip_ratio"]
+        clip_high = algo["clip_ratio_high"] if algo["clip_ratio_high"] is not None else clip_low
+
+        sums = {"pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clipped": 0.0, "ppo_kl": 0.0, "tokens": 0.0}
+        grad_norms: list[float] = []
+        skipped = 0
+        for _ in range(cfg["ppo_epochs"]):
+            for mb, global_tokens in enumerate(token_counts):
+                rows_mb = range(mb * rows_per_minibatch, (mb + 1) * rows_per_minibatch)
+                micro_batches = list(self._micro_batches(shard, rows_mb))
+                for i, (index, width) in enumerate(micro_batches):
+                    self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+                    logits = self._logits(self.model, shard["input_ids"][index], width)
+                    targets = shard["input_ids"][index, 1:width].to(self.device)
+                    mask = shard["loss_mask"][index, : width - 1].to(self.device)
+                    log_probs = token_log_probs(logits, targets)
+                    old = log_probs.detach() if reuse_live else old_log_probs[index, : width - 1].to(self.device)
+                    terms = clipped_policy_loss(
+                        log_probs, old, shard["advantages"][index].to(self.device), clip_low, clip_high
+                    )
+                    per_token = terms.loss
+                    if ref_log_probs is not None:
+                        kl = kl_penalty(log_probs, ref_log_probs[index, : width - 1].to(self.device))
+                        per_token = per_token + algo["kl_coef"] * kl
+                        sums["kl"] += masked_sum(kl.detach(), mask).item()
+                    if algo["entropy_coef"]:
+                        entropy = token_entropy(logits)
+                        per_token = per_token - algo["entropy_coef"] * entropy
+                    else:
+                        with torch.no_grad():
+                            entropy = token_entropy(logits)
+                    # FSDP averages gradients over ranks; scaling by world size makes the result the global token mean.
+                    loss = masked_sum(per_token, mask) * (self.world_size / global_tokens)
+                    loss.backward()
+                    sums["pg_loss"] += masked_sum(terms.loss.detach(), mask).item()
+                    sums["entropy"] += masked_sum(entropy.detach(), mask).item()
+                    sums["clipped"] += masked_sum(terms.clipped, mask).item()
+                    sums["ppo_kl"] += masked_sum(terms.approx_kl, mask).item()
+                    sums["tokens"] += mask.sum().item()
+                grad_norm = self._clip_gradients()
+                if math.isfinite(grad_norm):
+                    self.optimizer.step()
+                else:
+                    skipped += 1  # a non-finite gradient would poison the weights: drop this step
+                self.optimizer.zero_grad(set_to_none=True)
+                self.scheduler.step()
+                grad_norms.append(grad_norm)
+        return {
+            **sums,
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "lr": self.scheduler.get_last_lr()[0],
+            "skipped_steps": float(skipped),
+        }
+
+    def _clip_gradients(self) -> float:
+        max_norm = self.actor_cfg["grad_clip"] if self.actor_cfg["grad_clip"] > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    # -- weights out ---------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The unsharded weights with HF key names on rank 0 (None elsewhere). Every rank must call it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if self.rank == 0 else None

@@ -1,0 +1,91 @@
+"""Batched autoregressive sampling with a KV cache, where every row draws from its own seeded generator.
+
+Each row (one sample of one prompt) owns a `torch.Generator` seeded from (run seed, step, prompt
+index, sample index) and draws one uniform number per token; the token is picked by inverse-CDF
+over the temperature-scaled, top-p-filtered distribution. So what a row samples depends on its
+seed and the model alone, never on which worker generated it or what else was in its batch.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def sample_tokens(
+    logits: torch.Tensor, generators: Sequence[torch.Generator], temperature: float, top_p: float
+) -> torch.Tensor:
+    """One token per row of `logits` [R, V]: greedy when temperature == 0, else top-p sampling."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True, stable=True)
+    if top_p < 1.0:
+        # keep the smallest prefix whose mass reaches top_p (the most likely token always stays)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs * (mass_before < top_p)
+    cumulative = sorted_probs.cumsum(dim=-1)
+    uniforms = torch.stack([torch.rand((), generator=g) for g in generators])
+    targets = (uniforms * cumulative[:, -1]).unsqueeze(-1)
+    choice = torch.searchsorted(cumulative, targets, right=True).squeeze(-1)
+    last_kept = (sorted_probs > 0).sum(dim=-1) - 1
+    choice = torch.minimum(choice, last_kept)
+    return sorted_ids.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    seeds: Sequence[int],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    pad_id: int,
+    eos_ids: Sequence[int],
+) -> list[list[int]]:
+    """Sample one response per row; row r continues `prompts[r]` using a generator seeded with `seeds[r]`.
+
+    Prompts are left-padded into one batch. A response ends with its first eos token (kept, so the
+    policy learns to stop) or after `max_new_tokens` tokens.
+    """
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    rows = len(prompts)
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((rows, width), dtype=torch.long)
+    for r, prompt in enumerate(prompts):
+        input_ids[r, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[r, width - len(prompt):] = 1
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+    generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    stop = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
+
+    cache = DynamicCache(config=model.config)
+    responses: list[list[int]] = [[] for _ in range(rows)]
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    step_ids, step_positions = input_ids, position_ids
+    for _ in range(max_new_tokens):
+        out = model(
+            input_ids=step_ids,
+            attention_mask=attention_mask,
+            position_ids=step_positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        next_ids = sample_tokens(out.logits[:, -1, :].cpu(), generators, temperature, top_p).to(device)
+        next_ids = torch.where(finished, torch.full_like(next_ids, pad_id), next_ids)
+        for r in (~finished).nonzero().flatten().tolist():
+            responses[r].append(int(next_ids[r]))
+        finished |= torch.isin(next_ids, stop)
+        if bool(finished.all()):
+            break
+        cache = out.past_key_values
+        step_ids = next_ids.unsqueeze(-1)
+        step_positions = step_positions[:, -1:] + 1
+        attention_mask = torch.cat([attention_mask, torch.ones((rows, 1), dtype=torch.long, device=device)], dim=-1)
+    return responses

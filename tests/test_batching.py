@@ -1,0 +1,151 @@
+"""Driver-side batch plumbing: chunking, padding, loss masks and per-rank shards."""
+
+import pytest
+import torch
+
+from rlrunner.runner.batching import build_actor_batch, chunk, shard_actor_batch, split_evenly
+
+# --- chunk / split_evenly ---------------------------------------------------------
+
+
+def test_chunk_consecutive_pieces_last_shorter() -> None:
+    assert chunk(list(range(7)), 3) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert chunk(list(range(6)), 3) == [[0, 1, 2], [3, 4, 5]]
+    assert chunk([], 3) == []
+    assert chunk("abcde", 2) == [["a", "b"], ["c", "d"], ["e"]]
+
+
+def test_split_evenly_sizes_order_and_earlier_larger() -> None:
+    pieces = split_evenly(list(range(10)), 4)
+    # 10 = 3 + 3 + 2 + 2
+    assert pieces == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert [x for piece in pieces for x in piece] == list(range(10))
+
+
+@pytest.mark.parametrize(("n", "parts"), [(0, 3), (1, 1), (5, 5), (7, 3), (11, 4), (16, 4), (100, 7)])
+def test_split_evenly_invariants(n: int, parts: int) -> None:
+    pieces = split_evenly(list(range(n)), parts)
+    sizes = [len(p) for p in pieces]
+    assert len(pieces) == parts
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)
+    assert [x for piece in pieces for x in piece] == list(range(n))
+
+
+def test_split_evenly_more_parts_than_items() -> None:
+    assert split_evenly(["a", "b"], 4) == [["a"], ["b"], [], []]
+
+
+# --- build_actor_batch ------------------------------------------------------------
+
+SAMPLES = [
+    {"prompt_ids": [5, 6], "response_ids": [7, 8, 9]},  # length 5
+    {"prompt_ids": [10, 11, 12], "response_ids": [13]},  # length 4
+    {"prompt_ids": [14], "response_ids": [15, 16]},  # length 3
+]
+
+
+def test_build_actor_batch_padding_mask_lengths() -> None:
+    batch = build_actor_batch(SAMPLES, torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64), pad_id=99)
+    assert torch.equal(
+        batch["input_ids"],
+        torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 99], [14, 15, 16, 99, 99]]),
+    )
+    assert batch["input_ids"].dtype == torch.long
+    # loss_mask[t] = 1 where input_ids[t+1] is a response token:
+    # row 0: targets 6,7,8,9 -> [0,1,1,1]; row 1: targets 11,12,13,pad -> [0,0,1,0];
+    # row 2: targets 15,16,pad,pad -> [1,1,0,0]
+    expected_mask = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    assert torch.equal(batch["loss_mask"], expected_mask)
+    assert batch["loss_mask"].dtype == torch.float32
+    assert torch.equal(batch["lengths"], torch.tensor([5, 4, 3]))
+    assert batch["lengths"].dtype == torch.long
+    assert batch["advantages"].dtype == torch.float32
+    assert torch.equal(batch["advantages"], torch.tensor([0.5, -1.0, 2.0]))
+
+
+def test_build_actor_batch_mask_marks_exactly_response_targets() -> None:
+    batch = build_actor_batch(SAMPLES, torch.zeros(3), pad_id=0)
+    for row, sample in enumerate(SAMPLES):
+        prompt_len = len(sample["prompt_ids"])
+        total = prompt_len + len(sample["response_ids"])
+        marked = batch["loss_mask"][row].nonzero().flatten().tolist()
+        # the target of position t is input_ids[t+1]; response tokens sit at [prompt_len, total)
+        assert marked == [t for t in range(batch["loss_mask"].shape[1]) if prompt_len <= t + 1 < total]
+        assert [int(batch["input_ids"][row, t + 1]) for t in marked] == sample["response_ids"]
+    # the mask's total equals the number of response tokens
+    assert batch["loss_mask"].sum().item() == 3 + 1 + 2
+
+
+def test_build_actor_batch_empty_response_has_no_loss_tokens() -> None:
+    samples = [{"prompt_ids": [1, 2, 3], "response_ids": []}, {"prompt_ids": [4], "response_ids": [5, 6]}]
+    batch = build_actor_batch(samples, torch.zeros(2), pad_id=0)
+    assert torch.equal(batch["input_ids"], torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    assert torch.equal(batch["loss_mask"], torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+
+
+# --- shard_actor_batch --------------------------------------------------------------
+
+
+def _eight_row_batch() -> dict[str, torch.Tensor]:
+    samples = [{"prompt_ids": [100 + i], "response_ids": [1] * (i % 3 + 1)} for i in range(8)]
+    return build_actor_batch(samples, torch.arange(8, dtype=torch.float32), pad_id=0)
+
+
+def test_shard_rows_per_rank_and_minibatch() -> None:
+    batch = _eight_row_batch()
+    shards = shard_actor_batch(batch, num_ranks=2, num_minibatches=2)
+    assert len(shards) == 2
+    # rows are identified by their first token 100+i
+    assert shards[0]["input_ids"][:, 0].tolist() == [100, 101, 104, 105]
+    assert shards[1]["input_ids"][:, 0].tolist() == [102, 103, 106, 107]
+    assert shards[0]["advantages"].tolist() == [0.0, 1.0, 4.0, 5.0]
+    assert shards[1]["advantages"].tolist() == [2.0, 3.0, 6.0, 7.0]
+    for shard, rows in zip(shards, ([0, 1, 4, 5], [2, 3, 6, 7])):
+        for key in ("input_ids", "loss_mask", "lengths", "advantages"):
+            assert torch.equal(shard[key], batch[key][rows])
+
+
+def test_shard_token_counts_are_per_minibatch_totals_on_every_rank() -> None:
+    batch = _eight_row_batch()
+    # response lengths 1,2,3,1,2,3,1,2 -> mini-batch 0 (rows 0-3): 7 tokens, mini-batch 1 (rows 4-7): 8 tokens
+    shards = shard_actor_batch(batch, num_ranks=2, num_minibatches=2)
+    for shard in shards:
+        assert shard["token_counts"].tolist() == [7.0, 8.0]
+    assert shards[0]["token_counts"].tolist() == [
+        batch["loss_mask"][0:4].sum().item(),
+        batch["loss_mask"][4:8].sum().item(),
+    ]
+    # each shard has its own copy
+    shards[0]["token_counts"][0] = -1
+    assert shards[1]["token_counts"][0].item() == 7.0
+
+
+def test_shard_four_ranks_one_minibatch() -> None:
+    batch = _eight_row_batch()
+    shards = shard_actor_batch(batch, num_ranks=4, num_minibatches=1)
+    assert [s["input_ids"][:, 0].tolist() for s in shards] == [[100, 101], [102, 103], [104, 105], [106, 107]]
+    for shard in shards:
+        assert shard["token_counts"].tolist() == [15.0]
+
+
+def test_shard_one_rank_four_minibatches() -> None:
+    batch = _eight_row_batch()
+    (shard,) = shard_actor_batch(batch, num_ranks=1, num_minibatches=4)
+    assert shard["input_ids"][:, 0].tolist() == list(range(100, 108))
+    # per mini-batch of 2 rows: (1+2), (3+1), (2+3), (1+2)
+    assert shard["token_counts"].tolist() == [3.0, 4.0, 5.0, 3.0]
+
+
+@pytest.mark.parametrize(("ranks", "minibatches"), [(3, 1), (2, 3), (16, 1), (4, 4)])
+def test_shard_indivisible_rows_raise(ranks: int, minibatches: int) -> None:
+    with pytest.raises(ValueError, match="8 rows"):
+        shard_actor_batch(_eight_row_batch(), num_ranks=ranks, num_minibatches=minibatches)
+
+
+def test_build_actor_batch_rejects_an_empty_prompt() -> None:
+    # With no prompt token, nothing predicts the first response token: the dataset drops such prompts,
+    # and the batch builder refuses them rather than silently masking the wrong positions.
+    samples = [{"prompt_ids": [], "response_ids": [7, 8]}, {"prompt_ids": [1, 2, 3], "response_ids": [4]}]
+    with pytest.raises(ValueError, match="empty prompt"):
+        build_actor_batch(samples, torch.zeros(2), pad_id=0)

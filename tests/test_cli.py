@@ -1,0 +1,96 @@
+"""Bad input through the real entry point: one line on stderr naming the problem, the right exit code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import TINY_MODEL
+from rlrunner.main_grpo import main
+
+
+def error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("rlrunner: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_unknown_key_through_the_launch_script(repo_root, subprocess_env, tmp_path):
+    result = subprocess.run(
+        ["bash", str(repo_root / "launch/run_main_grpo.sh"), "runner.save_intervall=5"],
+        cwd=tmp_path, env={**subprocess_env, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "rlrunner: error: unknown config key 'runner.save_intervall' (check its spelling; `--cfg` prints every key)"
+    )
+    assert "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == [], "Hydra must not write output folders"
+
+
+def test_print_config_writes_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--cfg", "runner.max_steps=7"]) == 0
+    out = capsys.readouterr().out
+    assert "max_steps: 7" in out and "log_path: ./logs/grpo-arith" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["runner.max_steps=abc"], "bad value for config key 'runner.max_steps'"),
+        (["actorr.num_workers=2"], "unknown config key 'actorr'"),
+        (["data.batch_size=6"], "must be a multiple of actor.micro_batch_size"),
+        (["actor.num_workers=3"], "must be divisible by actor.num_workers (3)"),
+        (["data.batch_size=16", "actor.mini_batch_size=5"], "data.batch_size (16) must be a multiple of actor.mini_batch_size (5)"),
+        (["algorithm.group_size=1"], "algorithm.group_size must be at least 2"),
+        (["reward.verifier=nope"], "reward.verifier must be one of arithmetic, math or null, got 'nope'"),
+        (["model.path=/nonexistent/model"], "model.path does not exist: /nonexistent/model"),
+        (["--config-name", "nope"], "config 'nope' not found"),
+    ],
+)
+def test_config_errors(overrides, expected, capsys):
+    assert main(overrides) == 2
+    assert expected in error_line(capsys)
+
+
+def test_model_path_that_is_not_a_hf_model(tmp_path, capsys):
+    (tmp_path / "weights.bin").write_bytes(b"0")
+    assert main([f"model.path={tmp_path}"]) == 2
+    assert "is not a Hugging Face model folder (no config.json)" in error_line(capsys)
+
+
+def test_missing_data_file(tmp_path, capsys):
+    missing = tmp_path / "train.jsonl"
+    assert main([f"data.train_files={missing}", "runner.logger.tensorboard=false"]) == 2
+    assert f"data file not found: {missing}" in error_line(capsys)
+
+
+def test_data_file_without_prompt_field(tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n")
+    assert main([f"data.train_files={data}", "runner.logger.tensorboard=false"]) == 2
+    line = error_line(capsys)
+    assert "record 0 has no 'prompt' field" in line and "question" in line
+
+
+def test_more_workers_than_the_cluster_can_place(ray_session, tmp_path, capsys):
+    code = main(
+        [
+            f"runner.output_dir={tmp_path}",
+            "actor.num_workers=4",
+            "cluster.cpus_per_actor_worker=4",
+            "cluster.placement_timeout_s=2",
+            "runner.logger.tensorboard=false",
+            *TINY_MODEL,
+        ]
+    )
+    assert code == 1
+    line = error_line(capsys)
+    assert "cannot place the actor group (4 workers x {CPU=4}) after waiting 2s: needs CPU 16" in line

@@ -1,0 +1,434 @@
+"""Prompt datasets (synthetic task, jsonl / parquet files) and the resumable epoch-shuffling loader."""
+
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rlrunner.data.datasets import PromptDataset, build_dataset, load_prompt_files, synthetic_arithmetic
+from rlrunner.data.loader import EpochShuffleSampler, PromptLoader
+from rlrunner.errors import ConfigError
+from rlrunner.models.tokenizer import build_char_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+# --- synthetic_arithmetic ----------------------------------------------------------------
+
+PROBLEM = re.compile(r"^(\d+)([+\-*])(\d+)=$")
+
+
+def test_synthetic_is_deterministic_per_seed() -> None:
+    a = synthetic_arithmetic(50, 9, "+-*", seed=3)
+    b = synthetic_arithmetic(50, 9, "+-*", seed=3)
+    c = synthetic_arithmetic(50, 9, "+-*", seed=4)
+    assert a == b
+    assert a != c
+    assert len(a) == 50
+    # problem i depends only on (seed, i): a longer list starts with the shorter one
+    assert synthetic_arithmetic(80, 9, "+-*", seed=3)[:50] == a
+
+
+def test_synthetic_answers_are_correct_and_operands_in_range() -> None:
+    records = synthetic_arithmetic(300, 12, "+-*", seed=0)
+    ops_seen = set()
+    operands = set()
+    for record in records:
+        assert set(record) == {"prompt", "answer"}
+        match = PROBLEM.match(record["prompt"])
+        assert match, record
+        a, op, b = int(match.group(1)), match.group(2), int(match.group(3))
+        assert 0 <= a <= 12 and 0 <= b <= 12
+        expected = {"+": a + b, "-": a - b, "*": a * b}[op]
+        assert record["answer"] == str(expected)
+        ops_seen.add(op)
+        operands.update((a, b))
+    assert ops_seen == {"+", "-", "*"}
+    assert max(operands) == 12 and min(operands) == 0  # both ends of [0, max_operand] are reachable
+
+
+def test_synthetic_single_operation() -> None:
+    for record in synthetic_arithmetic(40, 5, "*", seed=1):
+        a, op, b = PROBLEM.match(record["prompt"]).groups()
+        assert op == "*"
+        assert record["answer"] == str(int(a) * int(b))
+
+
+# --- load_prompt_files ------------------------------------------------------------------------
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def write_parquet(path: Path, records: list[dict]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(records), path)
+    return path
+
+
+def test_load_jsonl(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "1+1=", "answer": 2}, {"prompt": "2+3=", "answer": "5"}])
+    # blank lines are skipped
+    path.write_text(path.read_text() + "\n  \n")
+    assert load_prompt_files(str(path), "prompt", "answer") == [
+        {"prompt": "1+1=", "answer": "2"},
+        {"prompt": "2+3=", "answer": "5"},
+    ]
+
+
+def test_load_parquet_with_dotted_answer_key(tmp_path: Path) -> None:
+    records = [
+        {"question": "What is 6*7?", "reward_model": {"ground_truth": "42", "style": "rule"}},
+        {"question": "What is 1+2?", "reward_model": {"ground_truth": "3", "style": "rule"}},
+    ]
+    path = write_parquet(tmp_path / "train.parquet", records)
+    assert load_prompt_files(str(path), "question", "reward_model.ground_truth") == [
+        {"prompt": "What is 6*7?", "answer": "42"},
+        {"prompt": "What is 1+2?", "answer": "3"},
+    ]
+
+
+def test_load_jsonl_dotted_keys_and_chat_prompts(tmp_path: Path) -> None:
+    chat = [{"role": "user", "content": "2*2?"}]
+    path = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [{"extra": {"messages": chat}, "reward_model": {"ground_truth": 4}}],
+    )
+    assert load_prompt_files(str(path), "extra.messages", "reward_model.ground_truth") == [
+        {"prompt": chat, "answer": "4"}
+    ]
+
+
+def test_load_comma_separated_files_in_order(tmp_path: Path) -> None:
+    first = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "a", "answer": 1}])
+    second = write_parquet(tmp_path / "b.parquet", [{"prompt": "b", "answer": "2"}, {"prompt": "c", "answer": "3"}])
+    records = load_prompt_files(f"{first}, {second},", "prompt", "answer")
+    assert [r["prompt"] for r in records] == ["a", "b", "c"]
+    assert [r["answer"] for r in records] == ["1", "2", "3"]
+
+
+def test_load_missing_file_names_it(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(ConfigError, match="nope.jsonl"):
+        load_prompt_files(str(missing), "prompt", "answer")
+    # a missing second file is reported even when the first exists
+    good = write_jsonl(tmp_path / "good.jsonl", [{"prompt": "a", "answer": 1}])
+    with pytest.raises(ConfigError, match="not found: .*nope.jsonl"):
+        load_prompt_files(f"{good},{missing}", "prompt", "answer")
+
+
+def test_load_record_without_prompt_field(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": 1}, {"question": "b", "answer": 2}])
+    with pytest.raises(ConfigError) as info:
+        load_prompt_files(str(path), "prompt", "answer")
+    message = str(info.value)
+    assert "'prompt'" in message
+    assert "record 1" in message  # 0-based index of the second record
+    assert "answer, question" in message  # the fields it does have
+    assert "d.jsonl" in message
+
+
+def test_load_record_without_nested_answer_field(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "reward_model": {"style": "rule"}}])
+    with pytest.raises(ConfigError, match=r"record 0 has no 'reward_model.ground_truth' field"):
+        load_prompt_files(str(path), "prompt", "reward_model.ground_truth")
+
+
+def test_load_missing_answer_field(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}])
+    with pytest.raises(ConfigError, match="'answer'"):
+        load_prompt_files(str(path), "prompt", "answer")
+
+
+def test_load_parquet_row_without_answer_raises(tmp_path: Path) -> None:
+    # In parquet a row that lacks a field holds null there (the schema is shared by all rows). Like a
+    # jsonl record without the field, it must be a ConfigError, not the ground-truth answer "None".
+    path = write_parquet(tmp_path / "d.parquet", [{"prompt": "a", "answer": "1"}, {"prompt": "b"}])
+    with pytest.raises(ConfigError, match="record 1"):
+        load_prompt_files(str(path), "prompt", "answer")
+
+
+def test_load_record_that_is_not_an_object(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [[1, 2]])
+    with pytest.raises(ConfigError, match="record 0 has no 'prompt' field.*list"):
+        load_prompt_files(str(path), "prompt", "answer")
+
+
+def test_load_unknown_extension(tmp_path: Path) -> None:
+    path = tmp_path / "train.csv"
+    path.write_text("prompt,answer\na,1\n")
+    with pytest.raises(ConfigError, match=r"\.jsonl or \.parquet"):
+        load_prompt_files(str(path), "prompt", "answer")
+
+
+def test_load_invalid_json_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a", "answer": 1}\n{"prompt": "b", \n')
+    with pytest.raises(ConfigError, match="line 2 is not valid JSON"):
+        load_prompt_files(str(path), "prompt", "answer")
+
+
+def test_load_unreadable_parquet_and_empty_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"not parquet at all")
+    with pytest.raises(ConfigError, match="not a readable parquet"):
+        load_prompt_files(str(bad), "prompt", "answer")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ConfigError, match="no records"):
+        load_prompt_files(str(empty), "prompt", "answer")
+    with pytest.raises(ConfigError, match="names no files"):
+        load_prompt_files(" , ", "prompt", "answer")
+
+
+# --- PromptDataset / build_dataset -----------------------------------------------------------------
+
+
+def test_prompt_dataset_drops_long_prompts(tokenizer) -> None:
+    records = [
+        {"prompt": "1+2=", "answer": "3"},  # 4 chars
+        {"prompt": "10+20=", "answer": "30"},  # 6 chars: dropped
+        {"prompt": "9*9=", "answer": "81"},
+    ]
+    dataset = PromptDataset(records, tokenizer, max_prompt_length=4, apply_chat_template=True)
+    assert len(dataset) == 2
+    assert dataset[0] == {"index": 0, "prompt_ids": tokenizer("1+2=")["input_ids"], "answer": "3"}
+    assert dataset[1]["index"] == 1
+    assert dataset[1]["answer"] == "81"
+    assert tokenizer.decode(dataset[1]["prompt_ids"]) == "9*9="
+    assert len(dataset[1]["prompt_ids"]) == 4
+
+
+def test_prompt_dataset_none_fit(tokenizer) -> None:
+    with pytest.raises(ConfigError, match="max_prompt_length=3"):
+        PromptDataset([{"prompt": "1+2=", "answer": "3"}], tokenizer, max_prompt_length=3, apply_chat_template=False)
+
+
+def test_prompt_dataset_chat_messages_need_a_template(tokenizer) -> None:
+    with pytest.raises(ConfigError, match="chat template"):
+        PromptDataset([{"prompt": [{"role": "user", "content": "hi"}], "answer": "x"}], tokenizer, 100, True)
+
+
+def data_cfg(**changes):
+    cfg = {
+        "train_files": None,
+        "prompt_key": "prompt",
+        "answer_key": "answer",
+        "batch_size": 4,
+        "max_prompt_length": 32,
+        "shuffle": True,
+        "apply_chat_template": True,
+        "synthetic": {"num_problems": 10, "max_operand": 9, "operations": "+"},
+    }
+    synthetic = changes.pop("synthetic", {})
+    cfg.update(changes)
+    cfg["synthetic"].update(synthetic)
+    return OmegaConf.create(cfg)
+
+
+def test_build_dataset_synthetic(tokenizer) -> None:
+    dataset = build_dataset(data_cfg(), tokenizer, seed=7)
+    assert len(dataset) == 10
+    expected = synthetic_arithmetic(10, 9, "+", seed=7)
+    assert [tokenizer.decode(dataset[i]["prompt_ids"]) for i in range(10)] == [r["prompt"] for r in expected]
+    assert [dataset[i]["answer"] for i in range(10)] == [r["answer"] for r in expected]
+
+
+def test_build_dataset_from_files(tmp_path: Path, tokenizer) -> None:
+    path = write_jsonl(tmp_path / "t.jsonl", [{"q": f"{i}+1=", "a": {"v": i + 1}} for i in range(5)])
+    dataset = build_dataset(data_cfg(train_files=str(path), prompt_key="q", answer_key="a.v"), tokenizer, seed=0)
+    assert len(dataset) == 5
+    assert dataset[4]["answer"] == "5"
+
+
+def test_build_dataset_smaller_than_batch_raises(tmp_path: Path, tokenizer) -> None:
+    with pytest.raises(ConfigError, match=r"3 prompts, fewer than data.batch_size=4"):
+        build_dataset(data_cfg(synthetic={"num_problems": 3}), tokenizer, seed=0)
+    # too few left after dropping long prompts
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "x" * n, "answer": 1} for n in (1, 2, 50, 60, 3)])
+    with pytest.raises(ConfigError, match="3 prompts"):
+        build_dataset(data_cfg(train_files=str(path)), tokenizer, seed=0)
+
+
+# --- EpochShuffleSampler ---------------------------------------------------------------------------
+
+
+def test_sampler_epochs_are_permutations_and_differ() -> None:
+    sampler = EpochShuffleSampler(20, seed=3)
+    epochs = [list(sampler) for _ in range(4)]
+    for order in epochs:
+        assert sorted(order) == list(range(20))
+    assert len({tuple(order) for order in epochs}) == 4
+    assert epochs[0] != list(range(20))
+    assert sampler.epoch == 4 and sampler.position == 0
+
+
+def test_sampler_order_depends_only_on_seed_and_epoch() -> None:
+    a = EpochShuffleSampler(20, seed=3)
+    consumed = [list(a) for _ in range(3)]
+    fresh = EpochShuffleSampler(20, seed=3)
+    assert [fresh.order(e) for e in range(3)] == consumed
+    assert fresh.order(2) == fresh.order(2)
+    assert EpochShuffleSampler(20, seed=4).order(0) != consumed[0]
+    assert EpochShuffleSampler(20, seed=3, shuffle=False).order(5) == list(range(20))
+
+
+def test_sampler_state_round_trip_and_mismatch() -> None:
+    a = EpochShuffleSampler(10, seed=1)
+    it = iter(a)
+    first = [next(it) for _ in range(4)]
+    state = a.state_dict()
+    assert state == {"epoch": 0, "position": 4, "seed": 1, "size": 10}
+    rest = list(it)
+    b = EpochShuffleSampler(10, seed=1)
+    b.load_state_dict(state)
+    assert list(b) == rest
+    assert first + rest == a.order(0)
+    with pytest.raises(ValueError, match="11 prompts"):
+        EpochShuffleSampler(11, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed 2"):
+        EpochShuffleSampler(10, seed=2).load_state_dict(state)
+
+
+# --- PromptLoader ----------------------------------------------------------------------------------
+
+SIZE, BATCH, SEED = 10, 3, 5  # 3 batches per epoch, 1 leftover prompt dropped
+
+
+def make_dataset(size: int = SIZE) -> list[dict]:
+    return [{"index": i} for i in range(size)]
+
+
+def indices(batch: list[dict]) -> list[int]:
+    return [record["index"] for record in batch]
+
+
+def run(loader: PromptLoader, steps: int) -> list[list[int]]:
+    return [indices(loader.next_batch()) for _ in range(steps)]
+
+
+def torch_round_trip(state):
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def test_loader_epochs_drop_leftovers_and_follow_the_sampler_order() -> None:
+    loader = PromptLoader(make_dataset(), BATCH, SEED)
+    assert loader.steps_per_epoch == 3
+    batches = run(loader, 9)
+    assert all(len(b) == BATCH for b in batches)
+    orders = [loader.sampler.order(e) for e in range(3)]
+    for epoch in range(3):
+        flat = [i for b in batches[3 * epoch : 3 * epoch + 3] for i in b]
+        assert flat == orders[epoch][:9]  # the 10th prompt of each epoch is dropped
+        assert len(set(flat)) == 9
+    assert orders[0] != orders[1] != orders[2]
+
+
+def test_loader_epoch_property() -> None:
+    loader = PromptLoader(make_dataset(), BATCH, SEED)
+    assert loader.epoch == 0
+    seen = []
+    for _ in range(7):
+        loader.next_batch()
+        seen.append(loader.epoch)
+    # read after next_batch, `epoch` is the epoch of the batch just returned
+    assert seen == [0, 0, 0, 1, 1, 1, 2]
+
+
+def test_loader_order_depends_only_on_seed() -> None:
+    a = run(PromptLoader(make_dataset(), BATCH, SEED), 6)
+    b = run(PromptLoader(make_dataset(), BATCH, SEED), 6)
+    c = run(PromptLoader(make_dataset(), BATCH, SEED + 1), 6)
+    assert a == b
+    assert a != c
+    assert run(PromptLoader(make_dataset(), BATCH, SEED, shuffle=False), 4) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [0, 1, 2]]
+
+
+@pytest.mark.parametrize("taken_after", [0, 1, 2, 3, 4, 5, 7])
+def test_loader_resume_matches_uninterrupted(taken_after: int) -> None:
+    total = 10
+    reference = PromptLoader(make_dataset(), BATCH, SEED)
+    expected = run(reference, total)
+
+    loader = PromptLoader(make_dataset(), BATCH, SEED)
+    assert run(loader, taken_after) == expected[:taken_after]
+    state = torch_round_trip(loader.state_dict())
+    # the original keeps going unchanged after state_dict()
+    assert run(loader, total - taken_after) == expected[taken_after:]
+
+    resumed = PromptLoader(make_dataset(), BATCH, SEED)
+    resumed.load_state_dict(state)
+    assert run(resumed, total - taken_after) == expected[taken_after:]
+
+
+def test_loader_resume_after_last_full_batch_starts_next_epoch() -> None:
+    for size in (SIZE, 9):  # with leftovers dropped, and with an exact multiple of the batch size
+        reference = PromptLoader(make_dataset(size), BATCH, SEED)
+        expected = run(reference, 6)
+        loader = PromptLoader(make_dataset(size), BATCH, SEED)
+        run(loader, 3)  # the whole of epoch 0
+        resumed = PromptLoader(make_dataset(size), BATCH, SEED)
+        resumed.load_state_dict(torch_round_trip(loader.state_dict()))
+        next_batch = indices(resumed.next_batch())
+        assert next_batch == resumed.sampler.order(1)[:BATCH]
+        assert next_batch == expected[3]
+        assert resumed.epoch == 1
+        assert run(resumed, 2) == expected[4:6]
+
+
+def test_loader_state_dict_of_resumed_loader_resumes_again() -> None:
+    expected = run(PromptLoader(make_dataset(), BATCH, SEED), 8)
+    first = PromptLoader(make_dataset(), BATCH, SEED)
+    run(first, 2)
+    second = PromptLoader(make_dataset(), BATCH, SEED)
+    second.load_state_dict(torch_round_trip(first.state_dict()))
+    assert run(second, 2) == expected[2:4]
+    third = PromptLoader(make_dataset(), BATCH, SEED)
+    third.load_state_dict(torch_round_trip(second.state_dict()))
+    assert run(third, 4) == expected[4:8]
+
+
+def test_loader_state_survives_weights_only_load() -> None:
+    loader = PromptLoader(make_dataset(), BATCH, SEED)
+    run(loader, 4)
+    state = loader.state_dict()
+    loaded = torch_round_trip(state)
+    assert loaded == state
+
+
+@pytest.mark.parametrize(("size", "seed"), [(SIZE + 1, SEED), (SIZE, SEED + 1)])
+def test_loader_state_for_other_dataset_or_seed_raises(size: int, seed: int) -> None:
+    loader = PromptLoader(make_dataset(), BATCH, SEED)
+    run(loader, 2)
+    state = torch_round_trip(loader.state_dict())
+    other = PromptLoader(make_dataset(size), BATCH, seed)
+    with pytest.raises(ValueError, match="data position was saved for a dataset of 10 prompts with seed 5"):
+        other.load_state_dict(state)  # refused at load time, before any batch is drawn
+
+
+def test_prompt_dataset_drops_empty_prompts() -> None:
+    from rlrunner.models.tokenizer import build_char_tokenizer
+
+    records = [{"prompt": "", "answer": "1"}, {"prompt": "1+1=", "answer": "2"}]
+    dataset = PromptDataset(records, build_char_tokenizer(), max_prompt_length=16, apply_chat_template=False)
+    assert len(dataset) == 1 and dataset[0]["answer"] == "2" and dataset[0]["index"] == 0
+
+
+def test_null_answer_in_jsonl_is_a_missing_field(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": None}])
+    with pytest.raises(ConfigError, match="record 0 has no 'answer' field"):
+        load_prompt_files(str(path), "prompt", "answer")

@@ -1,0 +1,76 @@
+"""WorkerGroup on a real local Ray: calls on all ranks, one rank, scatter, a gloo process group, placement limits."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+import ray
+from ray import cloudpickle
+
+from rlrunner.cluster.worker import Worker
+from rlrunner.cluster.worker_group import WorkerGroup
+from rlrunner.errors import ResourceError
+
+# Ray workers cannot import this test module by name: ship its classes by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class SumWorker(Worker):
+    def __init__(self, rank: int, world_size: int, offset: int = 0):
+        super().__init__(rank, world_size)
+        self.offset = offset
+
+    def rank_plus(self, value: int) -> int:
+        return self.rank + self.offset + value
+
+    def all_reduce_rank(self) -> float:
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.tensor([float(self.rank + 1)])
+        dist.all_reduce(tensor)
+        return float(tensor.item())
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+def test_calls_scatter_and_process_group(ray_session):
+    group = WorkerGroup("sum", SumWorker, 2, worker_kwargs={"offset": 10}, cpus_per_worker=0.25, distributed=True)
+    try:
+        assert group.call_all("rank_plus", 1) == [11, 12]
+        assert group.call_rank(1, "rank_plus", 5) == 16
+        assert group.call_each("rank_plus", [(100,), (200,)]) == [110, 211]
+        assert group.call_all("all_reduce_rank") == [3.0, 3.0]
+        assert [host["rank"] for host in group.hosts] == [0, 1]
+        with pytest.raises(ValueError, match="argument tuples"):
+            group.call_each("rank_plus", [(1,)])
+    finally:
+        group.shutdown()
+
+
+def test_call_timeout_is_bounded(ray_session):
+    group = WorkerGroup("slow", SumWorker, 1, cpus_per_worker=0.25, call_timeout_s=0.5)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ray.exceptions.GetTimeoutError):
+            group.call_all("sleep", 30)
+        assert time.monotonic() - started < 10
+    finally:
+        group.shutdown()
+
+
+def test_unplaceable_group_fails_naming_missing_resources(ray_session):
+    started = time.monotonic()
+    with pytest.raises(ResourceError) as error:
+        WorkerGroup("huge", SumWorker, 3, cpus_per_worker=100, placement_timeout_s=1)
+    message = str(error.value)
+    assert "huge group (3 workers x {CPU=100})" in message
+    assert "CPU 300" in message and "cluster has 8" in message
+    assert "\n" not in message
+    assert time.monotonic() - started < 20
+    # the failed group's placement group was released: a normal group still fits
+    group = WorkerGroup("after", SumWorker, 1, cpus_per_worker=0.25)
+    group.shutdown()
