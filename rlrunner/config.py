@@ -49,7 +49,8 @@ class RunnerConfig:
     max_epochs: int = 1000
     save_interval: int = 50
     resume_dir: Optional[str] = None
-    max_ckpt_to_keep: Optional[int] = None
+    max_ckpt_to_keep: Optional[int] = None  # null keeps all
+    verify_checksums: bool = True  # check every file's CRC-32 before resuming (sizes are always checked)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 

@@ -19,3 +19,21 @@ class ResourceError(RLRunnerError):
     """The cluster cannot place the requested workers within the allowed wait."""
 
     exit_code = 1
+
+
+class CheckpointError(RLRunnerError):
+    """`runner.resume_dir` cannot be used: missing, incomplete, corrupt, or saved with another model/optimizer config."""
+
+    exit_code = 2
+
+
+class CheckpointSaveError(RLRunnerError):
+    """A checkpoint could not be written (e.g. the disk is full); the previous checkpoints are intact."""
+
+    exit_code = 1
+
+
+class ExperimentLockedError(RLRunnerError):
+    """Another run is using the same experiment folder."""
+
+    exit_code = 2

@@ -86,7 +86,11 @@ class WorkerGroup:
         return [getattr(worker, method).remote(*args) for worker, args in zip(self.workers, per_rank_args)]
 
     def get(self, refs: Sequence[ray.ObjectRef] | ray.ObjectRef, timeout_s: float | None = None) -> Any:
-        return ray.get(refs, timeout=timeout_s if timeout_s is not None else self.call_timeout_s)
+        try:
+            return ray.get(refs, timeout=timeout_s if timeout_s is not None else self.call_timeout_s)
+        except Exception:
+            _drain(refs)
+            raise
 
     def call_all(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         return self.get(self.call_all_async(method, *args, **kwargs), timeout_s)
@@ -106,6 +110,17 @@ class WorkerGroup:
                 pass
         try:
             remove_placement_group(self.placement_group)
+        except Exception:
+            pass
+
+
+def _drain(refs: Sequence[ray.ObjectRef] | ray.ObjectRef, timeout_s: float = 2.0) -> None:
+    """Read what the other ranks returned after one failed, so Ray does not log their errors as unhandled."""
+    pending = [refs] if isinstance(refs, ray.ObjectRef) else list(refs)
+    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
+    for ref in ready:
+        try:
+            ray.get(ref, timeout=0)
         except Exception:
             pass
 

@@ -1,7 +1,9 @@
 """The GRPO step loop on the driver: rollout -> reward -> advantages -> policy update -> weight sync.
 
-Reads top to bottom: `run()` builds the worker groups, pushes the actor's weights to the rollout
-group, then runs `train_step` for each global step and logs its metrics.
+Reads top to bottom: entering the runner locks the experiment folder, finds the checkpoint to
+resume from, builds the worker groups, restores the checkpoint and pushes the actor's weights to
+the rollout group; `train` then runs `train_step` for each global step, logs its metrics and
+saves a checkpoint when the handler says so.
 """
 
 from __future__ import annotations
@@ -15,11 +17,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlrunner.algorithms.grpo import group_advantages
+from rlrunner.checkpoint import layout
+from rlrunner.checkpoint.handler import Checkpoint, CheckpointHandler
+from rlrunner.checkpoint.lock import ExperimentLock
+from rlrunner.checkpoint.manager import FSDPCheckpointManager
+from rlrunner.checkpoint.policy import flatten
 from rlrunner.cluster.worker_group import WorkerGroup
 from rlrunner.config import mini_batch_prompts
 from rlrunner.data.datasets import build_dataset
 from rlrunner.data.loader import PromptLoader
-from rlrunner.models.loading import build_tokenizer, token_ids
+from rlrunner.errors import CheckpointError
+from rlrunner.models.loading import build_hf_config, build_tokenizer, token_ids
 from rlrunner.runner.batching import build_actor_batch, chunk, shard_actor_batch, split_evenly
 from rlrunner.runner.metrics_logger import MetricsLogger, Progress
 from rlrunner.utils.seeding import derive_seed
@@ -36,6 +44,16 @@ def reward_verifier(cfg: DictConfig) -> str:
     return "math" if cfg.data.train_files else "arithmetic"
 
 
+# HF config keys that do not shape the weights (or are bookkeeping) and may differ between saves.
+_VOLATILE_HF_KEYS = {"transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache", "_commit_hash"}
+
+
+def model_optimizer_fingerprint(cfg: DictConfig, hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The settings a checkpoint's model and optimizer state depend on; a resume must match them all."""
+    architecture = {k: v for k, v in hf_config.items() if k not in _VOLATILE_HF_KEYS and not k.startswith("_attn")}
+    return {**flatten("model.config", architecture), **flatten("actor.optim", OmegaConf.to_container(cfg.actor.optim))}
+
+
 class GRPORunner:
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
@@ -49,6 +67,16 @@ class GRPORunner:
         self.global_step = 0
         self.actor_group: WorkerGroup | None = None
         self.rollout_group: WorkerGroup | None = None
+        self.experiment = layout.experiment_dir(cfg.runner.output_dir, cfg.runner.experiment_name)
+        self.hf_config = build_hf_config(cfg.model, self.tokenizer)
+        self.handler = CheckpointHandler(
+            self.experiment,
+            cfg.runner.save_interval,
+            cfg.runner.max_ckpt_to_keep,
+            model_optimizer_fingerprint(cfg, self.hf_config.to_dict()),
+            verify_checksums=cfg.runner.verify_checksums,
+        )
+        self.lock = ExperimentLock(self.experiment)
 
     # -- worker groups -------------------------------------------------------------------------
 
@@ -147,25 +175,64 @@ class GRPORunner:
         )
         return metrics
 
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(self, step: int) -> Path:
+        data_state = {
+            "dataloader": self.loader.state_dict(),
+            "runner": {"global_step": step, "epoch": self.loader.epoch, "total_steps": self.total_steps},
+        }
+        return self.handler.save(
+            step,
+            FSDPCheckpointManager(self.actor_group),
+            data_state,
+            write_extra=self._write_hf_files,
+            extra_manifest={"epoch": self.loader.epoch, "experiment_name": self.cfg.runner.experiment_name},
+        )
+
+    def _write_hf_files(self, checkpoint: Path) -> None:
+        """HF config and tokenizer beside the shards, so converters need nothing but the checkpoint."""
+        folder = checkpoint / layout.HF_DIR
+        self.hf_config.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        data_state = self.handler.load(checkpoint, FSDPCheckpointManager(self.actor_group))
+        try:
+            self.loader.load_state_dict(data_state["dataloader"])
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint {checkpoint.path} does not fit this run's data: {exc}") from None
+        self.global_step = int(data_state["runner"]["global_step"])
+
     # -- the run -------------------------------------------------------------------------------
 
     def __enter__(self) -> "GRPORunner":
-        """Start the worker groups and give the rollout group the actor's weights."""
+        """Lock the experiment, find the checkpoint to resume, start the groups, restore, sync the weights."""
+        self.lock.acquire()
         try:
+            self.handler.remove_leftovers()
+            checkpoint = self.handler.find_resume(self.cfg.runner.resume_dir)
             self.build_groups()
+            if checkpoint is not None:
+                self.restore(checkpoint)
             self.sync_weights()
         except BaseException:
             self.teardown_groups()
+            self.lock.release()
             raise
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self.teardown_groups()
+        self.lock.release()
 
     def train(self) -> dict[str, Any]:
         """Run the steps up to `total_steps`; returns the last step's metrics."""
         cfg = self.cfg.runner
-        logger.info("run %s: %d steps, logs in %s", cfg.experiment_name, self.total_steps, self.log_path)
+        logger.info("run %s: steps %d..%d, logs in %s", cfg.experiment_name, self.global_step + 1, self.total_steps, self.log_path)
+        logger.info(self.handler.describe_schedule())
+        if self.global_step >= self.total_steps:
+            logger.info("nothing to do: the resumed checkpoint is at step %d of %d", self.global_step, self.total_steps)
         metrics_log = MetricsLogger(self.log_path, self.global_step, cfg.logger.tensorboard)
         progress = Progress(self.total_steps, self.global_step, cfg.logger.progress_bar)
         last: dict[str, Any] = {}
@@ -176,6 +243,8 @@ class GRPORunner:
                 self.global_step = step
                 metrics_log.log(step, last)
                 progress.update(step, last)
+                if self.handler.should_save(step, self.total_steps):
+                    self.save_checkpoint(step)
         finally:
             progress.close()
             metrics_log.close()

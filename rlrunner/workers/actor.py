@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from rlrunner.algorithms.grpo import clipped_policy_loss, kl_penalty, masked_sum, token_entropy, token_log_probs
+from rlrunner.checkpoint.fsdp_dcp import load_fsdp_state, save_fsdp_state
 from rlrunner.cluster.worker import Worker
 from rlrunner.models.loading import build_model, build_tokenizer, torch_dtype
 from rlrunner.workers.optim import build_optimizer
@@ -167,6 +168,16 @@ class ActorWorker(Worker):
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         return float(norm)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str) -> dict[str, dict[str, Any]]:
+        """Collective: write this rank's shards; returns the files it wrote with their sizes and checksums."""
+        return save_fsdp_state(path, self.model, self.optimizer, self.scheduler, self.rank)
+
+    def load_checkpoint(self, path: str) -> bool:
+        """Collective: load the shards (resharding if the world size changed); returns whether RNG was restored."""
+        return load_fsdp_state(path, self.model, self.optimizer, self.scheduler, self.rank, self.world_size)
 
     # -- weights out ---------------------------------------------------------------------------
 

@@ -1,0 +1,285 @@
+"""Checkpoints end to end on real Ray with FSDP2 + DCP: layout, bitwise resume, RNG, resharding, continuity, converters.
+
+One uninterrupted reference run (8 steps, saves at 3, 6 and 8) is shared by the module. The data
+has 26 problems in batches of 4: 6 steps per epoch, so step 3 is mid-epoch and step 6 the end of
+epoch 0 (its 2 leftover prompts are dropped).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from conftest import read_metrics, run_config, without_time
+from rlrunner.checkpoint import layout
+from rlrunner.checkpoint.convert import load_model_weights
+from rlrunner.checkpoint.handler import COMPLETE, scan_checkpoints
+from rlrunner.checkpoint.manifest import read_manifest
+from rlrunner.errors import CheckpointError, CheckpointSaveError
+from rlrunner.main_grpo import main
+from rlrunner.runner.grpo_runner import GRPORunner
+
+RUN = ["data.synthetic.num_problems=26", "runner.max_steps=8", "runner.save_interval=3", "rollout.max_new_tokens=2"]
+
+
+@dataclass
+class Reference:
+    output_dir: Path
+    experiment: Path
+    metrics: list[dict]
+    weights: dict[str, torch.Tensor]
+    rng: list[torch.Tensor]
+
+    def checkpoint(self, step: int) -> Path:
+        return self.experiment / "checkpoints" / f"global_step_{step}"
+
+
+def actor_rng_states(runner: GRPORunner) -> list[torch.Tensor]:
+    return ray.get([w.__ray_call__.remote(lambda self: torch.get_rng_state()) for w in runner.actor_group.workers])
+
+
+@pytest.fixture(scope="module")
+def reference(ray_session, tmp_path_factory) -> Reference:
+    output_dir = tmp_path_factory.mktemp("reference")
+    with GRPORunner(run_config(output_dir, *RUN)) as runner:
+        # a different RNG state on each rank, so a restore of "rank 0's copy everywhere" would show
+        ray.get([w.__ray_call__.remote(lambda self: torch.manual_seed(1000 + self.rank)) for w in runner.actor_group.workers])
+        runner.train()
+        weights = runner.policy_weights()
+        rng = actor_rng_states(runner)
+    experiment = output_dir / "test"
+    return Reference(output_dir, experiment, read_metrics(experiment / "metrics.jsonl"), weights, rng)
+
+
+def resume_run(tmp_path: Path, resume_dir: str | Path, *overrides: str) -> tuple[Path, GRPORunner]:
+    runner = GRPORunner(run_config(tmp_path, *RUN, f"runner.resume_dir={resume_dir}", *overrides))
+    runner.run()
+    return tmp_path / "test", runner
+
+
+def test_saves_at_the_interval_and_the_last_step_in_the_layout(reference):
+    root = reference.experiment / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["global_step_3", "global_step_6", "global_step_8"]
+    for step, epoch in ((3, 0), (6, 0), (8, 1)):
+        path = reference.checkpoint(step)
+        actor = sorted(p.name for p in (path / "actor").iterdir())
+        assert actor == [".metadata", "__0_0.distcp", "__1_0.distcp", "huggingface"]
+        manifest = read_manifest(path)
+        assert manifest["step"] == step and manifest["world_size"] == 2 and manifest["backend"] == "fsdp2-dcp"
+        assert {"actor/.metadata", "actor/__0_0.distcp", "actor/__1_0.distcp", "data/data.pt"} <= set(manifest["files"])
+        data = torch.load(path / "data" / "data.pt", weights_only=True)
+        assert data["runner"]["global_step"] == step and data["runner"]["epoch"] == epoch
+    assert [s.status for s in scan_checkpoints(root, checksums=True)] == [COMPLETE] * 3
+
+
+@pytest.mark.parametrize("resume_step", [3, 6], ids=["mid_epoch", "epoch_boundary"])
+def test_resume_is_bitwise_identical_to_the_uninterrupted_run(reference, tmp_path, resume_step):
+    experiment, _ = resume_run(tmp_path, reference.checkpoint(resume_step))
+    resumed = read_metrics(experiment / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(resume_step + 1, 9))
+    assert without_time(resumed) == without_time(reference.metrics[resume_step:])
+    final = load_model_weights(experiment / "checkpoints" / "global_step_8")
+    assert final.keys() == reference.weights.keys()
+    assert all(torch.equal(final[k], reference.weights[k]) for k in final)
+    # counting continues: from step 3 with save_interval=3 the next saves are 6 and 8
+    expected = ["global_step_6", "global_step_8"] if resume_step == 3 else ["global_step_8"]
+    assert sorted(p.name for p in (experiment / "checkpoints").iterdir()) == expected
+
+
+def test_every_rank_gets_its_own_rng_state_back(reference, tmp_path):
+    assert not torch.equal(reference.rng[0], reference.rng[1])
+    with GRPORunner(run_config(tmp_path, *RUN, f"runner.resume_dir={reference.checkpoint(8)}")) as runner:
+        restored = actor_rng_states(runner)
+        assert runner.global_step == 8
+    assert all(torch.equal(a, b) for a, b in zip(restored, reference.rng))
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_resharding_two_ranks_to_another_count(reference, tmp_path, caplog, workers):
+    with caplog.at_level(logging.WARNING, logger="rlrunner.checkpoint.handler"):
+        experiment, _ = resume_run(tmp_path, reference.checkpoint(6), f"actor.num_workers={workers}")
+    assert f"resharding global_step_6 from 2 to {workers} actor ranks" in caplog.text
+    resumed = read_metrics(experiment / "metrics.jsonl")
+    expected = reference.metrics[6:]
+    assert [r["step"] for r in resumed] == [7, 8]
+    # step 7 generates with the restored weights: its rollout is exactly the reference's
+    for key in ("rollout/reward_mean", "rollout/response_length_mean", "rollout/eos_frac"):
+        assert resumed[0][key] == expected[0][key]
+    for got, want in zip(resumed, expected):  # the update reduces in another order: close, not bitwise
+        assert got["actor/entropy"] == pytest.approx(want["actor/entropy"], rel=1e-4)
+        assert got["actor/loss"] == pytest.approx(want["actor/loss"], abs=1e-4)
+    final = load_model_weights(experiment / "checkpoints" / "global_step_8")
+    assert all(torch.allclose(final[k], reference.weights[k], atol=1e-4) for k in final)
+
+
+def test_resume_in_place_rewrites_metrics_and_tensorboard_without_duplicates(reference, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    copy = tmp_path / "test"
+    shutil.copytree(reference.experiment, copy)
+    shutil.rmtree(copy / "checkpoints" / "global_step_8")  # as if the run had died after logging step 8
+    experiment, _ = resume_run(tmp_path, "auto")
+    records = read_metrics(experiment / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert without_time(records) == without_time(reference.metrics)
+    events = EventAccumulator(str(experiment))
+    events.Reload()
+    steps = [event.step for event in events.Scalars("rollout/reward_mean")]
+    assert steps == list(range(1, 9))
+
+
+def test_auto_skips_a_corrupt_newest_checkpoint_and_still_ends_bitwise(reference, tmp_path, caplog):
+    copy = tmp_path / "test"
+    shutil.copytree(reference.experiment, copy)
+    shard = copy / "checkpoints" / "global_step_8" / "actor" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with caplog.at_level(logging.INFO, logger="rlrunner.checkpoint.handler"):
+        experiment, _ = resume_run(tmp_path, "auto")
+    assert "skipping global_step_8: corrupt (actor/__1_0.distcp:" in caplog.text
+    assert "global_step_6 (step 6), the newest complete checkpoint" in caplog.text
+    final = load_model_weights(experiment / "checkpoints" / "global_step_8")
+    assert all(torch.equal(final[k], reference.weights[k]) for k in final)
+
+
+@pytest.mark.parametrize(
+    "breakage, expected",
+    [
+        (lambda p: (p / "actor" / ".metadata").unlink(), "actor/.metadata: missing"),
+        (lambda p: (p / "actor" / "__1_0.distcp").unlink(), "actor/__1_0.distcp: missing"),
+        (lambda p: (p / "data" / "data.pt").unlink(), "data/data.pt: missing"),
+        (lambda p: os.truncate(p / "actor" / "__0_0.distcp", 100), "actor/__0_0.distcp: 100 bytes, the manifest says"),
+    ],
+    ids=["missing_metadata", "missing_shard", "missing_data_pt", "truncated_shard"],
+)
+def test_a_broken_fsdp_checkpoint_is_refused_in_one_line(reference, tmp_path, capsys, breakage, expected):
+    broken = tmp_path / "global_step_3"
+    shutil.copytree(reference.checkpoint(3), broken)
+    breakage(broken)
+    code = main([f"runner.output_dir={tmp_path / 'out'}", "runner.experiment_name=test", *RUN, f"runner.resume_dir={broken}",
+                 "data.batch_size=4", "algorithm.group_size=4", "actor.micro_batch_size=4", "runner.logger.progress_bar=false",
+                 *[o for o in __import__("conftest").TINY_MODEL]])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert f"rlrunner: error: runner.resume_dir {broken} fails verification: {expected}" in err
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_keys(reference, tmp_path):
+    with pytest.raises(CheckpointError) as error:
+        resume_run(tmp_path, reference.checkpoint(6), "++model.override_config.intermediate_size=48", "actor.optim.lr=0.01")
+    assert "model.config.intermediate_size (checkpoint 64, run 48)" in str(error.value)
+    assert "actor.optim.lr (checkpoint 0.0003, run 0.01)" in str(error.value)
+    assert not (tmp_path / "test" / "checkpoints").exists()
+
+
+def test_converters_give_the_live_policy(reference, tmp_path, repo_root, subprocess_env):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "weights.pt"
+    subprocess.run(
+        [sys.executable, str(repo_root / "toolkits/ckpt_convertor/convert_dcp_to_state_dict.py"),
+         "--dcp_path", str(reference.checkpoint(8) / "actor"), "--output_path", str(out)],
+        check=True, env=subprocess_env, capture_output=True,
+    )
+    state = torch.load(out, weights_only=True)
+    assert state.keys() == reference.weights.keys()
+    assert all(torch.equal(state[k], reference.weights[k]) for k in state)
+
+    hf_dir = tmp_path / "hf"
+    subprocess.run(
+        [sys.executable, str(repo_root / "toolkits/ckpt_convertor/convert_dcp_to_hf.py"),
+         "--ckpt_path", str(reference.checkpoint(8)), "--output_path", str(hf_dir)],
+        check=True, env=subprocess_env, capture_output=True,
+    )
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in hf_dir.iterdir()}
+    exported = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    live = AutoModelForCausalLM.from_config(exported.config).eval()
+    live.load_state_dict(reference.weights)
+    tokens = torch.tensor([[5, 17, 22, 11, 30, 1, 40, 9]])
+    with torch.no_grad():
+        assert torch.equal(exported(tokens).logits, live(tokens).logits)
+
+
+def test_inspector_lists_and_verifies(reference, tmp_path, repo_root, subprocess_env):
+    copy = tmp_path / "test"
+    shutil.copytree(reference.experiment, copy)
+    (copy / "checkpoints" / "global_step_6" / "manifest.json").unlink()
+    listing = subprocess.run([sys.executable, "-m", "rlrunner.checkpoint", "list", str(copy)],
+                             env=subprocess_env, capture_output=True, text=True, check=True).stdout
+    rows = [line.split() for line in listing.splitlines()[1:] if line.strip() and line.split()[0].isdigit()]
+    assert [(r[0], r[2]) for r in rows] == [("8", "complete"), ("6", "incomplete"), ("3", "complete")]
+    good = subprocess.run([sys.executable, "-m", "rlrunner.checkpoint", "verify", str(copy / "checkpoints" / "global_step_8")],
+                          env=subprocess_env, capture_output=True, text=True)
+    assert good.returncode == 0 and "complete, step 8, world size 2" in good.stdout
+    bad = subprocess.run([sys.executable, "-m", "rlrunner.checkpoint", "verify", str(copy / "checkpoints" / "global_step_6")],
+                         env=subprocess_env, capture_output=True, text=True)
+    assert bad.returncode == 1 and "incomplete: no manifest.json" in bad.stdout
+
+
+def test_a_failing_shard_write_commits_nothing(reference, tmp_path):
+    """A shard write that the OS refuses (a file-size limit in the actor processes: EFBIG, as a full disk gives ENOSPC)."""
+    runner = GRPORunner(run_config(tmp_path, *RUN, "runner.save_interval=2", "runner.max_steps=4"))
+    with runner:
+        limit = lambda self: resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, resource.RLIM_INFINITY))  # noqa: E731
+        ray.get([w.__ray_call__.remote(limit) for w in runner.actor_group.workers])
+        with pytest.raises(CheckpointSaveError) as error:
+            runner.train()
+    message = str(error.value)
+    assert message.startswith("saving global_step_2 failed: rank ") and "OSError: [Errno 27] File too large" in message
+    assert message.endswith("there is no complete checkpoint yet") and "\n" not in message
+    root = tmp_path / "test" / "checkpoints"
+    assert list(root.iterdir()) == []
+    assert [r["step"] for r in read_metrics(tmp_path / "test" / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_save_killed_halfway_is_skipped_by_auto(ray_session, tmp_path, subprocess_env, caplog):
+    """SIGKILL the driver while a save is staged; the next run removes the leftover and resumes from the newest complete."""
+    overrides = [*RUN, "runner.save_interval=1", "runner.max_steps=8"]
+    base = [f"runner.output_dir={tmp_path}", "runner.experiment_name=test", "runner.logger.progress_bar=false",
+            "data.batch_size=4", "algorithm.group_size=4", "actor.micro_batch_size=4",
+            f"cluster.ray_address={ray_session.get_runtime_context().gcs_address}",
+            *__import__("conftest").TINY_MODEL]
+    driver = subprocess.Popen([sys.executable, "-m", "rlrunner.main_grpo", *base, *overrides],
+                              env=subprocess_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    root = tmp_path / "test" / "checkpoints"
+    staged = None
+    deadline = time.monotonic() + 120
+    try:
+        while staged is None and driver.poll() is None and time.monotonic() < deadline:
+            if root.is_dir():
+                staged = next((p for p in root.iterdir() if p.name.startswith(layout.STAGING_PREFIX)), None)
+            if staged is None:
+                time.sleep(0.001)
+        assert staged is not None, "never saw a save in progress"
+        os.killpg(driver.pid, signal.SIGKILL)
+    finally:
+        driver.kill()
+        driver.wait()
+    killed_step = int(staged.name.split("global_step_")[1].split("-")[0])
+    assert staged.exists() and not (staged / "manifest.json").exists()
+    assert not (root / f"global_step_{killed_step}").exists()
+    complete = [s.step for s in scan_checkpoints(root) if s.status == COMPLETE]
+    assert complete == list(range(killed_step - 1, 0, -1))
+
+    with caplog.at_level(logging.INFO, logger="rlrunner.checkpoint.handler"):
+        cfg = run_config(tmp_path, *overrides, "runner.resume_dir=auto")
+        GRPORunner(cfg).run()
+    assert f"removing {staged.name}, left by a save or deletion that did not finish" in caplog.text
+    if killed_step > 1:
+        assert f"global_step_{killed_step - 1} (step {killed_step - 1}), the newest complete checkpoint" in caplog.text
+    records = read_metrics(tmp_path / "test" / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [s.step for s in scan_checkpoints(root) if s.status == COMPLETE] == list(range(8, 0, -1))
+    assert not any(p.name.startswith(layout.STAGING_PREFIX) for p in root.iterdir())
