@@ -144,12 +144,13 @@ class CheckpointHandler:
             write_manifest(staging, manifest)
             self._commit(staging, final)
         except BaseException as exc:
+            space = free_space(self.root)  # measured before the staging folder's space is given back
             shutil.rmtree(staging, ignore_errors=True)
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             newest = self.newest_complete()
             kept = f"the newest complete checkpoint is still {newest.name}" if newest else "there is no complete checkpoint yet"
-            raise CheckpointSaveError(f"saving {final.name} failed: {root_cause(exc)} ({free_space(self.root)}); {kept}") from exc
+            raise CheckpointSaveError(f"saving {final.name} failed: {root_cause(exc)} ({space}); {kept}") from exc
         logger.info("saved checkpoint %s (%.1f MB)", final, sum(r["size"] for r in files.values()) / 1e6)
         self.apply_retention()
         return final
@@ -272,8 +273,13 @@ class CheckpointHandler:
                 "resharding %s from %d to %d actor ranks: model and optimizer are resharded, per-rank RNG states are not restored",
                 checkpoint.path.name, checkpoint.world_size, manager.world_size,
             )
-        manager.load(checkpoint.path / layout.ACTOR_DIR)
-        return torch.load(checkpoint.path / layout.DATA_FILE, weights_only=True)
+        try:
+            manager.load(checkpoint.path / layout.ACTOR_DIR)
+            return torch.load(checkpoint.path / layout.DATA_FILE, weights_only=True)
+        except BaseException as exc:  # DCP raises CheckpointException, a BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise CheckpointError(f"loading checkpoint {checkpoint.path} failed: {root_cause(exc)}") from exc
 
 
 def _write_torch_durably(obj: Any, path: Path) -> None:
@@ -285,12 +291,25 @@ def _write_torch_durably(obj: Any, path: Path) -> None:
         os.fsync(handle.fileno())
 
 
+_NEARLY_FULL_BYTES = 64 << 20
+
+
 def free_space(path: Path) -> str:
     """How much room is left where checkpoints go: libraries do not always pass ENOSPC on as such."""
     try:
-        return f"{shutil.disk_usage(path).free / 1e9:.2f} GB free on the disk holding {path}"
+        free = shutil.disk_usage(path).free
     except OSError:
         return f"free space of {path} unknown"
+    note = f"{human_bytes(free)} free on the disk holding {path}"
+    return f"{note}: the disk is probably full" if free < _NEARLY_FULL_BYTES else note
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if count < 1000 or unit == "GB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} TB"
 
 
 def root_cause(exc: BaseException) -> str:

@@ -1,0 +1,516 @@
+#!/usr/bin/env python
+"""Checkpoint save/load throughput of rlrunner's FSDP2 + DCP actor checkpoints against plain baselines.
+
+What it measures, all in one run, on one disk folder, for the actor state a checkpoint holds (model +
+AdamW optimizer + LR scheduler + per-rank RNG) of a Qwen2-architecture model of about `--params`
+million parameters, sharded over `--workers` FSDP2 actor ranks on a local Ray:
+
+  save  rlrunner CheckpointHandler.save      the real commit path: staging folder, per-rank DCP shards
+                                             (fsync'd, CRC-32 re-read), data.pt, manifest, atomic rename
+        rlrunner FSDPCheckpointManager.save  the shard write alone (no data.pt/manifest/rename)
+        torch.save + fsync                   the full (unsharded) state gathered into the driver, one file
+        raw write + fsync                    os.write of as many bytes as the rlrunner checkpoint (disk ceiling)
+  load  rlrunner checksum verification       inspect_checkpoint(path, checksums=True) (CRC-32 of every file)
+        rlrunner FSDPCheckpointManager.load  DCP load into the live actor group
+        torch.load(weights_only=True)        the torch.save file
+        raw read                             sequential read of the raw-write file
+
+The optimizer state is created by one real `ActorWorker.update` on a small batch built like the runner
+builds it (build_actor_batch + shard_actor_batch), so AdamW's exp_avg/exp_avg_sq exist before any save.
+Each measurement is repeated `--repeat` times and the median is reported. When
+/proc/sys/vm/drop_caches is writable the page cache is dropped before every load-side measurement;
+otherwise loads read from the page cache (the output says which).
+
+Run from the repository root:
+
+    .venv/bin/python benchmarks/bench_checkpoint.py                       # ~100M params, 2 ranks, 3 repeats
+    .venv/bin/python benchmarks/bench_checkpoint.py --params 20 --repeat 1 --dir /mnt/fast
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RAW_CHUNK_BYTES = 64 << 20
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+# -- model size ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+
+    def overrides(self) -> list[str]:
+        return [f"+model.override_config.{name}={value}" for name, value in vars(self).items()]
+
+
+def shape_for_hidden(hidden: int, layers: int) -> ModelShape:
+    """A Qwen2-like block: 64-wide heads, 4 query heads per KV head (at most), MLP 4x hidden."""
+    heads = hidden // 64
+    kv_heads = max(d for d in range(1, max(1, heads // 4) + 1) if heads % d == 0)
+    return ModelShape(hidden, 4 * hidden, layers, heads, kv_heads)
+
+
+def approx_params(hidden: int, layers: int, vocab: int) -> float:
+    shape = shape_for_hidden(hidden, layers)
+    kv = shape.num_key_value_heads * 64
+    attention = 2 * hidden * hidden + 2 * hidden * kv + hidden + 2 * kv  # q, o, k, v (+ qkv biases)
+    mlp = 3 * hidden * shape.intermediate_size
+    return layers * (attention + mlp + 2 * hidden) + 2 * vocab * hidden + hidden  # untied embeddings
+
+
+def choose_shape(target_params: float, vocab: int) -> ModelShape:
+    """Hidden size and depth landing near `target_params`, with depth close to hidden/64 (GPT-2-like aspect)."""
+    best: tuple[float, ModelShape] | None = None
+    for hidden in range(128, 8192 + 1, 64):
+        per_layer = approx_params(hidden, 1, vocab) - approx_params(hidden, 0, vocab)
+        layers_exact = (target_params - approx_params(hidden, 0, vocab)) / per_layer
+        if layers_exact < 0.5:
+            continue
+        score = abs(math.log(layers_exact / (hidden / 64)))
+        if best is None or score < best[0]:
+            best = (score, shape_for_hidden(hidden, max(1, round(layers_exact))))
+    return best[1] if best else shape_for_hidden(128, 1)
+
+
+def exact_param_count(model_cfg: dict[str, Any]) -> int:
+    """Parameters of the model the actors build, counted on the meta device (no memory, no init)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlrunner.models.loading import build_hf_config, build_tokenizer
+
+    config = build_hf_config(model_cfg, build_tokenizer(model_cfg))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def tokenizer_vocab_size() -> int:
+    from rlrunner.models.tokenizer import build_char_tokenizer
+
+    return len(build_char_tokenizer())
+
+
+# -- the actor group -------------------------------------------------------------------------------
+
+
+def build_config(shape: ModelShape, workers: int, cpus_per_worker: float, output_dir: Path):
+    """A valid run config (tests/conftest.py style) whose model is `shape` and whose actor has `workers` ranks."""
+    from rlrunner.config import load_config
+
+    return load_config(
+        [
+            f"runner.output_dir={output_dir}",
+            "runner.experiment_name=bench",
+            f"actor.num_workers={workers}",
+            f"data.batch_size={workers}",
+            "algorithm.group_size=2",
+            "actor.micro_batch_size=2",
+            f"cluster.cpus_per_actor_worker={cpus_per_worker}",
+            *shape.overrides(),
+        ]
+    )
+
+
+def start_ray(workers: int, cpus_per_worker: float) -> None:
+    """A new local Ray (never an existing cluster) with enough logical CPUs for the group."""
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=max(2, math.ceil(workers * cpus_per_worker) + 1),
+        include_dashboard=False,
+        logging_level="WARNING",
+    )
+
+
+def build_actor_group(cfg):
+    """The actor WorkerGroup exactly as GRPORunner.build_groups makes it, set up (model sharded, AdamW built)."""
+    from omegaconf import OmegaConf
+
+    from rlrunner.cluster.worker_group import WorkerGroup
+    from rlrunner.utils.seeding import derive_seed
+    from rlrunner.workers.actor import ActorWorker
+
+    plain = lambda node: OmegaConf.to_container(node, resolve=True)  # noqa: E731
+    group = WorkerGroup(
+        "actor",
+        ActorWorker,
+        cfg.actor.num_workers,
+        worker_kwargs={
+            "model_cfg": plain(cfg.model),
+            "actor_cfg": plain(cfg.actor),
+            "algorithm_cfg": plain(cfg.algorithm),
+            "init_seed": derive_seed(cfg.runner.seed, "model_init"),
+            "total_optimizer_steps": 100,
+            "threads": cfg.cluster.threads_per_worker,
+            "use_gpu": False,
+        },
+        cpus_per_worker=cfg.cluster.cpus_per_actor_worker,
+        distributed=True,
+    )
+    group.call_all("setup")
+    return group
+
+
+def update_shards(cfg) -> list[dict[str, torch.Tensor]]:
+    """One step's actor batch, built and sharded like GRPORunner.train_step does (synthetic samples)."""
+    from rlrunner.algorithms.grpo import group_advantages
+    from rlrunner.models.loading import build_tokenizer, token_ids
+    from rlrunner.runner.batching import build_actor_batch, shard_actor_batch
+
+    tokenizer = build_tokenizer(cfg.model)
+    ids = token_ids(cfg.model, tokenizer)
+    group_size = cfg.algorithm.group_size
+    samples, rewards = [], []
+    for i in range(cfg.data.batch_size * group_size):
+        a, b = i % 5, (3 * i) % 5
+        answer = str(a + b) if i % 2 == 0 else str(a + b + 1)
+        samples.append(
+            {
+                "prompt_ids": tokenizer.encode(f"What is {a}+{b}? Answer: "),
+                "response_ids": tokenizer.encode(answer) + [ids.eos[0]],
+            }
+        )
+        rewards.append(1.0 if i % 2 == 0 else 0.0)
+    advantages = group_advantages(torch.tensor(rewards), group_size, cfg.algorithm.norm_adv_by_std)
+    batch = build_actor_batch(samples, advantages, ids.pad)
+    return shard_actor_batch(batch, cfg.actor.num_workers, 1)
+
+
+def _optimizer_state_tensors(worker) -> int:
+    """Runs in an actor: how many tensors AdamW holds in its state (0 before the first step)."""
+    return sum(torch.is_tensor(v) for state in worker.optimizer.state.values() for v in state.values())
+
+
+def create_optimizer_state(group, cfg) -> dict[str, float]:
+    """One real GRPO update, so AdamW's exp_avg / exp_avg_sq exist; returns rank 0's stats."""
+    shards = update_shards(cfg)
+    stats = group.call_each("update", [(shard,) for shard in shards])
+    tensors = group.get([w.__ray_call__.remote(_optimizer_state_tensors) for w in group.workers])
+    if stats[0]["skipped_steps"] or min(tensors) == 0:
+        raise RuntimeError(f"the update did not create optimizer state (stats {stats[0]}, state tensors {tensors})")
+    return {**stats[0], "optimizer_state_tensors_per_rank": float(tensors[0])}
+
+
+def _full_state_for_torch_save(worker) -> dict[str, Any]:
+    """Runs in every actor (collective): the unsharded model + optimizer on rank 0, plus this rank's RNG."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    from rlrunner.checkpoint.fsdp_dcp import capture_rng
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model = get_model_state_dict(worker.model, options=options)
+    optimizer = get_optimizer_state_dict(worker.model, worker.optimizer, options=options)
+    out: dict[str, Any] = {"rank": worker.rank, "rng": capture_rng()}
+    if worker.rank == 0:
+        out.update(model=model, optimizer=optimizer, scheduler=worker.scheduler.state_dict())
+    return out
+
+
+def gather_full_state(group) -> dict[str, Any]:
+    """The same content as the checkpoint, unsharded, in the driver: model, optimizer, scheduler, rng per rank."""
+    parts = group.get([w.__ray_call__.remote(_full_state_for_torch_save) for w in group.workers])
+    first = parts[0]
+    return {
+        "model": first["model"],
+        "optimizer": first["optimizer"],
+        "scheduler": first["scheduler"],
+        "rng": {f"rank_{part['rank']}": part["rng"] for part in parts},
+    }
+
+
+# -- measurements ----------------------------------------------------------------------------------
+
+
+def can_drop_page_cache() -> bool:
+    return DROP_CACHES.exists() and os.access(DROP_CACHES, os.W_OK)
+
+
+def drop_page_cache(enabled: bool) -> None:
+    if enabled:
+        os.sync()
+        DROP_CACHES.write_text("3\n")
+
+
+def timed(action: Callable[[], Any]) -> tuple[float, Any]:
+    started = time.perf_counter()
+    result = action()
+    return time.perf_counter() - started, result
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def torch_save_durably(state: dict[str, Any], path: Path) -> None:
+    with open(path, "wb") as handle:
+        torch.save(state, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def raw_write(path: Path, nbytes: int, block: memoryview) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        remaining = nbytes
+        while remaining:
+            remaining -= os.write(fd, block[: min(len(block), remaining)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def raw_read(path: Path, block: memoryview) -> int:
+    total = 0
+    with open(path, "rb", buffering=0) as handle:
+        while count := handle.readinto(block):
+            total += count
+    return total
+
+
+class TimedManager:
+    """The FSDPCheckpointManager, passed to CheckpointHandler.save, recording how long its save took."""
+
+    def __init__(self, manager):
+        self.manager = manager
+        self.backend = manager.backend
+        self.save_seconds = 0.0
+
+    @property
+    def world_size(self) -> int:
+        return self.manager.world_size
+
+    def save(self, path: Path, step: int) -> dict[str, dict[str, Any]]:
+        seconds, files = timed(lambda: self.manager.save(path, step))
+        self.save_seconds = seconds
+        return files
+
+    def load(self, path: Path) -> None:
+        self.manager.load(path)
+
+
+@dataclass
+class Samples:
+    """Seconds per repeat for each operation, and the bytes it moved."""
+
+    seconds: dict[str, list[float]]
+    nbytes: dict[str, int]
+
+    def add(self, name: str, seconds: float, nbytes: int) -> None:
+        self.seconds.setdefault(name, []).append(seconds)
+        self.nbytes[name] = nbytes
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.seconds[name])
+
+
+def measure_saves(group, handler, work: Path, full_state: dict[str, Any], samples: Samples, block: memoryview) -> Path:
+    """One repeat of every save-side measurement; returns the committed checkpoint (kept for the loads)."""
+    from rlrunner.checkpoint.manager import FSDPCheckpointManager
+
+    manager = TimedManager(FSDPCheckpointManager(group))
+    data_state = {"dataloader": {"epoch": 0, "position": 0}, "runner": {"global_step": 1, "epoch": 0, "total_steps": 1}}
+    seconds, checkpoint = timed(lambda: handler.save(1, manager, data_state))
+    checkpoint_bytes = folder_bytes(checkpoint)
+    samples.add("rlrunner CheckpointHandler.save", seconds, checkpoint_bytes)
+    samples.add("  of which FSDPCheckpointManager.save", manager.save_seconds, folder_bytes(checkpoint / "actor"))
+
+    shards_only = work / "shards_only"
+    seconds, _ = timed(lambda: FSDPCheckpointManager(group).save(shards_only, 1))
+    samples.add("rlrunner FSDPCheckpointManager.save (alone)", seconds, folder_bytes(shards_only))
+    shutil.rmtree(shards_only)
+
+    torch_file = work / "full_state.pt"
+    seconds, _ = timed(lambda: torch_save_durably(full_state, torch_file))
+    samples.add("torch.save + fsync (one file)", seconds, torch_file.stat().st_size)
+
+    raw_file = work / "raw.bin"
+    seconds, _ = timed(lambda: raw_write(raw_file, checkpoint_bytes, block))
+    samples.add("raw write + fsync", seconds, checkpoint_bytes)
+    return checkpoint
+
+
+def measure_loads(group, checkpoint: Path, work: Path, samples: Samples, block: memoryview, drop: bool) -> None:
+    """One repeat of every load-side measurement, each from a cold page cache when `drop`."""
+    from rlrunner.checkpoint.handler import COMPLETE, inspect_checkpoint
+    from rlrunner.checkpoint.manager import FSDPCheckpointManager
+
+    checkpoint_bytes = folder_bytes(checkpoint)
+    drop_page_cache(drop)
+    seconds, status = timed(lambda: inspect_checkpoint(checkpoint, checksums=True))
+    if status.status != COMPLETE:
+        raise RuntimeError(f"{checkpoint} does not verify: {status.reasons}")
+    samples.add("rlrunner inspect_checkpoint(checksums=True)", seconds, checkpoint_bytes)
+
+    drop_page_cache(drop)
+    seconds, _ = timed(lambda: FSDPCheckpointManager(group).load(checkpoint / "actor"))
+    samples.add("rlrunner FSDPCheckpointManager.load", seconds, folder_bytes(checkpoint / "actor"))
+
+    torch_file = work / "full_state.pt"
+    drop_page_cache(drop)
+    seconds, loaded = timed(lambda: torch.load(torch_file, weights_only=True))
+    del loaded
+    samples.add("torch.load(weights_only=True)", seconds, torch_file.stat().st_size)
+
+    raw_file = work / "raw.bin"
+    drop_page_cache(drop)
+    seconds, nbytes = timed(lambda: raw_read(raw_file, block))
+    samples.add("raw read", seconds, nbytes)
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+SAVE_ROWS = [
+    "rlrunner CheckpointHandler.save",
+    "  of which FSDPCheckpointManager.save",
+    "rlrunner FSDPCheckpointManager.save (alone)",
+    "torch.save + fsync (one file)",
+    "raw write + fsync",
+]
+LOAD_ROWS = [
+    "rlrunner inspect_checkpoint(checksums=True)",
+    "rlrunner FSDPCheckpointManager.load",
+    "torch.load(weights_only=True)",
+    "raw read",
+]
+
+
+def markdown_table(samples: Samples) -> str:
+    lines = ["| operation | bytes | seconds | GB/s | vs raw write |", "|---|---:|---:|---:|---:|"]
+    for section, rows, reference in (("save", SAVE_ROWS, "raw write + fsync"), ("load", LOAD_ROWS, "raw read")):
+        ref_rate = samples.nbytes[reference] / samples.median(reference)
+        for name in rows:
+            seconds = samples.median(name)
+            rate = samples.nbytes[name] / seconds
+            label = f"{section}: {name.strip()}" if not name.startswith(" ") else f"{section}:   ↳ {name.strip()}"
+            lines.append(f"| {label} | {samples.nbytes[name]:,} | {seconds:.3f} | {rate / 1e9:.3f} | {rate / ref_rate:.2f} |")
+    return "\n".join(lines)
+
+
+def per_repeat_seconds(samples: Samples) -> str:
+    """Every repeat's seconds, in order, so a slow first repeat (cold allocations) stays visible."""
+    return "\n".join(
+        f"  {name.strip()}: " + ", ".join(f"{s:.3f}" for s in samples.seconds[name]) for name in SAVE_ROWS + LOAD_ROWS
+    )
+
+
+def filesystem_of(path: Path) -> str:
+    """'<device> (<fstype>)' of the mount holding `path`, from /proc/mounts."""
+    best = ("?", "?", "")
+    resolved = str(path.resolve())
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            device, mount, fstype = line.split()[:3]
+            if (resolved == mount or resolved.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best[2]):
+                best = (device, fstype, mount)
+    except OSError:
+        pass
+    return f"{best[0]} ({best[1]}, mounted on {best[2] or '?'})"
+
+
+def memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def command_line() -> str:
+    return shlex.join([sys.executable, *sys.argv])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=float, default=100.0, help="target model size in millions of parameters")
+    parser.add_argument("--workers", type=int, default=2, help="actor (FSDP) ranks")
+    parser.add_argument("--cpus-per-worker", type=float, default=0.5, help="Ray logical CPUs per actor rank")
+    parser.add_argument("--repeat", type=int, default=3, help="repeats per measurement (the median is reported)")
+    parser.add_argument("--dir", type=Path, default=None, help="disk folder to write in (a fresh subfolder is made)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import ray
+
+    from rlrunner.checkpoint.handler import CheckpointHandler
+
+    parent = args.dir or Path(tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench_checkpoint_", dir=parent))
+    drop = can_drop_page_cache()
+    started = time.perf_counter()
+    try:
+        shape = choose_shape(args.params * 1e6, tokenizer_vocab_size())
+        cfg = build_config(shape, args.workers, args.cpus_per_worker, work)
+        params = exact_param_count(dict(cfg.model))
+        print(f"model: Qwen2 {vars(shape)}, {params:,} parameters; {args.workers} actor ranks", flush=True)
+
+        start_ray(args.workers, args.cpus_per_worker)
+        group = build_actor_group(cfg)
+        stats = create_optimizer_state(group, cfg)
+        print(
+            "optimizer state: created by one real ActorWorker.update on a runner-built batch "
+            f"(grad_norm {stats['grad_norm']:.3f}, {int(stats['optimizer_state_tensors_per_rank'])} AdamW state tensors on rank 0)",
+            flush=True,
+        )
+        full_state = gather_full_state(group)
+        handler = CheckpointHandler(
+            work / "experiment", save_interval=1, max_keep=None, fingerprint={"benchmark": "bench_checkpoint", "params": params}
+        )
+        block = memoryview(bytearray(os.urandom(1 << 20)) * (RAW_CHUNK_BYTES >> 20))
+        samples = Samples({}, {})
+        for repeat in range(args.repeat):
+            checkpoint = measure_saves(group, handler, work, full_state, samples, block)
+            measure_loads(group, checkpoint, work, samples, block, drop)
+            shutil.rmtree(checkpoint)
+            print(f"repeat {repeat + 1}/{args.repeat} done ({time.perf_counter() - started:.0f}s elapsed)", flush=True)
+        del full_state
+        group.shutdown()
+
+        print()
+        print(markdown_table(samples))
+        print()
+        print(
+            f"Medians of {args.repeat} repeats. 'torch.save + fsync' includes the fsync; its state is gathered unsharded into "
+            "the driver beforehand (not timed). 'vs raw write' is the ratio of throughputs; load rows are relative to "
+            "'raw read' (= 1.00). Page cache "
+            + ("dropped (/proc/sys/vm/drop_caches was writable) before every load-side row." if drop
+               else "NOT dropped (/proc/sys/vm/drop_caches not writable): loads are from the page cache.")
+        )
+        print(
+            f"machine: {os.cpu_count()} CPU cores ({platform.machine()}), {memory_gib():.0f} GiB RAM, "
+            f"torch {torch.__version__}, ray {ray.__version__}; disk folder {work} on {filesystem_of(work)}"
+        )
+        print("seconds per repeat:")
+        print(per_repeat_seconds(samples))
+        print(f"command: {command_line()}")
+        print(f"total time: {time.perf_counter() - started:.0f}s")
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Pure checkpoint logic (when to save, what to keep, config fingerprints) and safe DCP reading, without Ray."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from rlrunner.checkpoint.handler import root_cause
+from rlrunner.checkpoint.manifest import ManifestError, build_manifest, file_record, read_manifest, verify_files, write_manifest
+from rlrunner.checkpoint.policy import fingerprint_differences, flatten, should_save, steps_to_delete
+from rlrunner.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeMetadataError, read_metadata
+
+
+@pytest.mark.parametrize(
+    "step, interval, last, expected",
+    [(50, 50, 200, True), (100, 50, 200, True), (49, 50, 200, False), (51, 50, 200, False), (200, 50, 200, True),
+     (7, 50, 7, True), (3, 0, 10, False), (10, 0, 10, True), (5, -1, 10, False), (10, -1, 10, True), (1, 1, 10, True)],
+)
+def test_should_save(step, interval, last, expected):
+    assert should_save(step, interval, last) is expected
+
+
+def test_steps_to_delete_keeps_the_newest():
+    assert steps_to_delete([50, 100, 150, 200], None) == []
+    assert steps_to_delete([50, 100, 150, 200], 2) == [50, 100]
+    assert steps_to_delete([200, 50, 150, 100], 1) == [50, 100, 150]
+    assert steps_to_delete([100], 1) == []
+    assert steps_to_delete([100, 200], 5) == []
+    assert steps_to_delete([], 2) == []
+
+
+def test_flatten_and_fingerprint_differences():
+    assert flatten("a", {"b": {"c": 1}, "d": [1, 2]}) == {"a.b.c": 1, "a.d": [1, 2]}
+    saved = {"lr": 0.001, "betas": [0.9, 0.99], "layers": 2, "tie": False}
+    assert fingerprint_differences(saved, {"lr": 1e-3, "betas": (0.9, 0.99), "layers": 2.0, "tie": False}) == []
+    assert fingerprint_differences(saved, {"lr": 0.01, "betas": [0.9, 0.99], "layers": 2, "extra": 1}) == [
+        "extra (checkpoint '<absent>', run 1)",
+        "lr (checkpoint 0.001, run 0.01)",
+        "tie (checkpoint False, run '<absent>')",
+    ]
+
+
+def test_manifest_round_trip_and_verification(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "shard.bin").write_bytes(b"hello world" * 100)
+    record = file_record(tmp_path / "a" / "shard.bin")
+    assert record == {"size": 1100, "crc32": f"{zlib.crc32(b'hello world' * 100):08x}"}
+    manifest = build_manifest(5, 2, "fsdp2-dcp", {"k": 1}, {"a/shard.bin": record}, {"epoch": 0})
+    write_manifest(tmp_path, manifest)
+    assert read_manifest(tmp_path) == manifest
+    assert verify_files(tmp_path, manifest, checksums=True) == []
+    (tmp_path / "a" / "shard.bin").write_bytes(b"hello wOrld" * 100)
+    assert [str(p) for p in verify_files(tmp_path, manifest, checksums=False)] == []
+    assert "checksum" in str(verify_files(tmp_path, manifest, checksums=True)[0])
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [(None, "no manifest.json"), ("{", "unreadable"), ('{"format": "other"}', "not an rlrunner checkpoint manifest"),
+     ('{"format": "rlrunner.checkpoint", "version": 99}', "has version 99"),
+     ('{"format": "rlrunner.checkpoint", "version": 1, "step": 1}', "lacks 'world_size'")],
+)
+def test_bad_manifests(tmp_path, content, expected):
+    if content is not None:
+        (tmp_path / "manifest.json").write_text(content)
+    with pytest.raises(ManifestError, match=expected):
+        read_manifest(tmp_path)
+
+
+def _save_dcp(folder: Path, state: dict) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+
+
+def _load_dcp(folder: Path, state: dict) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner(), no_dist=True)
+
+
+def test_safe_reading_of_a_genuine_dcp_folder(tmp_path):
+    _save_dcp(tmp_path, {"w": torch.arange(6.0).view(2, 3), "sched": {"last_epoch": 3, "lrs": [0.1]}, "rng": (3, (1, 2), None)})
+    assert sorted(read_metadata(tmp_path).state_dict_metadata) == ["rng", "sched.last_epoch", "sched.lrs", "w"]
+    target = {"w": torch.zeros(2, 3), "sched": {"last_epoch": 0, "lrs": [0.0]}, "rng": None}
+    _load_dcp(tmp_path, target)
+    assert torch.equal(target["w"], torch.arange(6.0).view(2, 3))
+    assert target["sched"] == {"last_epoch": 3, "lrs": [0.1]} and target["rng"] == (3, (1, 2), None)
+
+
+class _Planted:
+    """Unpickling this (as stock DCP would, with weights_only=False) creates a file: a stand-in for any code."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_planted_pickle_in_an_item_is_refused_not_run(tmp_path):
+    marker = tmp_path / "pwned"
+    _save_dcp(tmp_path / "ckpt", {"w": torch.ones(2), "evil": _Planted(str(marker))})
+    with pytest.raises(BaseException) as error:  # DCP wraps each rank's error in its CheckpointException
+        _load_dcp(tmp_path / "ckpt", {"w": torch.zeros(2), "evil": None})
+    assert root_cause(error.value).startswith("rank 0: UnpicklingError: Weights only load failed")
+    assert not marker.exists()
+
+
+def test_a_planted_pickle_in_metadata_is_refused_not_run(tmp_path):
+    marker = tmp_path / "pwned"
+    _save_dcp(tmp_path / "ckpt", {"w": torch.ones(2)})
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(_Planted(str(marker))))
+    with pytest.raises(UnsafeMetadataError, match="refers to io.open, which a DCP .metadata never needs"):
+        read_metadata(tmp_path / "ckpt")
+    with pytest.raises(BaseException) as error:
+        _load_dcp(tmp_path / "ckpt", {"w": torch.zeros(2)})
+    assert "checkpoint metadata refers to io.open, which a DCP .metadata never needs" in root_cause(error.value)
+    assert not marker.exists()
+    assert os.listdir(tmp_path) == ["ckpt"]
