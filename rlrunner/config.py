@@ -41,6 +41,14 @@ class LoggerConfig:
 
 
 @dataclass
+class RecoveryConfig:
+    enabled: bool = True  # repair the worker groups in-job after a worker, node or collective failure
+    max_restarts: int = 3  # in-job restarts before the run gives up
+    step_timeout_s: float = 600.0  # bound on every remote call and collective (also the process-group timeout)
+    wait_timeout_s: float = 600.0  # how long a restart waits for the cluster to have the resources again
+
+
+@dataclass
 class RunnerConfig:
     experiment_name: str = "grpo-arith"
     output_dir: str = "./logs"
@@ -51,7 +59,9 @@ class RunnerConfig:
     resume_dir: Optional[str] = None
     max_ckpt_to_keep: Optional[int] = None  # null keeps all
     verify_checksums: bool = True  # check every file's CRC-32 before resuming (sizes are always checked)
+    max_wall_time_s: Optional[float] = None  # stop with an emergency checkpoint after this long (set below a scheduler's limit)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
 
 
 @dataclass
@@ -250,6 +260,16 @@ def validate_config(cfg: DictConfig) -> None:
         "data.max_prompt_length": cfg.data.max_prompt_length,
         "cluster.threads_per_worker": cfg.cluster.threads_per_worker,
     }
+    positive.update(
+        {
+            "runner.recovery.step_timeout_s": cfg.runner.recovery.step_timeout_s,
+            "runner.recovery.wait_timeout_s": cfg.runner.recovery.wait_timeout_s,
+        }
+    )
+    if cfg.runner.max_wall_time_s is not None:
+        positive["runner.max_wall_time_s"] = cfg.runner.max_wall_time_s
+    if cfg.runner.recovery.max_restarts < 0:
+        raise ConfigError(f"runner.recovery.max_restarts must be >= 0, got {cfg.runner.recovery.max_restarts}")
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")

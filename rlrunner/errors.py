@@ -7,6 +7,7 @@ class RLRunnerError(Exception):
     """A problem the user can fix; reported as one line, without a traceback."""
 
     exit_code = 1
+    label = "error"  # the word after "rlrunner:" in the one-line report
 
 
 class ConfigError(RLRunnerError):
@@ -35,5 +36,24 @@ class CheckpointSaveError(RLRunnerError):
 
 class ExperimentLockedError(RLRunnerError):
     """Another run is using the same experiment folder."""
+
+    exit_code = 2
+
+
+class RecoveryExhaustedError(RLRunnerError):
+    """Workers kept failing: `runner.recovery.max_restarts` in-job restarts were used up."""
+
+    exit_code = 1
+
+
+class StoppedEarly(RLRunnerError):
+    """A stop was asked for (SIGTERM, SIGINT, runner.max_wall_time_s): an emergency checkpoint was written."""
+
+    exit_code = 3
+    label = "stopped"
+
+
+class StorageNotSharedError(RLRunnerError):
+    """The checkpoint folder is not the same folder on every node that hosts a worker."""
 
     exit_code = 2

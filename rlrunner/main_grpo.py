@@ -1,7 +1,14 @@
 """Entry point: `python -m rlrunner.main_grpo [--config-name NAME] [--config-path DIR] [--cfg] [key=value ...]`.
 
 Config -> input checks -> Ray -> GRPORunner.run(). User errors end the process with one line on
-stderr and the exit code of their kind (see `rlrunner.errors`; 2 = configuration, do not retry).
+stderr and the exit code of their kind (see `rlrunner.errors`):
+
+    0  finished
+    1  failed (workers kept failing, a save failed, the cluster cannot place the workers)
+    2  configuration error: retrying will not help
+    3  stopped early on SIGTERM / SIGINT / runner.max_wall_time_s, after an emergency checkpoint
+    128+N  a second signal N ended the run at once (130: SIGINT, 143: SIGTERM); the last committed
+           checkpoint is intact
 """
 
 from __future__ import annotations
@@ -67,8 +74,12 @@ def main(argv: list[str] | None = None) -> int:
         from rlrunner.cluster.ray_setup import init_ray
         from rlrunner.runner.grpo_runner import GRPORunner
 
-        runner = GRPORunner(cfg)
+        from rlrunner.runner.stopping import StopRequest
+
+        stop = StopRequest(cfg.runner.max_wall_time_s)
+        runner = GRPORunner(cfg, stop)
         init_ray(cfg.cluster.ray_address, cfg.cluster.num_cpus)
+        stop.install()  # after ray.init, which installs a SIGTERM handler of its own
         runner.run()
         return 0
     except KeyboardInterrupt:
@@ -78,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         error = user_error(exc)
         if error is None:
             raise
-        print(f"rlrunner: error: {error}", file=sys.stderr)
+        print(f"rlrunner: {error.label}: {error}", file=sys.stderr)
         return error.exit_code
 
 

@@ -18,9 +18,12 @@ TINY_MODEL = [
 ]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_session():
-    """A local Ray with more logical CPUs than cores, so that several small worker groups fit on 2 cores."""
+    """A local Ray with more logical CPUs than cores, so that several small worker groups fit on 2 cores.
+
+    Module-scoped: the recovery tests run their own multi-node cluster instead.
+    """
     import ray
 
     if not ray.is_initialized():

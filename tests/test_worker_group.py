@@ -10,7 +10,7 @@ import ray
 from ray import cloudpickle
 
 from rlrunner.cluster.worker import Worker
-from rlrunner.cluster.worker_group import WorkerGroup
+from rlrunner.cluster.worker_group import CallAbandoned, CallTimeoutError, WorkerGroup
 from rlrunner.errors import ResourceError
 
 # Ray workers cannot import this test module by name: ship its classes by value.
@@ -36,6 +36,13 @@ class SumWorker(Worker):
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
 
+    def fail_on_rank(self, rank: int, seconds: float) -> int:
+        """Rank `rank` raises at once; the others hang for `seconds` (like peers stuck in a collective)."""
+        if self.rank == rank:
+            raise RuntimeError(f"rank {rank} failed")
+        time.sleep(seconds)
+        return self.rank
+
 
 def test_calls_scatter_and_process_group(ray_session):
     group = WorkerGroup("sum", SumWorker, 2, worker_kwargs={"offset": 10}, cpus_per_worker=0.25, distributed=True)
@@ -55,9 +62,32 @@ def test_call_timeout_is_bounded(ray_session):
     group = WorkerGroup("slow", SumWorker, 1, cpus_per_worker=0.25, call_timeout_s=0.5)
     try:
         started = time.monotonic()
-        with pytest.raises(ray.exceptions.GetTimeoutError):
+        with pytest.raises(CallTimeoutError, match="the slow group did not answer within 0.5s"):
             group.call_all("sleep", 30)
         assert time.monotonic() - started < 10
+    finally:
+        group.shutdown()
+
+
+def test_a_failing_rank_is_reported_without_waiting_for_hung_peers(ray_session):
+    group = WorkerGroup("mixed", SumWorker, 2, cpus_per_worker=0.25, call_timeout_s=60)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ray.exceptions.RayTaskError, match="rank 1 failed"):
+            group.call_all("fail_on_rank", 1, 30)
+        assert time.monotonic() - started < 10
+        assert group.unresponsive_ranks(timeout_s=1) == [0]  # rank 0 is still sleeping in its call
+    finally:
+        group.shutdown()
+
+
+def test_waiting_can_be_abandoned(ray_session):
+    group = WorkerGroup("abandon", SumWorker, 1, cpus_per_worker=0.25)
+    try:
+        deadline = time.monotonic() + 1
+        with pytest.raises(CallAbandoned):
+            group.get(group.call_all_async("sleep", 30), abandon=lambda: time.monotonic() > deadline)
+        assert time.monotonic() < deadline + 5
     finally:
         group.shutdown()
 

@@ -23,6 +23,11 @@ class Worker:
         """Where this worker runs: used for placement checks and logs."""
         return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "node_ip": node_ip()}
 
+    def probe_storage(self, directory: str, token: str) -> str | None:
+        from rlrunner.cluster.shared_storage import answer_probe
+
+        return answer_probe(directory, token, node_ip())
+
     def free_address(self) -> tuple[str, int]:
         """An address and free port on this worker's node for the process-group rendezvous."""
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -6,14 +6,15 @@
     group.call_each("update", [(shard0,), (shard1,)])  # scatter: rank i gets args i; results in rank order
 
 Every blocking call waits at most `timeout_s` (the group's `call_timeout_s` unless given), so a
-dead or hung peer surfaces as an exception instead of a stuck driver.
+dead or hung peer surfaces as an exception instead of a stuck driver; a rank that fails is
+reported at once, without waiting for peers that may be stuck in a collective with it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -22,6 +23,16 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlrunner.errors import ResourceError
 
 logger = logging.getLogger(__name__)
+
+_POLL_S = 0.2
+
+
+class CallTimeoutError(TimeoutError):
+    """A call on a worker group did not finish within its time limit (a hung worker or collective)."""
+
+
+class CallAbandoned(Exception):
+    """The caller gave up waiting (e.g. a stop was requested while a rollout was in flight)."""
 
 
 class WorkerGroup:
@@ -38,6 +49,7 @@ class WorkerGroup:
         distributed: bool = False,
         call_timeout_s: float | None = None,
         start_timeout_s: float = 300.0,
+        dist_timeout_s: float = 1800.0,
     ):
         self.name = name
         self.num_workers = num_workers
@@ -46,7 +58,8 @@ class WorkerGroup:
         if gpus_per_worker:
             bundle["GPU"] = gpus_per_worker
         self.placement_group = placement_group([dict(bundle) for _ in range(num_workers)], strategy=placement_strategy)
-        self._wait_for_placement(bundle, placement_timeout_s)
+        self.placement_wait_s = self._wait_for_placement(bundle, placement_timeout_s)
+        started = time.monotonic()
         remote_cls = ray.remote(worker_cls)
         self.workers = [
             remote_cls.options(
@@ -64,16 +77,27 @@ class WorkerGroup:
         self.hosts = self.call_all("ping", timeout_s=start_timeout_s)
         if distributed:
             host, port = self.call_rank(0, "free_address", timeout_s=start_timeout_s)
-            self.call_all("init_process_group", host, port, call_timeout_s or 1800.0, timeout_s=start_timeout_s)
+            self.call_all("init_process_group", host, port, dist_timeout_s, timeout_s=start_timeout_s)
+        self.start_s = time.monotonic() - started
 
-    def _wait_for_placement(self, bundle: dict[str, float], timeout_s: float) -> None:
+    def _wait_for_placement(self, bundle: dict[str, float], timeout_s: float, log_every_s: float = 10.0) -> float:
+        """Seconds waited until the cluster fits the group; ResourceError (naming what is missing) after `timeout_s`."""
         started = time.monotonic()
-        ready, _ = ray.wait([self.placement_group.ready()], timeout=timeout_s)
-        if ready:
-            logger.debug("%s group placed in %.1fs", self.name, time.monotonic() - started)
-            return
-        remove_placement_group(self.placement_group)
-        raise ResourceError(describe_missing_resources(self.name, self.num_workers, bundle, timeout_s))
+        ready_ref = self.placement_group.ready()
+        while True:
+            waited = time.monotonic() - started
+            remaining = timeout_s - waited
+            ready, _ = ray.wait([ready_ref], timeout=max(0.0, min(log_every_s, remaining)))
+            if ready:
+                return time.monotonic() - started
+            waited = time.monotonic() - started
+            if waited >= timeout_s:
+                remove_placement_group(self.placement_group)
+                raise ResourceError(describe_missing_resources(self.name, self.num_workers, bundle, timeout_s))
+            logger.info(
+                "waiting for the cluster to fit the %s group (%.0fs of %.0fs): %s",
+                self.name, waited, timeout_s, describe_missing_resources(self.name, self.num_workers, bundle, waited).split(": needs ")[-1],
+            )
 
     # -- calls ---------------------------------------------------------------------------------
 
@@ -85,12 +109,37 @@ class WorkerGroup:
             raise ValueError(f"{self.name}: {len(per_rank_args)} argument tuples for {self.num_workers} workers")
         return [getattr(worker, method).remote(*args) for worker, args in zip(self.workers, per_rank_args)]
 
-    def get(self, refs: Sequence[ray.ObjectRef] | ray.ObjectRef, timeout_s: float | None = None) -> Any:
+    def get(
+        self,
+        refs: Sequence[ray.ObjectRef] | ray.ObjectRef,
+        timeout_s: float | None = None,
+        abandon: Callable[[], bool] | None = None,
+    ) -> Any:
+        """The results, in order. Raises a failed rank's error as soon as it is known, CallTimeoutError after
+        `timeout_s`, and CallAbandoned when `abandon()` turns true while waiting."""
+        single = isinstance(refs, ray.ObjectRef)
+        pending = [refs] if single else list(refs)
+        order = list(pending)
+        limit = timeout_s if timeout_s is not None else self.call_timeout_s
+        deadline = None if limit is None else time.monotonic() + limit
+        results: dict[ray.ObjectRef, Any] = {}
         try:
-            return ray.get(refs, timeout=timeout_s if timeout_s is not None else self.call_timeout_s)
-        except Exception:
-            _drain(refs)
+            while pending:
+                wait_s = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
+                ready, pending = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
+                for ref in ready:
+                    results[ref] = ray.get(ref)
+                if not pending:
+                    break
+                if abandon is not None and abandon():
+                    raise CallAbandoned(f"stopped waiting for the {self.name} group")
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise CallTimeoutError(f"the {self.name} group did not answer within {limit:g}s (runner.recovery.step_timeout_s)")
+        except BaseException:
+            _drain(pending)
             raise
+        values = [results[ref] for ref in order]
+        return values[0] if single else values
 
     def call_all(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         return self.get(self.call_all_async(method, *args, **kwargs), timeout_s)
@@ -100,6 +149,20 @@ class WorkerGroup:
 
     def call_each(self, method: str, per_rank_args: Sequence[tuple], timeout_s: float | None = None) -> list[Any]:
         return self.get(self.call_each_async(method, per_rank_args), timeout_s)
+
+    def unresponsive_ranks(self, timeout_s: float = 5.0) -> list[int]:
+        """Ranks that do not answer a ping within `timeout_s` (dead, or stuck in a call)."""
+        refs = {rank: worker.ping.remote() for rank, worker in enumerate(self.workers)}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        lost = []
+        for rank, ref in refs.items():
+            try:
+                if ref not in ready:
+                    raise TimeoutError
+                ray.get(ref, timeout=0)
+            except Exception:
+                lost.append(rank)
+        return lost
 
     def shutdown(self) -> None:
         """Kill every actor and free the placement group; safe to call on a half-dead group."""
@@ -114,9 +177,12 @@ class WorkerGroup:
             pass
 
 
-def _drain(refs: Sequence[ray.ObjectRef] | ray.ObjectRef, timeout_s: float = 2.0) -> None:
-    """Read what the other ranks returned after one failed, so Ray does not log their errors as unhandled."""
+def _drain(refs: Sequence[ray.ObjectRef] | ray.ObjectRef, timeout_s: float = 0.0) -> None:
+    """Read what other ranks already returned after one failed, so Ray does not log their errors as unhandled.
+    Never waits by default: a failure must reach the caller at once."""
     pending = [refs] if isinstance(refs, ray.ObjectRef) else list(refs)
+    if not pending:
+        return
     ready, _ = ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
     for ref in ready:
         try:

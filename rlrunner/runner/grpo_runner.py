@@ -1,9 +1,11 @@
 """The GRPO step loop on the driver: rollout -> reward -> advantages -> policy update -> weight sync.
 
-Reads top to bottom: entering the runner locks the experiment folder, finds the checkpoint to
-resume from, builds the worker groups, restores the checkpoint and pushes the actor's weights to
-the rollout group; `train` then runs `train_step` for each global step, logs its metrics and
-saves a checkpoint when the handler says so.
+Reads top to bottom. `run()` holds the experiment lock and makes attempts: each attempt starts
+the worker groups, restores the checkpoint (if any), pushes the actor's weights to the rollout
+group and trains, logging every step and saving when the handler says so. When a worker, a node
+or a collective fails, the attempt's groups are torn down and the next attempt resumes from the
+newest complete checkpoint, up to `runner.recovery.max_restarts` times. A stop request (SIGTERM,
+SIGINT, `runner.max_wall_time_s`) ends the loop with an emergency checkpoint.
 """
 
 from __future__ import annotations
@@ -22,14 +24,17 @@ from rlrunner.checkpoint.handler import Checkpoint, CheckpointHandler
 from rlrunner.checkpoint.lock import ExperimentLock
 from rlrunner.checkpoint.manager import FSDPCheckpointManager
 from rlrunner.checkpoint.policy import flatten
-from rlrunner.cluster.worker_group import WorkerGroup
+from rlrunner.cluster.shared_storage import check_shared_folder
+from rlrunner.cluster.worker_group import CallAbandoned, WorkerGroup
 from rlrunner.config import mini_batch_prompts
 from rlrunner.data.datasets import build_dataset
 from rlrunner.data.loader import PromptLoader
-from rlrunner.errors import CheckpointError
+from rlrunner.errors import CheckpointError, RecoveryExhaustedError, StoppedEarly
 from rlrunner.models.loading import build_hf_config, build_tokenizer, token_ids
 from rlrunner.runner.batching import build_actor_batch, chunk, shard_actor_batch, split_evenly
 from rlrunner.runner.metrics_logger import MetricsLogger, Progress
+from rlrunner.runner.recovery import RecoveryLog, describe, failure_cause
+from rlrunner.runner.stopping import StopRequest
 from rlrunner.utils.seeding import derive_seed
 from rlrunner.workers.actor import ActorWorker
 from rlrunner.workers.rollout import RolloutWorker
@@ -55,16 +60,17 @@ def model_optimizer_fingerprint(cfg: DictConfig, hf_config: dict[str, Any]) -> d
 
 
 class GRPORunner:
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: DictConfig, stop: StopRequest | None = None):
         self.cfg = cfg
         self.log_path = Path(cfg.runner.logger.log_path).expanduser().resolve()
         self.tokenizer = build_tokenizer(cfg.model)
         self.token_ids = token_ids(cfg.model, self.tokenizer)
         self.dataset = build_dataset(cfg.data, self.tokenizer, cfg.runner.seed)
-        self.loader = PromptLoader(self.dataset, cfg.data.batch_size, cfg.runner.seed, cfg.data.shuffle)
+        self.loader = self._new_loader()
         self.total_steps = min(cfg.runner.max_steps, cfg.runner.max_epochs * self.loader.steps_per_epoch)
         self.num_minibatches = cfg.data.batch_size // mini_batch_prompts(cfg)
         self.global_step = 0
+        self.last_saved_step: int | None = None
         self.actor_group: WorkerGroup | None = None
         self.rollout_group: WorkerGroup | None = None
         self.experiment = layout.experiment_dir(cfg.runner.output_dir, cfg.runner.experiment_name)
@@ -77,17 +83,27 @@ class GRPORunner:
             verify_checksums=cfg.runner.verify_checksums,
         )
         self.lock = ExperimentLock(self.experiment)
+        self.stop = stop or StopRequest(cfg.runner.max_wall_time_s)
+        self.recovery_log = RecoveryLog(self.log_path)
+        self.start_timings: dict[str, float] = {}
+        self.restart_to_report: int | None = None  # the restart whose first completed step is still to be logged
+
+    def _new_loader(self) -> PromptLoader:
+        return PromptLoader(self.dataset, self.cfg.data.batch_size, self.cfg.runner.seed, self.cfg.data.shuffle)
 
     # -- worker groups -------------------------------------------------------------------------
 
-    def build_groups(self) -> None:
+    def build_groups(self, placement_timeout_s: float) -> None:
         cfg = self.cfg.cluster
+        recovery = self.cfg.runner.recovery
         plain = lambda node: OmegaConf.to_container(node, resolve=True)  # noqa: E731
         common = {"threads": cfg.threads_per_worker, "use_gpu": cfg.gpus_per_worker > 0}
         placement = {
             "gpus_per_worker": cfg.gpus_per_worker,
             "placement_strategy": cfg.placement_strategy,
-            "placement_timeout_s": cfg.placement_timeout_s,
+            "placement_timeout_s": placement_timeout_s,
+            "call_timeout_s": recovery.step_timeout_s,
+            "dist_timeout_s": recovery.step_timeout_s,
         }
         optimizer_steps = self.total_steps * self.num_minibatches * self.cfg.actor.ppo_epochs
         self.actor_group = WorkerGroup(
@@ -129,6 +145,9 @@ class GRPORunner:
                 group.shutdown()
         self.actor_group = self.rollout_group = None
 
+    def groups(self) -> list[WorkerGroup]:
+        return [g for g in (self.actor_group, self.rollout_group) if g is not None]
+
     # -- one step ------------------------------------------------------------------------------
 
     def sync_weights(self) -> None:
@@ -139,10 +158,14 @@ class GRPORunner:
         self.rollout_group.get(loads)
 
     def generate(self, step: int, prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Samples in prompt order; chunks of prompts are fixed here, so the result is the same for any worker count."""
+        """Samples in prompt order; chunks of prompts are fixed here, so the result is the same for any worker count.
+
+        A stop request abandons the generation in flight (CallAbandoned): nothing has changed yet.
+        """
         chunks = chunk(prompts, self.cfg.rollout.generation_batch_size)
         assignment = split_evenly(chunks, self.rollout_group.num_workers)
-        results = self.rollout_group.call_each("generate", [(step, part) for part in assignment])
+        refs = self.rollout_group.call_each_async("generate", [(step, part) for part in assignment])
+        results = self.rollout_group.get(refs, abandon=lambda: self.stop.requested)
         return [sample for part in results for sample in part]
 
     def train_step(self, step: int) -> dict[str, Any]:
@@ -182,13 +205,15 @@ class GRPORunner:
             "dataloader": self.loader.state_dict(),
             "runner": {"global_step": step, "epoch": self.loader.epoch, "total_steps": self.total_steps},
         }
-        return self.handler.save(
+        path = self.handler.save(
             step,
             FSDPCheckpointManager(self.actor_group),
             data_state,
             write_extra=self._write_hf_files,
             extra_manifest={"epoch": self.loader.epoch, "experiment_name": self.cfg.runner.experiment_name},
         )
+        self.last_saved_step = step
+        return path
 
     def _write_hf_files(self, checkpoint: Path) -> None:
         """HF config and tokenizer beside the shards, so converters need nothing but the checkpoint."""
@@ -203,19 +228,30 @@ class GRPORunner:
         except ValueError as exc:
             raise CheckpointError(f"checkpoint {checkpoint.path} does not fit this run's data: {exc}") from None
         self.global_step = int(data_state["runner"]["global_step"])
+        self.last_saved_step = self.global_step
 
-    # -- the run -------------------------------------------------------------------------------
+    # -- one attempt ---------------------------------------------------------------------------
+
+    def start(self, checkpoint: Checkpoint | None, placement_timeout_s: float) -> None:
+        """Fresh state, groups up, storage checked, checkpoint restored, weights pushed to the rollout group."""
+        self.loader = self._new_loader()
+        self.global_step, self.last_saved_step = 0, None
+        started = time.monotonic()
+        self.build_groups(placement_timeout_s)
+        built = time.monotonic()
+        check_shared_folder(self.handler.root, self.groups())
+        if checkpoint is not None:
+            self.restore(checkpoint)
+        self.sync_weights()
+        waited = sum(g.placement_wait_s for g in self.groups())
+        self.start_timings = {"wait_s": waited, "rebuild_s": built - started - waited, "load_s": time.monotonic() - built}
 
     def __enter__(self) -> "GRPORunner":
-        """Lock the experiment, find the checkpoint to resume, start the groups, restore, sync the weights."""
+        """One attempt, without in-job recovery: lock, find the checkpoint, start (tests use this to look inside)."""
         self.lock.acquire()
         try:
             self.handler.remove_leftovers()
-            checkpoint = self.handler.find_resume(self.cfg.runner.resume_dir)
-            self.build_groups()
-            if checkpoint is not None:
-                self.restore(checkpoint)
-            self.sync_weights()
+            self.start(self.handler.find_resume(self.cfg.runner.resume_dir), self.cfg.cluster.placement_timeout_s)
         except BaseException:
             self.teardown_groups()
             self.lock.release()
@@ -227,7 +263,7 @@ class GRPORunner:
         self.lock.release()
 
     def train(self) -> dict[str, Any]:
-        """Run the steps up to `total_steps`; returns the last step's metrics."""
+        """Run the steps up to `total_steps`; returns the last step's metrics. StoppedEarly after a stop request."""
         cfg = self.cfg.runner
         logger.info("run %s: steps %d..%d, logs in %s", cfg.experiment_name, self.global_step + 1, self.total_steps, self.log_path)
         logger.info(self.handler.describe_schedule())
@@ -237,22 +273,94 @@ class GRPORunner:
         progress = Progress(self.total_steps, self.global_step, cfg.logger.progress_bar)
         last: dict[str, Any] = {}
         try:
-            while self.global_step < self.total_steps:
+            while self.global_step < self.total_steps and not self.stop.requested:
                 step = self.global_step + 1
-                last = self.train_step(step)
+                position = self.loader.state_dict()
+                try:
+                    last = self.train_step(step)
+                except CallAbandoned:
+                    self.loader.load_state_dict(position)  # the abandoned step never happened
+                    break
                 self.global_step = step
                 metrics_log.log(step, last)
                 progress.update(step, last)
+                if self.restart_to_report is not None:
+                    self.recovery_log.write("first_step", restart=self.restart_to_report, step=step)
+                    self.restart_to_report = None
                 if self.handler.should_save(step, self.total_steps):
                     self.save_checkpoint(step)
         finally:
             progress.close()
             metrics_log.close()
+        if self.global_step < self.total_steps:  # the loop ended on a stop request
+            self.emergency_stop()
         return last
 
+    def emergency_stop(self) -> None:
+        step = self.global_step
+        if step == 0:
+            saved = "no step had finished, so there is nothing to save"
+        elif self.last_saved_step == step:
+            saved = f"global_step_{step} is already saved"
+        else:
+            saved = f"saved {self.save_checkpoint(step).name}"
+        raise StoppedEarly(f"{self.stop.reason} at step {step}; {saved}; resume with runner.resume_dir=auto")
+
+    # -- the resilient run ---------------------------------------------------------------------
+
     def run(self) -> dict[str, Any]:
-        with self:
-            return self.train()
+        """Train to the end, repairing the worker groups in-job after worker, node or collective failures."""
+        recovery = self.cfg.runner.recovery
+        with self.lock:
+            self.handler.remove_leftovers()
+            initial = self.handler.find_resume(self.cfg.runner.resume_dir)
+            checkpoint, placement_timeout_s, restarts = initial, self.cfg.cluster.placement_timeout_s, 0
+            while True:
+                try:
+                    self.start(checkpoint, placement_timeout_s)
+                    if restarts:
+                        self.recovery_log.write("resumed", restart=restarts, step=self.global_step, **self.start_timings)
+                        self.restart_to_report = restarts
+                    return self.train()
+                except StoppedEarly:
+                    raise
+                except Exception as exc:
+                    cause = self.repairable_cause(exc)
+                    if cause is None or not recovery.enabled:
+                        raise
+                    failed_at = time.time()
+                    restarts += 1
+                    if restarts > recovery.max_restarts:
+                        raise RecoveryExhaustedError(
+                            f"giving up after {recovery.max_restarts} in-job restarts (runner.recovery.max_restarts); last failure: {cause}"
+                        ) from exc
+                    lost = self.global_step - (self.last_saved_step or 0)
+                    logger.error("restart %d of %d after a failure at step %d: %s", restarts, recovery.max_restarts, self.global_step + 1, cause)
+                    teardown_started = time.monotonic()
+                    self.teardown_groups()
+                    self.recovery_log.write(
+                        "failure", restart=restarts, cause=cause, step=self.global_step, lost_steps=lost,
+                        failed_at_unix=failed_at, teardown_s=time.monotonic() - teardown_started,
+                    )
+                    self.handler.remove_leftovers()
+                    checkpoint = self.handler.find_resume("auto") or initial
+                    placement_timeout_s = recovery.wait_timeout_s
+                finally:
+                    self.teardown_groups()
+
+    def repairable_cause(self, exc: BaseException) -> str | None:
+        """Why `exc` is a worker/node/collective failure the run can repair, or None (a bug or bad input).
+
+        The workers that no longer answer are named: the error that arrives first often comes from a
+        surviving peer whose collective broke, not from the worker that died.
+        """
+        cause = failure_cause(exc)
+        lost = [f"{g.name} rank {r}" for g in self.groups() for r in g.unresponsive_ranks(timeout_s=1.0)]
+        if cause is None and not lost:
+            return None
+        if cause is None:
+            cause = f"worker lost after {describe(exc)}"
+        return f"{cause} [not answering: {', '.join(lost)}]" if lost else cause
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
         """The actor's full weights (HF key names), gathered from the shards."""
@@ -293,5 +401,4 @@ def actor_metrics(per_rank: list[dict[str, float]], algorithm: DictConfig) -> di
         loss += algorithm.kl_coef * metrics["actor/kl"]
     if algorithm.entropy_coef:
         loss -= algorithm.entropy_coef * metrics["actor/entropy"]
-    metrics["actor/loss"] = loss
-    return {"actor/loss": metrics.pop("actor/loss"), **metrics}
+    return {"actor/loss": loss, **metrics}

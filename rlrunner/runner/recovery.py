@@ -1,0 +1,85 @@
+"""Which failures the driver repairs in-job, and the record of each restart (`recovery.jsonl`)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import ray
+
+from rlrunner.cluster.worker_group import CallTimeoutError
+
+RECOVERY_FILE = "recovery.jsonl"
+
+# Messages of torch.distributed / gloo / NCCL when a peer of a collective is gone or stuck.
+_COLLECTIVE_FAILURE_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "socket timeout",
+    "timed out",
+    "nccl communicator was aborted",
+    "connection refused",
+)
+_DIST_ERROR_NAMES = {"DistBackendError", "DistNetworkError", "DistStoreError", "DistError"}
+
+
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc` and everything it wraps: __cause__/__context__, Ray's task-error cause, DCP's per-rank failures."""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        err = stack.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        yield err
+        stack.extend([err.__cause__, err.__context__, getattr(err, "cause", None)])
+        failures = getattr(err, "failures", None)
+        if isinstance(failures, dict):
+            stack.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def describe(err: BaseException) -> str:
+    """`Type: first line` of the error itself (for a Ray task error: of the exception the worker raised)."""
+    inner = getattr(err, "cause", None)
+    if isinstance(inner, BaseException) and inner is not err:
+        err = inner
+    lines = [line.strip() for line in _ANSI.sub("", str(err)).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+def failure_cause(exc: BaseException) -> str | None:
+    """A one-line cause when `exc` comes from a lost or hung worker (repairable), None otherwise (a bug, bad input)."""
+    for err in exception_chain(exc):
+        if isinstance(err, CallTimeoutError):
+            return f"hang: {err}"
+        if isinstance(err, ray.exceptions.GetTimeoutError):
+            return "hang: a call did not finish within runner.recovery.step_timeout_s"
+        if isinstance(err, ray.exceptions.RayActorError):
+            return f"worker lost: {describe(err)}"
+        if isinstance(err, (ray.exceptions.ObjectLostError, ray.exceptions.NodeDiedError)):
+            return f"node lost: {describe(err)}"
+    for err in exception_chain(exc):
+        text = str(err).lower()
+        if type(err).__name__ in _DIST_ERROR_NAMES or any(marker in text for marker in _COLLECTIVE_FAILURE_MARKERS):
+            return f"collective failed (a peer is gone or stuck): {describe(err)}"
+    return None
+
+
+class RecoveryLog:
+    """Appends one JSON object per restart event to `<log_path>/recovery.jsonl` (kept across resumes)."""
+
+    def __init__(self, log_path: Path):
+        self.path = log_path / RECOVERY_FILE
+
+    def write(self, event: str, **fields: Any) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as handle:
+            handle.write(json.dumps({"event": event, "time_unix": time.time(), **fields}) + "\n")

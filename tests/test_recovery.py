@@ -1,0 +1,275 @@
+"""Surviving failures on a real multi-node Ray cluster (ray.cluster_utils.Cluster, several raylets on this machine).
+
+Layout: the head node has 1 CPU and takes the rollout worker; a worker node with 2 CPUs takes the two
+FSDP actor ranks (1 CPU each, packed on one node). Every test ends with the run finished and its
+metrics and final weights bit-identical to an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import ray
+import torch
+
+from conftest import TINY_MODEL, read_metrics, run_config, without_time
+from rlrunner.checkpoint import layout
+from rlrunner.checkpoint.convert import load_model_weights
+from rlrunner.errors import RecoveryExhaustedError, StoppedEarly
+from rlrunner.runner.grpo_runner import GRPORunner
+from rlrunner.runner.stopping import StopRequest
+
+STEPS = 10
+RUN = [
+    "data.synthetic.num_problems=26",
+    f"runner.max_steps={STEPS}",
+    "runner.save_interval=3",
+    "rollout.max_new_tokens=2",
+    "cluster.cpus_per_actor_worker=1",
+    "cluster.cpus_per_rollout_worker=1",
+    "runner.recovery.step_timeout_s=30",
+    "runner.recovery.wait_timeout_s=120",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    nodes.actor_node = nodes.add_node(num_cpus=2)  # where the actor group packs; replaced by the node-loss test
+    nodes.wait_for_nodes()
+    ray.init(address=nodes.address, logging_level="WARNING")
+    yield nodes
+    ray.shutdown()
+    nodes.shutdown()
+
+
+@dataclass
+class Reference:
+    metrics: list[dict]
+    weights: dict[str, torch.Tensor]
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tmp_path_factory) -> Reference:
+    out = tmp_path_factory.mktemp("reference")
+    GRPORunner(run_config(out, *RUN)).run()
+    return Reference(read_metrics(out / "test" / "metrics.jsonl"), load_model_weights(final_checkpoint(out)))
+
+
+def final_checkpoint(output_dir: Path) -> Path:
+    return output_dir / "test" / "checkpoints" / f"global_step_{STEPS}"
+
+
+def assert_matches_reference(output_dir: Path, reference: Reference) -> None:
+    metrics = read_metrics(output_dir / "test" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert without_time(metrics) == without_time(reference.metrics)
+    weights = load_model_weights(final_checkpoint(output_dir))
+    assert all(torch.equal(weights[k], reference.weights[k]) for k in reference.weights)
+
+
+def recovery_events(output_dir: Path, event: str) -> list[dict]:
+    path = output_dir / "test" / "recovery.jsonl"
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == event] if path.exists() else []
+
+
+def metrics_lines(output_dir: Path) -> int:
+    path = output_dir / "test" / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def once(condition: Callable[[], bool], action: Callable[[], None], timeout_s: float = 120) -> threading.Thread:
+    """Run `action` in a thread as soon as `condition()` holds (polled every few ms)."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if condition():
+                action()
+                return
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def kill(pid: int, sig: int = signal.SIGKILL) -> None:
+    os.kill(pid, sig)
+
+
+def test_actor_worker_killed_mid_step(cluster, reference, tmp_path):
+    runner = GRPORunner(run_config(tmp_path, *RUN))
+    once(lambda: metrics_lines(tmp_path) >= 4, lambda: kill(runner.actor_group.hosts[1]["pid"]))
+    runner.run()
+    failures = recovery_events(tmp_path, "failure")
+    assert len(failures) == 1 and failures[0]["restart"] == 1
+    assert "actor rank 1" in failures[0]["cause"] or "worker lost" in failures[0]["cause"]
+    assert failures[0]["lost_steps"] <= 3  # at most the steps since the last checkpoint (save_interval=3)
+    assert [e["step"] for e in recovery_events(tmp_path, "resumed")] == [3]
+    assert_matches_reference(tmp_path, reference)
+
+
+def test_rollout_worker_killed_mid_step(cluster, reference, tmp_path):
+    runner = GRPORunner(run_config(tmp_path, *RUN))
+    once(lambda: metrics_lines(tmp_path) >= 5, lambda: kill(runner.rollout_group.hosts[0]["pid"]))
+    runner.run()
+    assert len(recovery_events(tmp_path, "failure")) == 1
+    assert_matches_reference(tmp_path, reference)
+
+
+def test_worker_killed_mid_save(cluster, reference, tmp_path):
+    runner = GRPORunner(run_config(tmp_path, *RUN))
+    root = tmp_path / "test" / "checkpoints"
+    staged = lambda: root.is_dir() and any(p.name.startswith(layout.STAGING_PREFIX) for p in root.iterdir())  # noqa: E731
+    once(staged, lambda: kill(runner.actor_group.hosts[0]["pid"]))
+    runner.run()
+    failures = recovery_events(tmp_path, "failure")
+    assert len(failures) == 1
+    assert_matches_reference(tmp_path, reference)
+
+
+def test_hung_worker_is_detected_by_the_step_timeout(cluster, reference, tmp_path):
+    runner = GRPORunner(run_config(tmp_path, *RUN, "runner.recovery.step_timeout_s=4"))
+    once(lambda: metrics_lines(tmp_path) >= 4, lambda: kill(runner.rollout_group.hosts[0]["pid"], signal.SIGSTOP))
+    runner.run()
+    failures = recovery_events(tmp_path, "failure")
+    assert len(failures) == 1 and failures[0]["cause"].startswith("hang: the rollout group did not answer within 4s")
+    assert_matches_reference(tmp_path, reference)
+
+
+def test_restarts_are_bounded(cluster, tmp_path):
+    runner = GRPORunner(run_config(tmp_path, *RUN, "runner.recovery.max_restarts=0"))
+    once(lambda: metrics_lines(tmp_path) >= 2, lambda: kill(runner.actor_group.hosts[0]["pid"]))
+    with pytest.raises(RecoveryExhaustedError, match=r"giving up after 0 in-job restarts \(runner.recovery.max_restarts\); last failure: "):
+        runner.run()
+
+
+def test_node_lost_and_replaced(cluster, reference, tmp_path):
+    runner = GRPORunner(run_config(tmp_path, *RUN))
+    errors: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            runner.run()
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    # Cluster.add_node must run in the main thread (Ray installs signal handlers there): train in a thread
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    wait_for(lambda: metrics_lines(tmp_path) >= 4)
+    cluster.remove_node(cluster.actor_node)  # preemption: both actor ranks go at once
+    wait_for(lambda: bool(recovery_events(tmp_path, "failure")))
+    time.sleep(1.0)  # the driver is now waiting for the cluster to fit the actor group again
+    cluster.actor_node = cluster.add_node(num_cpus=2)
+    trainer.join(timeout=240)
+    assert not trainer.is_alive() and not errors, errors
+    [failure] = recovery_events(tmp_path, "failure")
+    assert "actor rank 0" in failure["cause"] and "actor rank 1" in failure["cause"]
+    [resumed] = recovery_events(tmp_path, "resumed")
+    assert resumed["wait_s"] >= 0.5  # it waited for the replacement node
+    assert_matches_reference(tmp_path, reference)
+
+
+def driver_command(cluster, output_dir: Path, *overrides: str) -> list[str]:
+    base = [f"runner.output_dir={output_dir}", "runner.experiment_name=test", "runner.logger.progress_bar=false",
+            "data.batch_size=4", "algorithm.group_size=4", "actor.micro_batch_size=4",
+            f"cluster.ray_address={cluster.address}", *TINY_MODEL]
+    return [*base, *RUN, *overrides]
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+def test_sigterm_writes_an_emergency_checkpoint_then_auto_resumes(cluster, reference, tmp_path, subprocess_env):
+    driver = subprocess.Popen([sys.executable, "-m", "rlrunner.main_grpo", *driver_command(cluster, tmp_path)],
+                              env=subprocess_env, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: metrics_lines(tmp_path) >= 4)
+    driver.send_signal(signal.SIGTERM)
+    _, err = driver.communicate(timeout=60)
+    assert driver.returncode == 3, err
+    last_line = err.strip().splitlines()[-1]
+    assert last_line.startswith("rlrunner: stopped: SIGTERM received at step ") and "resume with runner.resume_dir=auto" in last_line
+    stopped_at = int(last_line.split("at step ")[1].split(";")[0])
+    assert (tmp_path / "test" / "checkpoints" / f"global_step_{stopped_at}" / "manifest.json").is_file()
+    assert metrics_lines(tmp_path) == stopped_at  # the abandoned step (if any) was not logged
+
+    GRPORunner(run_config(tmp_path, *RUN, "runner.resume_dir=auto")).run()
+    assert_matches_reference(tmp_path, reference)
+
+
+def test_a_second_signal_exits_at_once(cluster, tmp_path, subprocess_env):
+    driver = subprocess.Popen([sys.executable, "-m", "rlrunner.main_grpo", *driver_command(cluster, tmp_path)],
+                              env=subprocess_env, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: metrics_lines(tmp_path) >= 4)
+    # an actor rank stops answering, so the update in flight can never finish: only a second signal ends the run
+    actor_pids = [int(p) for p in subprocess.run(["pgrep", "-f", "ray::ActorWorker"], capture_output=True, text=True).stdout.split()]
+    for pid in actor_pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        driver.send_signal(signal.SIGTERM)
+        time.sleep(1.5)
+        assert driver.poll() is None, "the first SIGTERM must wait for the step in flight"
+        started = time.monotonic()
+        driver.send_signal(signal.SIGTERM)
+        _, err = driver.communicate(timeout=30)
+        assert time.monotonic() - started < 15
+    finally:
+        for pid in actor_pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    assert driver.returncode == 143, err
+    assert "rlrunner: stopped at once by a second SIGTERM; the last committed checkpoint is intact" in err
+    root = tmp_path / "test" / "checkpoints"
+    complete = [p.name for p in layout.step_dirs(root)]
+    assert all((root / name / "manifest.json").is_file() for name in complete)
+
+
+def test_launch_script_relaunches_a_dead_driver(cluster, reference, tmp_path, subprocess_env, repo_root):
+    env = {**subprocess_env, "PYTHON": sys.executable, "RLRUNNER_RESTART_BACKOFF_S": "0"}
+    script = subprocess.Popen(["bash", str(repo_root / "launch/run_main_grpo.sh"), *driver_command(cluster, tmp_path)],
+                              env=env, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: metrics_lines(tmp_path) >= 5)
+    [driver_pid] = [int(p) for p in subprocess.run(["pgrep", "-P", str(script.pid)], capture_output=True, text=True).stdout.split()]
+    os.kill(driver_pid, signal.SIGKILL)  # the driver's node "dies"
+    _, err = script.communicate(timeout=240)
+    assert script.returncode == 0, err
+    assert "run_main_grpo.sh: the driver exited with code 137: restart 1 of 3 with runner.resume_dir=auto in 0s" in err
+    assert "run_main_grpo.sh: the run finished" in err
+    assert_matches_reference(tmp_path, reference)
+
+
+def test_launch_script_does_not_retry_a_configuration_error(repo_root, subprocess_env, tmp_path):
+    result = subprocess.run(["bash", str(repo_root / "launch/run_main_grpo.sh"), "runner.nope=1"], cwd=tmp_path,
+                            env={**subprocess_env, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == "run_main_grpo.sh: configuration error (exit code 2): not restarting"
+    assert result.stderr.count("rlrunner: error:") == 1
+
+
+def test_stop_request_from_wall_time_saves_and_stops(cluster, tmp_path):
+    runner = GRPORunner(run_config(tmp_path, *RUN), StopRequest(max_wall_time_s=3600))
+    once(lambda: metrics_lines(tmp_path) >= 4, lambda: setattr(runner.stop, "max_wall_time_s", 0.0))
+    with pytest.raises(StoppedEarly, match=r"runner.max_wall_time_s=0 reached at step \d+; saved global_step_\d+"):
+        runner.run()

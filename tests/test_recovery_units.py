@@ -1,0 +1,91 @@
+"""Recovery building blocks: failure classification, stop requests, the shared-storage probe."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import ray
+
+from rlrunner.cluster.shared_storage import answer_probe, check_shared_folder
+from rlrunner.cluster.worker import Worker
+from rlrunner.cluster.worker_group import CallTimeoutError, WorkerGroup
+from rlrunner.errors import CheckpointSaveError
+from rlrunner.runner.recovery import describe, exception_chain, failure_cause
+from rlrunner.runner.stopping import DUPLICATE_WINDOW_S, StopRequest
+
+
+def raised_from(outer: BaseException, inner: BaseException) -> BaseException:
+    try:
+        try:
+            raise inner
+        except BaseException as exc:
+            raise outer from exc
+    except BaseException as caught:
+        return caught
+
+
+def test_failure_cause_classifies_what_can_be_repaired():
+    assert failure_cause(CallTimeoutError("the actor group did not answer within 5s")).startswith("hang: the actor group")
+    assert failure_cause(ray.exceptions.GetTimeoutError()).startswith("hang:")
+    assert failure_cause(ray.exceptions.ActorDiedError()).startswith("worker lost: ActorDiedError")
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [10.0.0.2]:5000: Connection reset by peer")
+    assert failure_cause(gloo).startswith("collective failed (a peer is gone or stuck): RuntimeError: [../third_party/gloo")
+    # a save that failed because a worker died is repairable; one that failed on a full disk is not
+    assert failure_cause(raised_from(CheckpointSaveError("saving global_step_4 failed"), ray.exceptions.ActorDiedError()))
+    disk_full = raised_from(CheckpointSaveError("saving global_step_4 failed"), OSError(28, "No space left on device"))
+    assert failure_cause(disk_full) is None
+    assert failure_cause(ValueError("shapes do not match")) is None
+
+
+def test_exception_chain_reaches_wrapped_and_per_rank_errors():
+    class FakeDCPError(BaseException):  # the shape of torch's CheckpointException: .failures {rank: (exc, tb)}
+        def __init__(self, failures):
+            self.failures = failures
+
+    inner = OSError("disk")
+    wrapped = raised_from(RuntimeError("outer"), FakeDCPError({1: (inner, None)}))
+    assert inner in list(exception_chain(wrapped))
+
+
+def test_describe_strips_ray_colour_codes_and_keeps_the_first_line():
+    assert describe(RuntimeError("\x1b[36mray::ActorWorker.update()\x1b[39m (pid=1)\nmore")) == "RuntimeError: ray::ActorWorker.update() (pid=1)"
+
+
+def test_stop_request_from_a_signal_and_its_duplicate():
+    stop = StopRequest()
+    assert not stop.requested
+    stop.on_signal(signal.SIGTERM)
+    assert stop.requested and stop.reason == "SIGTERM received"
+    stop.on_signal(signal.SIGTERM)  # the same stop delivered twice: ignored (a later one would exit the process)
+    assert stop.is_duplicate() and stop.reason == "SIGTERM received"
+    time.sleep(DUPLICATE_WINDOW_S + 0.05)
+    assert not stop.is_duplicate()
+
+
+def test_stop_request_from_wall_time():
+    stop = StopRequest(max_wall_time_s=0.05)
+    assert not stop.requested
+    time.sleep(0.1)
+    assert stop.requested and stop.reason == "runner.max_wall_time_s=0.05 reached"
+
+
+def test_a_worker_that_cannot_see_the_probe_says_so(tmp_path):
+    assert answer_probe(str(tmp_path), "abc", "10.0.0.7").startswith(f"node 10.0.0.7 cannot read {tmp_path}/.probe-abc")
+    (tmp_path / ".probe-abc").write_text("other")
+    assert answer_probe(str(tmp_path), "abc", "10.0.0.7") == f"node 10.0.0.7 reads other content in {tmp_path}/.probe-abc"
+    (tmp_path / ".probe-abc").write_text("abc")
+    assert answer_probe(str(tmp_path), "abc", "10.0.0.7") is None
+    assert len(list(tmp_path.glob(".probe-abc-10.0.0.7-*"))) == 1
+
+
+def test_shared_folder_check_with_real_workers(ray_session, tmp_path):
+    """On one machine the folder is shared: the check passes and leaves no probe behind. (The failing side is
+    `answer_probe` above: a node that cannot read the driver's probe makes check_shared_folder raise.)"""
+    group = WorkerGroup("probe", Worker, 2, cpus_per_worker=0.25)
+    try:
+        check_shared_folder(tmp_path / "checkpoints", [group])
+        assert list((tmp_path / "checkpoints").iterdir()) == []
+    finally:
+        group.shutdown()
