@@ -50,6 +50,7 @@ class WorkerGroup:
         call_timeout_s: float | None = None,
         start_timeout_s: float = 300.0,
         dist_timeout_s: float = 1800.0,
+        abandon: Callable[[], bool] | None = None,
     ):
         self.name = name
         self.num_workers = num_workers
@@ -58,7 +59,7 @@ class WorkerGroup:
         if gpus_per_worker:
             bundle["GPU"] = gpus_per_worker
         self.placement_group = placement_group([dict(bundle) for _ in range(num_workers)], strategy=placement_strategy)
-        self.placement_wait_s = self._wait_for_placement(bundle, placement_timeout_s)
+        self.placement_wait_s = self._wait_for_placement(bundle, placement_timeout_s, abandon)
         started = time.monotonic()
         remote_cls = ray.remote(worker_cls)
         self.workers = [
@@ -80,20 +81,28 @@ class WorkerGroup:
             self.call_all("init_process_group", host, port, dist_timeout_s, timeout_s=start_timeout_s)
         self.start_s = time.monotonic() - started
 
-    def _wait_for_placement(self, bundle: dict[str, float], timeout_s: float, log_every_s: float = 10.0) -> float:
-        """Seconds waited until the cluster fits the group; ResourceError (naming what is missing) after `timeout_s`."""
+    def _wait_for_placement(
+        self, bundle: dict[str, float], timeout_s: float, abandon: Callable[[], bool] | None, log_every_s: float = 10.0
+    ) -> float:
+        """Seconds waited until the cluster fits the group; ResourceError (naming what is missing) after `timeout_s`,
+        CallAbandoned when `abandon()` turns true."""
         started = time.monotonic()
         ready_ref = self.placement_group.ready()
+        next_log = started + log_every_s
         while True:
-            waited = time.monotonic() - started
-            remaining = timeout_s - waited
-            ready, _ = ray.wait([ready_ref], timeout=max(0.0, min(log_every_s, remaining)))
+            remaining = timeout_s - (time.monotonic() - started)
+            ready, _ = ray.wait([ready_ref], timeout=max(0.0, min(1.0, remaining)))
             if ready:
                 return time.monotonic() - started
             waited = time.monotonic() - started
-            if waited >= timeout_s:
+            if waited >= timeout_s or (abandon is not None and abandon()):
                 remove_placement_group(self.placement_group)
+                if waited < timeout_s:
+                    raise CallAbandoned(f"stopped waiting for the cluster to fit the {self.name} group")
                 raise ResourceError(describe_missing_resources(self.name, self.num_workers, bundle, timeout_s))
+            if time.monotonic() < next_log:
+                continue
+            next_log += log_every_s
             logger.info(
                 "waiting for the cluster to fit the %s group (%.0fs of %.0fs): %s",
                 self.name, waited, timeout_s, describe_missing_resources(self.name, self.num_workers, bundle, waited).split(": needs ")[-1],

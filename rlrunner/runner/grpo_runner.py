@@ -104,6 +104,7 @@ class GRPORunner:
             "placement_timeout_s": placement_timeout_s,
             "call_timeout_s": recovery.step_timeout_s,
             "dist_timeout_s": recovery.step_timeout_s,
+            "abandon": lambda: self.stop.requested,  # a stop while waiting for resources ends the wait
         }
         optimizer_steps = self.total_steps * self.num_minibatches * self.cfg.actor.ppo_epochs
         self.actor_group = WorkerGroup(
@@ -324,6 +325,10 @@ class GRPORunner:
                     return self.train()
                 except StoppedEarly:
                     raise
+                except CallAbandoned:  # stopped while the workers were starting: nothing new to save
+                    newest = self.handler.newest_complete()
+                    kept = f"the newest checkpoint is {newest.name}" if newest else "there is no checkpoint yet"
+                    raise StoppedEarly(f"{self.stop.reason} while starting the workers; {kept}; resume with runner.resume_dir=auto") from None
                 except Exception as exc:
                     cause = self.repairable_cause(exc)
                     if cause is None or not recovery.enabled:
