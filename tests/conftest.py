@@ -8,6 +8,20 @@ from pathlib import Path
 
 import pytest
 
+# `model.*` settings of a one-layer model for tests that build models directly (no config loading).
+TINY_MODEL_CFG = {
+    "path": None,
+    "dtype": "float32",
+    "attn_implementation": "sdpa",
+    "override_config": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+    },
+}
+
 # A model small enough that a GRPO step takes well under a second on one CPU core.
 TINY_MODEL = [
     "+model.override_config.hidden_size=32",

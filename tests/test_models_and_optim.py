@@ -11,19 +11,8 @@ from rlrunner.errors import ConfigError
 from rlrunner.models.loading import TokenIds, build_model, build_tokenizer, check_model_path, token_ids
 from rlrunner.models.tokenizer import build_char_tokenizer
 from rlrunner.workers.optim import LRSchedule
+from conftest import TINY_MODEL_CFG as TINY
 
-TINY = {
-    "path": None,
-    "dtype": "float32",
-    "attn_implementation": "sdpa",
-    "override_config": {
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-    },
-}
 
 TEXT = "Hello, World! 12+3=15\n  {x: [1, 2]} ~`|\\"
 

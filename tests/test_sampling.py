@@ -6,6 +6,7 @@ import torch
 from rlrunner.models.loading import build_model
 from rlrunner.models.tokenizer import build_char_tokenizer
 from rlrunner.workers.sampling import generate, sample_tokens
+from conftest import TINY_MODEL_CFG as TINY
 
 # --- sample_tokens ------------------------------------------------------------------
 
@@ -108,18 +109,6 @@ def test_sample_tokens_temperature_scales_logits() -> None:
 
 # --- generate --------------------------------------------------------------------------
 
-TINY = {
-    "path": None,
-    "dtype": "float32",
-    "attn_implementation": "sdpa",
-    "override_config": {
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-    },
-}
 
 
 @pytest.fixture(scope="module")

@@ -104,3 +104,18 @@ def test_unplaceable_group_fails_naming_missing_resources(ray_session):
     # the failed group's placement group was released: a normal group still fits
     group = WorkerGroup("after", SumWorker, 1, cpus_per_worker=0.25)
     group.shutdown()
+
+
+class BrokenWorker(Worker):
+    def __init__(self, rank: int, world_size: int):
+        super().__init__(rank, world_size)
+        raise ValueError("cannot start")
+
+
+def test_a_group_that_fails_to_start_releases_its_resources(ray_session):
+    with pytest.raises(ray.exceptions.RayActorError, match="cannot start"):
+        WorkerGroup("broken", BrokenWorker, 2, cpus_per_worker=3)
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]

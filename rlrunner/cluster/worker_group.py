@@ -60,6 +60,23 @@ class WorkerGroup:
             bundle["GPU"] = gpus_per_worker
         self.placement_group = placement_group([dict(bundle) for _ in range(num_workers)], strategy=placement_strategy)
         self.placement_wait_s = self._wait_for_placement(bundle, placement_timeout_s, abandon)
+        self.workers: list = []
+        try:
+            self._start_workers(worker_cls, worker_kwargs, cpus_per_worker, gpus_per_worker, distributed, start_timeout_s, dist_timeout_s)
+        except BaseException:
+            self.shutdown()  # do not leak actors or the placement group of a group that never started
+            raise
+
+    def _start_workers(
+        self,
+        worker_cls: type,
+        worker_kwargs: dict[str, Any] | None,
+        cpus_per_worker: float,
+        gpus_per_worker: float,
+        distributed: bool,
+        start_timeout_s: float,
+        dist_timeout_s: float,
+    ) -> None:
         started = time.monotonic()
         remote_cls = ray.remote(worker_cls)
         self.workers = [
@@ -71,8 +88,8 @@ class WorkerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.placement_group, placement_group_bundle_index=rank
                 ),
-            ).remote(rank=rank, world_size=num_workers, **(worker_kwargs or {}))
-            for rank in range(num_workers)
+            ).remote(rank=rank, world_size=self.num_workers, **(worker_kwargs or {}))
+            for rank in range(self.num_workers)
         ]
         # Starting a worker imports torch and builds its model: bounded by its own, longer limit.
         self.hosts = self.call_all("ping", timeout_s=start_timeout_s)

@@ -330,17 +330,20 @@ class GRPORunner:
                     kept = f"the newest checkpoint is {newest.name}" if newest else "there is no checkpoint yet"
                     raise StoppedEarly(f"{self.stop.reason} while starting the workers; {kept}; resume with runner.resume_dir=auto") from None
                 except Exception as exc:
+                    failed_at = time.time()
                     cause = self.repairable_cause(exc)
                     if cause is None or not recovery.enabled:
                         raise
-                    failed_at = time.time()
                     restarts += 1
                     if restarts > recovery.max_restarts:
                         raise RecoveryExhaustedError(
                             f"giving up after {recovery.max_restarts} in-job restarts (runner.recovery.max_restarts); last failure: {cause}"
                         ) from exc
                     lost = self.global_step - (self.last_saved_step or 0)
-                    logger.error("restart %d of %d after a failure at step %d: %s", restarts, recovery.max_restarts, self.global_step + 1, cause)
+                    logger.error(
+                        "restart %d of %d (last completed step %d, %d steps to redo): %s",
+                        restarts, recovery.max_restarts, self.global_step, lost, cause,
+                    )
                     teardown_started = time.monotonic()
                     self.teardown_groups()
                     self.recovery_log.write(
