@@ -13,27 +13,31 @@ folder with the progress bar and TensorBoard off. Workers are killed with SIGKIL
    s after the previous restart's first completed step. Targets cycle actor rank 1, rollout 0, actor
    rank 0, rollout 0. The phases of each restart come from `<log_path>/recovery.jsonl`:
 
-     detection   failure.failed_at_unix - kill time; split into "error reaches the driver" (time the
-                 runner's repairable_cause() was entered; this script wraps that method on the runner
-                 instance to timestamp it, nothing else changes) and "classify" (the rest: pinging
-                 every worker for up to 1 s to name the unresponsive ones)
-     teardown    failure.teardown_s (ray.kill of every worker, placement groups removed)
+     detection   failure.failed_at_unix - kill time (the runner stamps failed_at when it catches the error)
+   and, adding up exactly to "total":
+     error reaches driver   kill -> the runner's repairable_cause() is entered (this script wraps that
+                 method on the runner instance to timestamp it; nothing else changes)
+     classify    repairable_cause (pings every worker for up to 1 s to name the dead ones) + the log line
+     teardown    failure.teardown_s (ray.kill of every worker of both groups, placement groups removed)
      find ckpt   the rest of the gap up to start(): remove leftovers + verify the newest checkpoint (CRC-32)
-     wait        resumed.wait_s (placement groups waiting for free CPUs)
-     rebuild     resumed.rebuild_s (new worker processes, model built, process group)
+     wait        resumed.wait_s (the new placement groups waiting for free CPUs)
+     rebuild     resumed.rebuild_s (new worker processes, process group, model built and sharded)
      load        resumed.load_s (storage probe + checkpoint load + weight sync to the rollout worker)
      1st step    first_step.time_unix - resumed.time_unix (the first training step after the restart)
      total       first_step.time_unix - kill time
-   plus the steps lost per kill (failure.lost_steps: done since the last checkpoint, to be redone).
+   plus the steps lost per kill (failure.lost_steps: done since the last checkpoint, to be redone), and
+   rebuild_s split by group (each WorkerGroup's start_s, read from the live runner) next to the run's
+   initial start.
 
-2. Goodput under failure injection (`--goodput-steps` steps). A timer thread SIGKILLs one worker every T
-   seconds for each T in `--periods` (alternating actor rank 1 / rollout 0; a kill that falls while the
-   groups are being rebuilt waits until the target exists again, then the next kill is T s after it),
-   next to the same job without failures. Goodput = completed training steps / wall time of
-   `GRPORunner.run()` (Ray start excluded), as a ratio to the no-failure run. A run still going after
-   `--max-run-s` is stopped through the runner's own StopRequest (runner.max_wall_time_s: emergency
-   checkpoint, StoppedEarly) and its steps so far count. After each run metrics.jsonl is checked to
-   hold every step 1..N exactly once.
+2. Goodput under failure injection (`--goodput-steps` steps; 400 by default, half the default job, to keep
+   the whole script near 13 minutes). A timer thread SIGKILLs one worker every T seconds for each T in
+   `--periods` (actor rank 1 and rollout worker 0 in turn; a kill that falls while the groups are being
+   rebuilt waits until its target exists, and the next kill is T s after it), next to the same job
+   without failures. Goodput = completed training steps / wall time of `GRPORunner.run()` (Ray start
+   excluded), as a ratio to the no-failure run. A run with failures still going after `--max-run-s`
+   (default: twice the no-failure run's wall time) is stopped through the runner's own StopRequest
+   (max_wall_time_s: emergency checkpoint, StoppedEarly) and its committed steps count. After each run
+   metrics.jsonl is checked to hold every step 1..N exactly once.
 
 Run from the repository root (the defaults take about 13 minutes on 2 CPU cores):
 
@@ -60,10 +64,15 @@ import time
 from dataclasses import dataclass, field
 from itertools import cycle
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from rlrunner.runner.grpo_runner import GRPORunner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-POLL_S = 0.02
+POLL_S = 0.05
 RECOVERY_TARGETS = [("actor", 1), ("rollout", 0), ("actor", 0), ("rollout", 0)]
 GOODPUT_TARGETS = [("actor", 1), ("rollout", 0)]
 
@@ -79,7 +88,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--kill-delay", type=float, default=3.0, help="seconds after a recovery's first step before the next kill")
     parser.add_argument("--periods", default="10,20,40", help="comma-separated kill periods T (seconds) for the goodput part")
     parser.add_argument("--goodput-steps", type=int, default=400, help="steps of each goodput job (the default job has 800)")
-    parser.add_argument("--max-run-s", type=float, default=150.0, help="stop a goodput run still going after this long (its steps so far count)")
+    parser.add_argument(
+        "--max-run-s", type=float, default=None,
+        help="stop a goodput run with failures still going after this long; its committed steps count (default: 2 x the no-failure run's wall time)",
+    )
     parser.add_argument("--save-interval", type=int, default=50, help="runner.save_interval")
     parser.add_argument("--num-cpus", type=int, default=os.cpu_count() or 1, help="CPUs of the local Ray")
     parser.add_argument("--max-restarts", type=int, default=10_000, help="runner.recovery.max_restarts")
@@ -91,7 +103,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def build_config(output_dir: Path, steps: int, args: argparse.Namespace, *extra: str):
+def build_config(output_dir: Path, steps: int, args: argparse.Namespace, *extra: str) -> DictConfig:
     """The default job (configs/grpo.yaml) with this benchmark's overrides."""
     from rlrunner.config import load_config
 
@@ -145,14 +157,23 @@ def metrics_steps(log_path: Path) -> list[int]:
     return [int(r["step"]) for r in read_jsonl(log_path / "metrics.jsonl")]
 
 
-def check_metrics(log_path: Path, last_step: int) -> str:
-    """'ok' when metrics.jsonl holds every step 1..last_step exactly once, in order; else what is wrong."""
+def check_metrics(log_path: Path, last_step: int, finished: bool) -> str:
+    """'ok' when metrics.jsonl holds every step 1..last_step exactly once, in order (a stopped run may also
+    hold the steps it did after its last checkpoint, still 1..M once each); else what is wrong."""
     steps = metrics_steps(log_path)
-    if steps == list(range(1, last_step + 1)):
-        return "ok"
+    if steps == list(range(1, len(steps) + 1)) and (len(steps) == last_step or (not finished and len(steps) >= last_step)):
+        return "ok" if len(steps) == last_step else f"ok (1..{len(steps)}; steps after {last_step} not saved)"
     duplicated = sorted({s for s in steps if steps.count(s) > 1})
     missing = sorted(set(range(1, last_step + 1)) - set(steps))
     return f"BAD: {len(steps)} lines, duplicated {duplicated[:10]}, missing {missing[:10]}"
+
+
+def committed_step(runner: GRPORunner) -> int:
+    """The step of the newest complete checkpoint: the progress a stopped run keeps."""
+    from rlrunner.checkpoint import layout
+
+    newest = runner.handler.newest_complete()
+    return (layout.step_from_name(newest.name) or 0) if newest is not None else 0
 
 
 def median_step_s(log_path: Path) -> float:
@@ -168,10 +189,11 @@ class Kill:
     target: str
     pid: int
     time_unix: float
-    last_step: int  # the newest step in metrics.jsonl when the kill happened
+    last_step: int  # the runner's newest completed step when the kill happened
+    waited_s: float = 0.0  # how long the kill waited for its target to exist (it fell during a rebuild)
 
 
-def target_pid(runner, group_name: str, rank: int) -> int | None:
+def target_pid(runner: GRPORunner, group_name: str, rank: int) -> int | None:
     """The pid of a live worker of the runner's current group, or None while that group does not exist."""
     group = runner.actor_group if group_name == "actor" else runner.rollout_group
     if group is None:
@@ -182,7 +204,7 @@ def target_pid(runner, group_name: str, rank: int) -> int | None:
         return None
 
 
-def kill_worker(runner, group_name: str, rank: int, killed: set[int]) -> Kill | None:
+def kill_worker(runner: GRPORunner, group_name: str, rank: int, killed: set[int]) -> Kill | None:
     """SIGKILL the target if it is up (and not already killed); None when there is nothing to kill now."""
     pid = target_pid(runner, group_name, rank)
     if pid is None or pid in killed:
@@ -195,9 +217,9 @@ def kill_worker(runner, group_name: str, rank: int, killed: set[int]) -> Kill | 
     return Kill(f"{group_name} rank {rank}" if group_name == "actor" else f"{group_name} worker {rank}", pid, time.time(), last_step_now(runner))
 
 
-def last_step_now(runner) -> int:
-    steps = metrics_steps(runner.log_path)
-    return steps[-1] if steps else 0
+def last_step_now(runner: GRPORunner) -> int:
+    """The runner's newest completed step (read from its attribute: cheap enough to poll)."""
+    return int(runner.global_step)
 
 
 def wait_until(condition: Callable[[], bool], done: threading.Event) -> bool:
@@ -209,17 +231,19 @@ def wait_until(condition: Callable[[], bool], done: threading.Event) -> bool:
     return False
 
 
-def kill_until_done(runner, group_name: str, rank: int, killed: set[int], done: threading.Event) -> Kill | None:
+def kill_until_done(runner: GRPORunner, group_name: str, rank: int, killed: set[int], done: threading.Event) -> Kill | None:
     """Kill the target as soon as it exists (it may be mid-rebuild); None if the run ended first."""
+    began = time.time()
     while not done.is_set():
         kill = kill_worker(runner, group_name, rank, killed)
         if kill is not None:
+            kill.waited_s = kill.time_unix - began
             return kill
         time.sleep(POLL_S)
     return None
 
 
-def record_error_arrivals(runner) -> list[float]:
+def record_error_arrivals(runner: GRPORunner) -> list[float]:
     """Wrap runner.repairable_cause (on this instance only) to timestamp when a failure reached the driver."""
     arrivals: list[float] = []
     original = runner.repairable_cause
@@ -230,6 +254,9 @@ def record_error_arrivals(runner) -> list[float]:
 
     runner.repairable_cause = timed_repairable_cause
     return arrivals
+
+
+Killer = Callable[["GRPORunner", threading.Event, "list[Kill]"], None]  # runs beside GRPORunner.run()
 
 
 @dataclass
@@ -243,7 +270,7 @@ class RunOutcome:
     kills: list[Kill] = field(default_factory=list)
 
 
-def run_with_killer(cfg, killer: Callable[[Any, threading.Event, list[Kill]], None], stop_after_s: float | None = None) -> tuple[Any, RunOutcome, list[float]]:
+def run_with_killer(cfg: DictConfig, killer: Killer, stop_after_s: float | None = None) -> tuple[GRPORunner, RunOutcome, list[float]]:
     """Train `cfg` to the end in this thread while `killer(runner, done, kills)` runs in another."""
     from rlrunner.errors import StoppedEarly
     from rlrunner.runner.grpo_runner import GRPORunner
@@ -269,14 +296,15 @@ def run_with_killer(cfg, killer: Callable[[Any, threading.Event, list[Kill]], No
     wall = time.monotonic() - started
     done.set()
     thread.join(timeout=30)
-    last = runner.global_step
-    outcome = RunOutcome(wall, last, finished, error, check_metrics(runner.log_path, last), median_step_s(runner.log_path), kills)
+    last = runner.global_step if finished else committed_step(runner)
+    outcome = RunOutcome(wall, last, finished, error, check_metrics(runner.log_path, last, finished), median_step_s(runner.log_path), kills)
     return runner, outcome, arrivals
 
 
 # -- 1. recovery time ------------------------------------------------------------------------------
 
 
+# "detection" is the runner's own (failed_at_unix - kill); the others add up exactly to "total".
 PHASES = ["detection", "error reaches driver", "classify", "teardown", "find ckpt", "wait", "rebuild", "load", "1st step", "total"]
 
 
@@ -288,41 +316,67 @@ class Restart:
     first_step: dict[str, Any] | None
     arrival_unix: float | None
     phases: dict[str, float] = field(default_factory=dict)
+    attempt: dict[str, float] = field(default_factory=dict)  # group start times of the attempt this restart built
 
 
-def recovery_killer(args: argparse.Namespace) -> Callable[[Any, threading.Event, list[Kill]], None]:
-    """The kill schedule of part 1: after the first checkpoint, then after each recovery's first step."""
+def attempt_timings(runner: GRPORunner) -> dict[str, float]:
+    """The live attempt's start-up: the runner's start_timings and each WorkerGroup's start_s (workers
+    created + ping + process group; the actor group's `setup` call, which builds and shards the model, is
+    the rest of rebuild_s)."""
+    timings = {key: float(value) for key, value in getattr(runner, "start_timings", {}).items()}
+    for name, group in (("actor", runner.actor_group), ("rollout", runner.rollout_group)):
+        start_s = getattr(group, "start_s", None)
+        if start_s is not None:
+            timings[f"{name}_start_s"] = float(start_s)
+    if {"rebuild_s", "actor_start_s", "rollout_start_s"} <= timings.keys():
+        timings["actor_setup_s"] = timings["rebuild_s"] - timings["actor_start_s"] - timings["rollout_start_s"]
+    return timings
 
-    def killer(runner, done: threading.Event, kills: list[Kill]) -> None:
+
+def first_step_logged(runner: GRPORunner, restart: int) -> bool:
+    return any(e["restart"] == restart for e in recovery_events(runner.log_path, "first_step"))
+
+
+def recovery_killer(args: argparse.Namespace, attempts: list[dict[str, float]]) -> Killer:
+    """The kill schedule of part 1: after the first checkpoint, then after each recovery's first step.
+    Before each kill (and after the last recovery) the live attempt's start-up timings go to `attempts`."""
+
+    def killer(runner: GRPORunner, done: threading.Event, kills: list[Kill]) -> None:
         killed: set[int] = set()
         targets = cycle(RECOVERY_TARGETS)
         for index in range(args.kills):
-            if index == 0:
-                ready = lambda: last_step_now(runner) >= args.save_interval  # noqa: E731
+            if index == 0:  # after the first checkpoint, so that every restart loads one
+                ready = lambda: (runner.last_saved_step or 0) >= args.save_interval  # noqa: E731
             else:
-                ready = lambda: any(e["restart"] == index for e in recovery_events(runner.log_path, "first_step"))  # noqa: E731
-            if not wait_until(ready, done) or done.wait(args.kill_delay):
+                ready = lambda: first_step_logged(runner, index)  # noqa: E731
+            if not wait_until(ready, done):
+                return
+            attempts.append(attempt_timings(runner))
+            if done.wait(args.kill_delay):
                 return
             kill = kill_until_done(runner, *next(targets), killed, done)
             if kill is None:
                 return
             kills.append(kill)
             print(f"  kill {index + 1}: {kill.target} (pid {kill.pid}) after step {kill.last_step}", flush=True)
+        if wait_until(lambda: first_step_logged(runner, args.kills), done):
+            attempts.append(attempt_timings(runner))
 
     return killer
 
 
 def restart_phases(kill: Kill, failure: dict, resumed: dict | None, first: dict | None, arrival: float | None) -> dict[str, float]:
+    torn_down_at = failure["time_unix"]  # the failure event is written right after the teardown
     phases = {
         "detection": failure["failed_at_unix"] - kill.time_unix,
         "teardown": failure["teardown_s"],
     }
     if arrival is not None:
         phases["error reaches driver"] = arrival - kill.time_unix
-        phases["classify"] = failure["failed_at_unix"] - arrival
+        phases["classify"] = torn_down_at - failure["teardown_s"] - arrival
     if resumed is not None:
         start_s = resumed["wait_s"] + resumed["rebuild_s"] + resumed["load_s"]
-        phases["find ckpt"] = resumed["time_unix"] - start_s - failure["time_unix"]
+        phases["find ckpt"] = resumed["time_unix"] - start_s - torn_down_at
         phases.update({"wait": resumed["wait_s"], "rebuild": resumed["rebuild_s"], "load": resumed["load_s"]})
         if first is not None:
             phases["1st step"] = first["time_unix"] - resumed["time_unix"]
@@ -330,7 +384,7 @@ def restart_phases(kill: Kill, failure: dict, resumed: dict | None, first: dict 
     return phases
 
 
-def match_restarts(log_path: Path, kills: list[Kill], arrivals: list[float]) -> list[Restart]:
+def match_restarts(log_path: Path, kills: list[Kill], arrivals: list[float], attempts: list[dict[str, float]]) -> list[Restart]:
     """Kill i caused restart i+1 (kills are serialized on the previous recovery's first step)."""
     failures = recovery_events(log_path, "failure")
     resumed = {e["restart"]: e for e in recovery_events(log_path, "resumed")}
@@ -343,20 +397,24 @@ def match_restarts(log_path: Path, kills: list[Kill], arrivals: list[float]) -> 
             continue
         arrival = arrivals[index] if index < len(arrivals) else None
         phases = restart_phases(kill, failure, resumed.get(number), first.get(number), arrival)
-        restarts.append(Restart(kill, failure, resumed.get(number), first.get(number), arrival, phases))
+        attempt = attempts[number] if number < len(attempts) else {}
+        restarts.append(Restart(kill, failure, resumed.get(number), first.get(number), arrival, phases, attempt))
     return restarts
 
 
 def measure_recovery(args: argparse.Namespace, workdir: Path) -> None:
     print(f"\n## 1. Recovery time: {args.recovery_steps} steps, {args.kills} SIGKILLs, save_interval {args.save_interval}\n", flush=True)
     cfg = build_config(workdir / "recovery", args.recovery_steps, args)
-    runner, outcome, arrivals = run_with_killer(cfg, recovery_killer(args))
-    restarts = match_restarts(runner.log_path, outcome.kills, arrivals)
+    attempts: list[dict[str, float]] = []
+    runner, outcome, arrivals = run_with_killer(cfg, recovery_killer(args, attempts))
+    restarts = match_restarts(runner.log_path, outcome.kills, arrivals, attempts)
     failures = recovery_events(runner.log_path, "failure")
     print()
     print(phase_summary_table(restarts))
     print()
     print(per_kill_table(restarts, outcome.step_s))
+    print()
+    print(rebuild_table(attempts[:1], restarts))
     print()
     print(f"- run: {describe_outcome(outcome)}; wall {outcome.wall_s:.1f} s; median step {outcome.step_s:.3f} s")
     print(f"- kills: {len(outcome.kills)}, failures logged: {len(failures)} (restarts beyond the kills: {max(0, len(failures) - len(outcome.kills))})")
@@ -390,8 +448,32 @@ def per_kill_table(restarts: list[Restart], step_s: float) -> str:
     return "\n".join(rows)
 
 
+REBUILD_PARTS = [
+    ("wait_s", "wait for placement"),
+    ("actor_start_s", "actor group: 2 processes started, ping, process group"),
+    ("rollout_start_s", "rollout group: process started, ping"),
+    ("actor_setup_s", "actor setup (model built and sharded, optimizer)"),
+    ("rebuild_s", "rebuild_s (sum of the three above)"),
+    ("load_s", "load_s (storage probe, checkpoint load, weight sync)"),
+]
+
+
+def rebuild_table(initial: list[dict[str, float]], restarts: list[Restart]) -> str:
+    """Where the (re)start time goes: the initial start of the run next to the median restart."""
+    rows = ["| part of start() | initial start s | restart median s | restart min s | restart max s |", "|---|---:|---:|---:|---:|"]
+    for key, label in REBUILD_PARTS:
+        values = [r.attempt[key] for r in restarts if key in r.attempt]
+        first = f"{initial[0][key]:.2f}" if initial and key in initial[0] else "-"
+        if values or first != "-":
+            stats = [f"{statistics.median(values):.2f}", f"{min(values):.2f}", f"{max(values):.2f}"] if values else ["-"] * 3
+            rows.append(f"| {label} | {first} | " + " | ".join(stats) + " |")
+    return "\n".join(rows)
+
+
 def describe_outcome(outcome: RunOutcome) -> str:
-    return f"finished at step {outcome.last_step}" if outcome.finished else f"ended at step {outcome.last_step} ({outcome.error})"
+    if outcome.finished:
+        return f"finished at step {outcome.last_step}"
+    return f"ended with step {outcome.last_step} committed ({outcome.error})"
 
 
 # -- 2. goodput ------------------------------------------------------------------------------------
@@ -403,12 +485,21 @@ class GoodputRow:
     outcome: RunOutcome
     restarts: int
     lost_steps: int
+    restart_s: float | None  # median failed_at -> first completed step after it
 
 
-def periodic_killer(period: float) -> Callable[[Any, threading.Event, list[Kill]], None]:
+def median_restart_s(log_path: Path) -> float | None:
+    """Median seconds from a failure being caught to the first completed step after the restart."""
+    failures = {e["restart"]: e for e in recovery_events(log_path, "failure")}
+    firsts = recovery_events(log_path, "first_step")
+    spans = [f["time_unix"] - failures[f["restart"]]["failed_at_unix"] for f in firsts if f["restart"] in failures]
+    return statistics.median(spans) if spans else None
+
+
+def periodic_killer(period: float) -> Killer:
     """One SIGKILL every `period` seconds (counted from the previous kill), actor and rollout in turn."""
 
-    def killer(runner, done: threading.Event, kills: list[Kill]) -> None:
+    def killer(runner: GRPORunner, done: threading.Event, kills: list[Kill]) -> None:
         killed: set[int] = set()
         targets = cycle(GOODPUT_TARGETS)
         while not done.wait(period):
@@ -422,21 +513,22 @@ def periodic_killer(period: float) -> Callable[[Any, threading.Event, list[Kill]
     return killer
 
 
-def no_killer(runner, done: threading.Event, kills: list[Kill]) -> None:
+def no_killer(runner: GRPORunner, done: threading.Event, kills: list[Kill]) -> None:
     return None
 
 
-def measure_goodput_run(args: argparse.Namespace, workdir: Path, period: float | None) -> GoodputRow:
+def measure_goodput_run(args: argparse.Namespace, workdir: Path, period: float | None, max_run_s: float | None) -> GoodputRow:
     name = "no-failures" if period is None else f"kill-every-{period:g}s"
     cfg = build_config(workdir / name, args.goodput_steps, args)
     killer = no_killer if period is None else periodic_killer(period)
-    runner, outcome, _ = run_with_killer(cfg, killer, stop_after_s=args.max_run_s)
+    runner, outcome, _ = run_with_killer(cfg, killer, stop_after_s=max_run_s)
     failures = recovery_events(runner.log_path, "failure")
-    row = GoodputRow(period, outcome, len(failures), sum(f["lost_steps"] for f in failures))
+    row = GoodputRow(period, outcome, len(failures), sum(f["lost_steps"] for f in failures), median_restart_s(runner.log_path))
     label = "no failures" if period is None else f"T={period:g}s"
+    delayed = [k for k in outcome.kills if k.waited_s > 0.5]
     print(
-        f"  {label}: {describe_outcome(outcome)}, {len(outcome.kills)} kills, {row.restarts} restarts, "
-        f"wall {outcome.wall_s:.1f} s, metrics 1..{outcome.last_step} exactly once: {outcome.metrics_check}",
+        f"  {label}: {describe_outcome(outcome)}; {len(outcome.kills)} kills ({len(delayed)} waited for a rebuild to finish), "
+        f"{row.restarts} restarts, wall {outcome.wall_s:.1f} s, metrics 1..{outcome.last_step} exactly once: {outcome.metrics_check}",
         flush=True,
     )
     return row
@@ -444,16 +536,26 @@ def measure_goodput_run(args: argparse.Namespace, workdir: Path, period: float |
 
 def measure_goodput(args: argparse.Namespace, workdir: Path) -> None:
     print(
-        f"\n## 2. Goodput under failure injection: {args.goodput_steps} steps per run (default job: 800), "
-        f"runner.save_interval={args.save_interval}, runs capped at {args.max_run_s:g} s\n",
+        f"\n## 2. Goodput under failure injection: {args.goodput_steps} steps per run (the default job has 800), "
+        f"runner.save_interval={args.save_interval}\n",
         flush=True,
     )
-    rows = [measure_goodput_run(args, workdir, None)]
-    rows += [measure_goodput_run(args, workdir, period) for period in args.period_list]
+    rows = [measure_goodput_run(args, workdir, None, None)]
+    max_run_s = args.max_run_s if args.max_run_s is not None else 2.0 * rows[0].outcome.wall_s
+    print(f"  runs with failures are stopped after {max_run_s:.0f} s (--max-run-s; their committed steps count)", flush=True)
+    rows += [measure_goodput_run(args, workdir, period, max_run_s) for period in args.period_list]
     print()
     print(goodput_table(rows))
     print()
-    print(f"- save interval: runner.save_interval={args.save_interval} steps (~{args.save_interval * rows[0].outcome.step_s:.1f} s of training at the median step time)")
+    step_s = rows[0].outcome.step_s
+    restart_times = [r.restart_s for r in rows if r.restart_s is not None]
+    print(f"- save interval: runner.save_interval={args.save_interval} steps (~{args.save_interval * step_s:.1f} s of training at the median step time {step_s:.3f} s)")
+    if restart_times:
+        restart_s = statistics.median(restart_times)
+        print(
+            f"- a restart (failure caught -> first step after it) took {restart_s:.1f} s (median); a run makes progress only when "
+            f"T > restart + save_interval x step time ~ {restart_s + args.save_interval * step_s:.0f} s, since every restart goes back to a multiple of {args.save_interval}"
+        )
     print("- steps/s = completed training steps / wall time of GRPORunner.run() (first start-up included, Ray start excluded)")
     for row in rows:
         if not row.outcome.finished:
@@ -463,15 +565,16 @@ def measure_goodput(args: argparse.Namespace, workdir: Path) -> None:
 def goodput_table(rows: list[GoodputRow]) -> str:
     baseline = rows[0].outcome.last_step / rows[0].outcome.wall_s
     lines = [
-        "| T (s) | kills | restarts | steps done | lost steps (redone) | wall s | steps/s | goodput | metrics 1..N once |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| T (s) | kills | restarts | steps done | lost steps (redone) | restart s (median) | wall s | steps/s | goodput | metrics 1..N once |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         rate = row.outcome.last_step / row.outcome.wall_s
         period = "no failures" if row.period is None else f"{row.period:g}"
         done = f"{row.outcome.last_step}" + ("" if row.outcome.finished else " (stopped)")
         lines.append(
-            f"| {period} | {len(row.outcome.kills)} | {row.restarts} | {done} | {row.lost_steps} | {row.outcome.wall_s:.1f} | "
+            f"| {period} | {len(row.outcome.kills)} | {row.restarts} | {done} | {row.lost_steps} | "
+            f"{'-' if row.restart_s is None else f'{row.restart_s:.1f}'} | {row.outcome.wall_s:.1f} | "
             f"{rate:.2f} | {rate / baseline:.2f} | {row.outcome.metrics_check} |"
         )
     return "\n".join(lines)

@@ -41,6 +41,8 @@ from rlrunner.workers.rollout import RolloutWorker
 
 logger = logging.getLogger(__name__)
 
+START_TIMEOUT_S = 300.0  # bound on starting workers (imports, model build), whatever the step timeout
+
 
 def reward_verifier(cfg: DictConfig) -> str:
     """`reward.verifier`, or the natural one for the data: arithmetic for the synthetic task, math for files."""
@@ -105,6 +107,7 @@ class GRPORunner:
             "call_timeout_s": recovery.step_timeout_s,
             "dist_timeout_s": recovery.step_timeout_s,
             "abandon": lambda: self.stop.requested,  # a stop while waiting for resources ends the wait
+            "start_timeout_s": START_TIMEOUT_S,
         }
         optimizer_steps = self.total_steps * self.num_minibatches * self.cfg.actor.ppo_epochs
         self.actor_group = WorkerGroup(
@@ -138,7 +141,8 @@ class GRPORunner:
             cpus_per_worker=cfg.cpus_per_rollout_worker,
             **placement,
         )
-        self.actor_group.call_all("setup")
+        # Building and sharding the model is start-up work: bounded like the workers' start, not like a step.
+        self.actor_group.call_all("setup", timeout_s=max(recovery.step_timeout_s, START_TIMEOUT_S))
 
     def teardown_groups(self) -> None:
         for group in (self.actor_group, self.rollout_group):
