@@ -30,7 +30,7 @@ folder with the progress bar and TensorBoard off. Workers are killed with SIGKIL
    initial start.
 
 2. Goodput under failure injection (`--goodput-steps` steps; 400 by default, half the default job, to keep
-   the whole script near 13 minutes). A timer thread SIGKILLs one worker every T seconds for each T in
+   the whole script near 12 minutes). A timer thread SIGKILLs one worker every T seconds for each T in
    `--periods` (actor rank 1 and rollout worker 0 in turn; a kill that falls while the groups are being
    rebuilt waits until its target exists, and the next kill is T s after it), next to the same job
    without failures. Goodput = completed training steps / wall time of `GRPORunner.run()` (Ray start
@@ -39,7 +39,7 @@ folder with the progress bar and TensorBoard off. Workers are killed with SIGKIL
    (max_wall_time_s: emergency checkpoint, StoppedEarly) and its committed steps count. After each run
    metrics.jsonl is checked to hold every step 1..N exactly once.
 
-Run from the repository root (the defaults take about 13 minutes on 2 CPU cores):
+Run from the repository root (the defaults take about 12 minutes on 2 CPU cores):
 
     .venv/bin/python benchmarks/bench_recovery.py
     .venv/bin/python benchmarks/bench_recovery.py --kills 3 --periods 20 --goodput-steps 200
@@ -231,10 +231,17 @@ def wait_until(condition: Callable[[], bool], done: threading.Event) -> bool:
     return False
 
 
+def stop_due(runner: GRPORunner) -> bool:
+    """Whether the run's stop was requested or its wall-time limit passed (the runner notices that lazily)."""
+    stop = runner.stop
+    overdue = stop.max_wall_time_s is not None and time.monotonic() - stop.started >= stop.max_wall_time_s
+    return stop.reason is not None or overdue
+
+
 def kill_until_done(runner: GRPORunner, group_name: str, rank: int, killed: set[int], done: threading.Event) -> Kill | None:
-    """Kill the target as soon as it exists (it may be mid-rebuild); None if the run ended first."""
+    """Kill the target as soon as it exists (it may be mid-rebuild); None if the run ended or is stopping first."""
     began = time.time()
-    while not done.is_set():
+    while not done.is_set() and not stop_due(runner):
         kill = kill_worker(runner, group_name, rank, killed)
         if kill is not None:
             kill.waited_s = kill.time_unix - began
@@ -500,11 +507,10 @@ def periodic_killer(period: float) -> Killer:
     """One SIGKILL every `period` seconds (counted from the previous kill), actor and rollout in turn."""
 
     def killer(runner: GRPORunner, done: threading.Event, kills: list[Kill]) -> None:
+        """Never kills once a stop was requested (the run is winding down to its emergency checkpoint)."""
         killed: set[int] = set()
         targets = cycle(GOODPUT_TARGETS)
         while not done.wait(period):
-            if runner.stop.requested:
-                return
             kill = kill_until_done(runner, *next(targets), killed, done)
             if kill is None:
                 return

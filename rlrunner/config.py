@@ -43,7 +43,7 @@ class LoggerConfig:
 @dataclass
 class RecoveryConfig:
     enabled: bool = True  # repair the worker groups in-job after a worker, node or collective failure
-    max_restarts: int = 3  # in-job restarts before the run gives up
+    max_restarts: int = 3  # in-job restarts in a row without a new checkpoint in between, before the run gives up
     step_timeout_s: float = 600.0  # bound on every remote call and collective (also the process-group timeout)
     wait_timeout_s: float = 600.0  # how long a restart waits for the cluster to have the resources again
 

@@ -155,7 +155,7 @@ def test_hung_worker_is_detected_by_the_step_timeout(cluster, reference, tmp_pat
 def test_restarts_are_bounded(cluster, tmp_path):
     runner = GRPORunner(run_config(tmp_path, *RUN, "runner.recovery.max_restarts=0"))
     once(lambda: metrics_lines(tmp_path) >= 2, lambda: kill(runner.actor_group.hosts[0]["pid"]))
-    with pytest.raises(RecoveryExhaustedError, match=r"giving up after 0 in-job restarts \(runner.recovery.max_restarts\); last failure: "):
+    with pytest.raises(RecoveryExhaustedError, match=r"giving up after 0 in-job restarts without a new checkpoint in between \(runner.recovery.max_restarts\); last failure: "):
         runner.run()
 
 

@@ -12,7 +12,7 @@ from rlrunner.cluster.shared_storage import answer_probe, check_shared_folder
 from rlrunner.cluster.worker import Worker
 from rlrunner.cluster.worker_group import CallTimeoutError, WorkerGroup
 from rlrunner.errors import CheckpointSaveError
-from rlrunner.runner.recovery import describe, exception_chain, failure_cause
+from rlrunner.runner.recovery import RestartBudget, describe, exception_chain, failure_cause
 from rlrunner.runner.stopping import DUPLICATE_WINDOW_S, StopRequest
 
 
@@ -89,3 +89,14 @@ def test_shared_folder_check_with_real_workers(ray_session, tmp_path):
         assert list((tmp_path / "checkpoints").iterdir()) == []
     finally:
         group.shutdown()
+
+
+def test_restart_budget_counts_restarts_without_progress():
+    budget = RestartBudget(max_restarts=2)
+    assert budget.spend("global_step_50") and budget.spend("global_step_50")
+    assert not budget.spend("global_step_50")  # a third failure before anything new was saved: give up
+    budget = RestartBudget(max_restarts=2)
+    for newest in ["global_step_50", "global_step_50", "global_step_100", "global_step_100", "global_step_150"]:
+        assert budget.spend(newest)  # progress in between starts the count again
+    assert budget.total == 5 and budget.count == 1
+    assert not RestartBudget(max_restarts=0).spend(None)

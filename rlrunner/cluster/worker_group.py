@@ -1,6 +1,6 @@
 """A group of N Ray actors running one Worker class in a placement group, driven with one small API.
 
-    group = WorkerGroup("actor", ActorWorker, 2, worker_kwargs={...}, distributed=True)
+    group = WorkerGroup("actor", ActorWorker, 2, worker_kwargs={...}, distributed=True)  # placed, started, ready
     group.call_all("setup")                   # every rank, same arguments
     group.call_rank(0, "full_state_dict")     # one rank
     group.call_each("update", [(shard0,), (shard1,)])  # scatter: rank i gets args i; results in rank order
@@ -51,7 +51,9 @@ class WorkerGroup:
         start_timeout_s: float = 300.0,
         dist_timeout_s: float = 1800.0,
         abandon: Callable[[], bool] | None = None,
+        wait: bool = True,
     ):
+        """Place the group and start its actors; with `wait`, also wait until they are ready (see `wait_ready`)."""
         self.name = name
         self.num_workers = num_workers
         self.call_timeout_s = call_timeout_s
@@ -60,24 +62,11 @@ class WorkerGroup:
             bundle["GPU"] = gpus_per_worker
         self.placement_group = placement_group([dict(bundle) for _ in range(num_workers)], strategy=placement_strategy)
         self.placement_wait_s = self._wait_for_placement(bundle, placement_timeout_s, abandon)
-        self.workers: list = []
-        try:
-            self._start_workers(worker_cls, worker_kwargs, cpus_per_worker, gpus_per_worker, distributed, start_timeout_s, dist_timeout_s)
-        except BaseException:
-            self.shutdown()  # do not leak actors or the placement group of a group that never started
-            raise
-
-    def _start_workers(
-        self,
-        worker_cls: type,
-        worker_kwargs: dict[str, Any] | None,
-        cpus_per_worker: float,
-        gpus_per_worker: float,
-        distributed: bool,
-        start_timeout_s: float,
-        dist_timeout_s: float,
-    ) -> None:
-        started = time.monotonic()
+        self.distributed = distributed
+        self.start_timeout_s = start_timeout_s
+        self.dist_timeout_s = dist_timeout_s
+        self.hosts: list[dict] = []
+        self._created = time.monotonic()
         remote_cls = ray.remote(worker_cls)
         self.workers = [
             remote_cls.options(
@@ -91,12 +80,25 @@ class WorkerGroup:
             ).remote(rank=rank, world_size=self.num_workers, **(worker_kwargs or {}))
             for rank in range(self.num_workers)
         ]
-        # Starting a worker imports torch and builds its model: bounded by its own, longer limit.
-        self.hosts = self.call_all("ping", timeout_s=start_timeout_s)
-        if distributed:
-            host, port = self.call_rank(0, "free_address", timeout_s=start_timeout_s)
-            self.call_all("init_process_group", host, port, dist_timeout_s, timeout_s=start_timeout_s)
-        self.start_s = time.monotonic() - started
+        if wait:
+            self.wait_ready(abandon)
+
+    def wait_ready(self, abandon: Callable[[], bool] | None = None) -> None:
+        """Wait until every actor has started (and joined the process group); shut the group down on failure.
+
+        Starting a worker imports torch and builds its model: bounded by `start_timeout_s`, not the call limit.
+        Groups created with `wait=False` can start side by side and be waited for one after the other.
+        """
+        try:
+            self.hosts = self.get(self.call_all_async("ping"), self.start_timeout_s, abandon)
+            if self.distributed:
+                host, port = self.get(self.workers[0].free_address.remote(), self.start_timeout_s, abandon)
+                refs = self.call_all_async("init_process_group", host, port, self.dist_timeout_s)
+                self.get(refs, self.start_timeout_s, abandon)
+        except BaseException:
+            self.shutdown()  # do not leak actors or the placement group of a group that never started
+            raise
+        self.start_s = time.monotonic() - self._created
 
     def _wait_for_placement(
         self, bundle: dict[str, float], timeout_s: float, abandon: Callable[[], bool] | None, log_every_s: float = 10.0

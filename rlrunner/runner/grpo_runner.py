@@ -4,7 +4,8 @@ Reads top to bottom. `run()` holds the experiment lock and makes attempts: each 
 the worker groups, restores the checkpoint (if any), pushes the actor's weights to the rollout
 group and trains, logging every step and saving when the handler says so. When a worker, a node
 or a collective fails, the attempt's groups are torn down and the next attempt resumes from the
-newest complete checkpoint, up to `runner.recovery.max_restarts` times. A stop request (SIGTERM,
+newest complete checkpoint, up to `runner.recovery.max_restarts` times in a row without a new
+checkpoint committed in between. A stop request (SIGTERM,
 SIGINT, `runner.max_wall_time_s`) ends the loop with an emergency checkpoint.
 """
 
@@ -33,7 +34,7 @@ from rlrunner.errors import CheckpointError, RecoveryExhaustedError, StoppedEarl
 from rlrunner.models.loading import build_hf_config, build_tokenizer, token_ids
 from rlrunner.runner.batching import build_actor_batch, chunk, shard_actor_batch, split_evenly
 from rlrunner.runner.metrics_logger import MetricsLogger, Progress
-from rlrunner.runner.recovery import RecoveryLog, describe, failure_cause
+from rlrunner.runner.recovery import RecoveryLog, RestartBudget, describe, failure_cause
 from rlrunner.runner.stopping import StopRequest
 from rlrunner.utils.seeding import derive_seed
 from rlrunner.workers.actor import ActorWorker
@@ -106,8 +107,9 @@ class GRPORunner:
             "placement_timeout_s": placement_timeout_s,
             "call_timeout_s": recovery.step_timeout_s,
             "dist_timeout_s": recovery.step_timeout_s,
-            "abandon": lambda: self.stop.requested,  # a stop while waiting for resources ends the wait
+            "abandon": self._stop_requested,  # a stop while waiting for resources ends the wait
             "start_timeout_s": START_TIMEOUT_S,
+            "wait": False,  # both groups start side by side; waited for below
         }
         optimizer_steps = self.total_steps * self.num_minibatches * self.cfg.actor.ppo_epochs
         self.actor_group = WorkerGroup(
@@ -141,8 +143,14 @@ class GRPORunner:
             cpus_per_worker=cfg.cpus_per_rollout_worker,
             **placement,
         )
-        # Building and sharding the model is start-up work: bounded like the workers' start, not like a step.
-        self.actor_group.call_all("setup", timeout_s=max(recovery.step_timeout_s, START_TIMEOUT_S))
+        self.actor_group.wait_ready(self._stop_requested)
+        # Building and sharding the model is start-up work (bounded like it), overlapping the rollout workers' start.
+        setup = self.actor_group.call_all_async("setup")
+        self.rollout_group.wait_ready(self._stop_requested)
+        self.actor_group.get(setup, max(recovery.step_timeout_s, START_TIMEOUT_S), self._stop_requested)
+
+    def _stop_requested(self) -> bool:
+        return self.stop.requested
 
     def teardown_groups(self) -> None:
         for group in (self.actor_group, self.rollout_group):
@@ -156,11 +164,12 @@ class GRPORunner:
     # -- one step ------------------------------------------------------------------------------
 
     def sync_weights(self) -> None:
-        """Every actor rank joins the gather; rank 0's full state dict goes to all rollout workers."""
-        refs = self.actor_group.call_all_async("full_state_dict")
-        loads = self.rollout_group.call_all_async("load_weights", refs[0])
-        self.actor_group.get(refs[1:])
-        self.rollout_group.get(loads)
+        """Every actor rank joins the gather; rank 0 publishes the full weights, every rollout worker loads them.
+
+        The driver reads rank 0's answer (a reference, not the weights), so a failure is always seen there.
+        """
+        published = self.actor_group.call_all("publish_weights")
+        self.rollout_group.call_all("load_weights", published[0]["weights"])
 
     def generate(self, step: int, prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Samples in prompt order; chunks of prompts are fixed here, so the result is the same for any worker count.
@@ -246,10 +255,16 @@ class GRPORunner:
         built = time.monotonic()
         check_shared_folder(self.handler.root, self.groups())
         if checkpoint is not None:
+            self._raise_if_stopping()
             self.restore(checkpoint)
+        self._raise_if_stopping()
         self.sync_weights()
         waited = sum(g.placement_wait_s for g in self.groups())
         self.start_timings = {"wait_s": waited, "rebuild_s": built - started - waited, "load_s": time.monotonic() - built}
+
+    def _raise_if_stopping(self) -> None:
+        if self.stop.requested:
+            raise CallAbandoned("stopped while starting the workers")
 
     def __enter__(self) -> "GRPORunner":
         """One attempt, without in-job recovery: lock, find the checkpoint, start (tests use this to look inside)."""
@@ -319,13 +334,14 @@ class GRPORunner:
         with self.lock:
             self.handler.remove_leftovers()
             initial = self.handler.find_resume(self.cfg.runner.resume_dir)
-            checkpoint, placement_timeout_s, restarts = initial, self.cfg.cluster.placement_timeout_s, 0
+            checkpoint, placement_timeout_s = initial, self.cfg.cluster.placement_timeout_s
+            budget = RestartBudget(recovery.max_restarts)
             while True:
                 try:
                     self.start(checkpoint, placement_timeout_s)
-                    if restarts:
-                        self.recovery_log.write("resumed", restart=restarts, step=self.global_step, **self.start_timings)
-                        self.restart_to_report = restarts
+                    if budget.total:
+                        self.recovery_log.write("resumed", restart=budget.total, step=self.global_step, **self.start_timings)
+                        self.restart_to_report = budget.total
                     return self.train()
                 except StoppedEarly:
                     raise
@@ -338,20 +354,25 @@ class GRPORunner:
                     cause = self.repairable_cause(exc)
                     if cause is None or not recovery.enabled:
                         raise
-                    restarts += 1
-                    if restarts > recovery.max_restarts:
+                    if self.stop.requested:  # no restart once a stop was asked for: the newest checkpoint stands
+                        newest = self.handler.newest_complete()
+                        kept = f"the newest checkpoint is {newest.name}" if newest else "there is no checkpoint yet"
+                        raise StoppedEarly(f"{self.stop.reason}, then a failure ({cause}); {kept}; resume with runner.resume_dir=auto") from exc
+                    newest = self.handler.newest_complete()
+                    if not budget.spend(str(newest) if newest else None):
                         raise RecoveryExhaustedError(
-                            f"giving up after {recovery.max_restarts} in-job restarts (runner.recovery.max_restarts); last failure: {cause}"
+                            f"giving up after {recovery.max_restarts} in-job restarts without a new checkpoint in between "
+                            f"(runner.recovery.max_restarts); last failure: {cause}"
                         ) from exc
                     lost = self.global_step - (self.last_saved_step or 0)
                     logger.error(
-                        "restart %d of %d (last completed step %d, %d steps to redo): %s",
-                        restarts, recovery.max_restarts, self.global_step, lost, cause,
+                        "restart %d (%d of %d since the last new checkpoint; last completed step %d, %d steps to redo): %s",
+                        budget.total, budget.count, recovery.max_restarts, self.global_step, lost, cause,
                     )
                     teardown_started = time.monotonic()
                     self.teardown_groups()
                     self.recovery_log.write(
-                        "failure", restart=restarts, cause=cause, step=self.global_step, lost_steps=lost,
+                        "failure", restart=budget.total, cause=cause, step=self.global_step, lost_steps=lost,
                         failed_at_unix=failed_at, teardown_s=time.monotonic() - teardown_started,
                     )
                     self.handler.remove_leftovers()

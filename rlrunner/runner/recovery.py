@@ -83,3 +83,27 @@ class RecoveryLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as handle:
             handle.write(json.dumps({"event": event, "time_unix": time.time(), **fields}) + "\n")
+
+
+class RestartBudget:
+    """`max_restarts` in-job restarts per stretch without progress.
+
+    A restart after a new checkpoint was committed (the run moved on since the previous restart)
+    starts the count again, so a long run on preemptible nodes survives any number of spread-out
+    failures, while a run that keeps failing before it can save again gives up.
+    """
+
+    def __init__(self, max_restarts: int):
+        self.max_restarts = max_restarts
+        self.count = 0
+        self.total = 0
+        self._newest_at_last_restart: str | None = None
+
+    def spend(self, newest_checkpoint: str | None) -> bool:
+        """Record a restart, given the newest committed checkpoint now; False when the budget is used up."""
+        if self.count and newest_checkpoint is not None and newest_checkpoint != self._newest_at_last_restart:
+            self.count = 0
+        self._newest_at_last_restart = newest_checkpoint
+        self.count += 1
+        self.total += 1
+        return self.count <= self.max_restarts
