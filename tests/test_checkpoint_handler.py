@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -270,11 +271,17 @@ def test_retention_holds_across_restarts_and_keeps_the_newest(tmp_path):
 
 def test_leftovers_of_killed_saves_are_removed_at_start(tmp_path):
     handler = make_handler(tmp_path)
-    save_steps(handler, [2])
+    save_steps(handler, [2, 6])
     (handler.root / f"{layout.STAGING_PREFIX}global_step_4-dead").mkdir()
     (handler.root / f"{layout.TRASH_PREFIX}global_step_0-dead").mkdir()
+    # killed between the two renames of a re-save of step 6: the old global_step_6 was set aside, the new one
+    # is still staged. The old one comes back; a set-aside copy whose replacement did arrive is deleted.
+    os.rename(handler.root / "global_step_6", handler.root / f"{layout.REPLACED_PREFIX}global_step_6-abcd1234")
+    (handler.root / f"{layout.STAGING_PREFIX}global_step_6-feed0000").mkdir()
+    shutil.copytree(handler.root / "global_step_2", handler.root / f"{layout.REPLACED_PREFIX}global_step_2-00000000")
     handler.remove_leftovers()
-    assert sorted(p.name for p in handler.root.iterdir()) == ["global_step_2"]
+    assert sorted(p.name for p in handler.root.iterdir()) == ["global_step_2", "global_step_6"]
+    assert [s.status for s in scan_checkpoints(handler.root, checksums=True)] == [COMPLETE, COMPLETE]
 
 
 def test_schedule_description_mentions_disabled_periodic_saves(tmp_path):

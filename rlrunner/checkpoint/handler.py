@@ -169,12 +169,13 @@ class CheckpointHandler:
 
     def _commit(self, staging: Path, final: Path) -> None:
         if final.exists():
-            # A step saved again (e.g. after a recovery replayed it): swap the new one in, then drop the old.
-            trash = self.root / f"{layout.TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, trash)
+            # A step saved again (e.g. replayed after its first save was found corrupt): swap the new one in,
+            # then drop the old. A crash between the two renames is repaired by remove_leftovers().
+            replaced = self.root / f"{layout.REPLACED_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, replaced)
             os.rename(staging, final)
             fsync_dir(self.root)
-            shutil.rmtree(trash, ignore_errors=True)
+            shutil.rmtree(replaced, ignore_errors=True)
         else:
             os.rename(staging, final)
             fsync_dir(self.root)
@@ -203,8 +204,17 @@ class CheckpointHandler:
         shutil.rmtree(trash, ignore_errors=True)
 
     def remove_leftovers(self) -> None:
-        """Delete what killed saves and deletions left (only safe while holding the experiment lock)."""
+        """Delete what killed saves and deletions left (only safe while holding the experiment lock).
+
+        A checkpoint that was being replaced when the run died is put back if its replacement never arrived.
+        """
         for leftover in layout.leftover_dirs(self.root):
+            original = layout.replaced_step_name(leftover.name)
+            if original is not None and not (self.root / original).exists():
+                os.rename(leftover, self.root / original)
+                fsync_dir(self.root)
+                logger.info("restored %s, which a save that did not finish was replacing", original)
+                continue
             logger.info("removing %s, left by a save or deletion that did not finish", leftover.name)
             shutil.rmtree(leftover, ignore_errors=True)
 

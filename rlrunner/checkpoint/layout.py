@@ -4,6 +4,7 @@
       global_step_N/          a committed checkpoint (it has a manifest)
       .tmp-global_step_N-*    a save in progress, or one that was killed: never a checkpoint
       .trash-*                a checkpoint being deleted
+      .replaced-global_step_N-*  the previous global_step_N while a new save of step N is swapped in
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ CHECKPOINTS_DIR = "checkpoints"
 STEP_PREFIX = "global_step_"
 STAGING_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
+REPLACED_PREFIX = ".replaced-"
 MANIFEST_FILE = "manifest.json"
 ACTOR_DIR = "actor"
 DATA_FILE = "data/data.pt"
@@ -53,4 +55,11 @@ def leftover_dirs(root: Path) -> list[Path]:
     """Staging and trash folders: what a killed save or deletion left behind."""
     if not root.is_dir():
         return []
-    return [p for p in root.iterdir() if p.name.startswith((STAGING_PREFIX, TRASH_PREFIX))]
+    return [p for p in root.iterdir() if p.is_dir() and p.name.startswith((STAGING_PREFIX, TRASH_PREFIX, REPLACED_PREFIX))]
+
+
+def replaced_step_name(name: str) -> str | None:
+    """`global_step_N` for a `.replaced-global_step_N-<id>` folder, else None."""
+    if not name.startswith(REPLACED_PREFIX):
+        return None
+    return name[len(REPLACED_PREFIX):].rsplit("-", 1)[0]
