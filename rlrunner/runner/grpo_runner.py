@@ -164,12 +164,15 @@ class GRPORunner:
     # -- one step ------------------------------------------------------------------------------
 
     def sync_weights(self) -> None:
-        """Every actor rank joins the gather; rank 0 publishes the full weights, every rollout worker loads them.
+        """Every actor rank joins the gather; rank 0's full state dict goes to every rollout worker.
 
-        The driver reads rank 0's answer (a reference, not the weights), so a failure is always seen there.
+        The driver passes rank 0's result on by reference and never fetches the weights itself. (Publishing
+        them with ray.put inside the actor instead coincided with rare native crashes of actor workers.)
         """
-        published = self.actor_group.call_all("publish_weights")
-        self.rollout_group.call_all("load_weights", published[0]["weights"])
+        refs = self.actor_group.call_all_async("full_state_dict")
+        loads = self.rollout_group.call_all_async("load_weights", refs[0])
+        self.actor_group.get(refs[1:])
+        self.rollout_group.get(loads)
 
     def generate(self, step: int, prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Samples in prompt order; chunks of prompts are fixed here, so the result is the same for any worker count.

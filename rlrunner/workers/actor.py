@@ -187,13 +187,3 @@ class ActorWorker(Worker):
 
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state if self.rank == 0 else None
-
-    def publish_weights(self) -> dict[str, Any] | None:
-        """Collective: rank 0 puts the full weights in Ray's object store and returns {"weights": ref} (None elsewhere).
-
-        The driver passes the reference on to the rollout workers without fetching the weights itself.
-        """
-        import ray
-
-        state = self.full_state_dict()
-        return {"weights": ray.put(state)} if self.rank == 0 else None
