@@ -96,7 +96,7 @@ def test_safe_reading_of_a_genuine_dcp_folder(tmp_path):
 
 
 class _Planted:
-    """Unpickling this (as stock DCP would, with weights_only=False) creates a file: a stand-in for any code."""
+    """Unpickling this (as stock DCP would, weights_only off) creates a file: a stand-in for any code."""
 
     def __init__(self, path: str):
         self.path = path

@@ -1,7 +1,7 @@
 """Reading torch.distributed.checkpoint folders without running arbitrary pickles.
 
 Stock DCP reads `.metadata` with `pickle.load` and every non-tensor item with
-`torch.load(weights_only=False)`: a crafted checkpoint could run code on load. Here `.metadata`
+`torch.load` with weights_only off: a crafted checkpoint could run code on load. Here `.metadata`
 goes through an unpickler that admits only DCP's metadata classes and torch's dtype, Size and
 layout, and items go through `torch.load(weights_only=True)`.
 """
