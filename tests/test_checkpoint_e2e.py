@@ -7,7 +7,6 @@ epoch 0 (its 2 leftover prompts are dropped).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import resource
@@ -23,7 +22,7 @@ import pytest
 import ray
 import torch
 
-from conftest import read_metrics, run_config, without_time
+from conftest import TINY_MODEL, read_metrics, run_config, without_time
 from rlrunner.checkpoint import layout
 from rlrunner.checkpoint.convert import load_model_weights
 from rlrunner.checkpoint.handler import COMPLETE, scan_checkpoints
@@ -170,7 +169,7 @@ def test_a_broken_fsdp_checkpoint_is_refused_in_one_line(reference, tmp_path, ca
     breakage(broken)
     code = main([f"runner.output_dir={tmp_path / 'out'}", "runner.experiment_name=test", *RUN, f"runner.resume_dir={broken}",
                  "data.batch_size=4", "algorithm.group_size=4", "actor.micro_batch_size=4", "runner.logger.progress_bar=false",
-                 *[o for o in __import__("conftest").TINY_MODEL]])
+                 *TINY_MODEL])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert f"rlrunner: error: runner.resume_dir {broken} fails verification: {expected}" in err
@@ -250,7 +249,7 @@ def test_a_save_killed_halfway_is_skipped_by_auto(ray_session, tmp_path, subproc
     base = [f"runner.output_dir={tmp_path}", "runner.experiment_name=test", "runner.logger.progress_bar=false",
             "data.batch_size=4", "algorithm.group_size=4", "actor.micro_batch_size=4",
             f"cluster.ray_address={ray_session.get_runtime_context().gcs_address}",
-            *__import__("conftest").TINY_MODEL]
+            *TINY_MODEL]
     driver = subprocess.Popen([sys.executable, "-m", "rlrunner.main_grpo", *base, *overrides],
                               env=subprocess_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     root = tmp_path / "test" / "checkpoints"

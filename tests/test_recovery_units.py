@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import time
 
-import pytest
 import ray
 
 from rlrunner.cluster.shared_storage import answer_probe, check_shared_folder
