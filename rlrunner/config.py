@@ -312,18 +312,21 @@ def _validate_batch_divisibility(cfg: DictConfig) -> None:
     group = cfg.algorithm.group_size
     workers = cfg.actor.num_workers
     micro = cfg.actor.micro_batch_size
+    # With actor.mini_batch_size null, the whole step's batch is one mini-batch: name the key the user set.
+    mini_key = "actor.mini_batch_size" if cfg.actor.mini_batch_size else "data.batch_size"
     if batch % mini:
         raise ConfigError(f"data.batch_size ({batch}) must be a multiple of actor.mini_batch_size ({mini})")
     sequences = mini * group
     if sequences % workers:
         raise ConfigError(
-            f"sequences per mini-batch (actor.mini_batch_size {mini} x algorithm.group_size {group} = {sequences}) "
+            f"sequences per mini-batch ({mini_key} {mini} x algorithm.group_size {group} = {sequences}) "
             f"must be divisible by actor.num_workers ({workers})"
         )
     per_rank = sequences // workers
     if per_rank % micro:
         raise ConfigError(
-            f"sequences per rank per mini-batch ({per_rank}) must be a multiple of actor.micro_batch_size ({micro})"
+            f"sequences per rank per mini-batch ({mini_key} {mini} x algorithm.group_size {group} / "
+            f"actor.num_workers {workers} = {per_rank}) must be a multiple of actor.micro_batch_size ({micro})"
         )
 
 

@@ -1,7 +1,7 @@
 """Entry point: `python -m rlrunner.main_grpo [--config-name NAME] [--config-path DIR] [--cfg] [key=value ...]`.
 
-Config -> input checks -> Ray -> GRPORunner.run(). User errors end the process with one line on
-stderr and the exit code of their kind (see `rlrunner.errors`):
+Config -> input checks -> experiment lock and resume checkpoint -> Ray -> training. User errors end
+the process with one line on stderr and the exit code of their kind (see `rlrunner.errors`):
 
     0  finished
     1  failed (workers kept failing, a save failed, the cluster cannot place the workers)
@@ -78,9 +78,12 @@ def main(argv: list[str] | None = None) -> int:
 
         stop = StopRequest(cfg.runner.max_wall_time_s)
         runner = GRPORunner(cfg, stop)
-        init_ray(cfg.cluster.ray_address, cfg.cluster.num_cpus)
-        stop.install()  # after ray.init, which installs a SIGTERM handler of its own
-        runner.run()
+
+        def connect() -> None:
+            init_ray(cfg.cluster.ray_address, cfg.cluster.num_cpus)
+            stop.install()  # after ray.init, which installs a SIGTERM handler of its own
+
+        runner.run(connect)
         return 0
     except KeyboardInterrupt:
         print("rlrunner: interrupted", file=sys.stderr)

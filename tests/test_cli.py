@@ -47,7 +47,7 @@ def test_print_config_writes_nothing(tmp_path, monkeypatch, capsys):
     [
         (["runner.max_steps=abc"], "bad value for config key 'runner.max_steps'"),
         (["actorr.num_workers=2"], "unknown config key 'actorr'"),
-        (["data.batch_size=6"], "must be a multiple of actor.micro_batch_size"),
+        (["data.batch_size=6"], "(data.batch_size 6 x algorithm.group_size 16 / actor.num_workers 2 = 48) must be a multiple of actor.micro_batch_size (32)"),
         (["actor.num_workers=3"], "must be divisible by actor.num_workers (3)"),
         (["data.batch_size=16", "actor.mini_batch_size=5"], "data.batch_size (16) must be a multiple of actor.mini_batch_size (5)"),
         (["algorithm.group_size=1"], "algorithm.group_size must be at least 2"),
@@ -79,6 +79,16 @@ def test_data_file_without_prompt_field(tmp_path, capsys):
     assert main([f"data.train_files={data}", "runner.logger.tensorboard=false"]) == 2
     line = error_line(capsys)
     assert "record 0 has no 'prompt' field" in line and "question" in line
+
+
+def test_bad_resume_dir_is_reported_before_ray_starts(tmp_path, capsys):
+    import ray
+
+    assert not ray.is_initialized()
+    missing = tmp_path / "checkpoints" / "global_step_5"
+    assert main([f"runner.output_dir={tmp_path}", f"runner.resume_dir={missing}", "runner.logger.tensorboard=false"]) == 2
+    assert error_line(capsys) == f"rlrunner: error: runner.resume_dir does not exist: {missing}"
+    assert not ray.is_initialized(), "the error must come before Ray's start-up"
 
 
 def test_more_workers_than_the_cluster_can_place(ray_session, tmp_path, capsys):

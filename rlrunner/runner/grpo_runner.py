@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -331,12 +332,18 @@ class GRPORunner:
 
     # -- the resilient run ---------------------------------------------------------------------
 
-    def run(self) -> dict[str, Any]:
-        """Train to the end, repairing the worker groups in-job after worker, node or collective failures."""
+    def run(self, connect: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Train to the end, repairing the worker groups in-job after worker, node or collective failures.
+
+        `connect` (start or join Ray) is called once the lock is held and the checkpoint is chosen, so that a
+        bad `runner.resume_dir` or a locked experiment is reported before Ray's start-up, not after it.
+        """
         recovery = self.cfg.runner.recovery
         with self.lock:
             self.handler.remove_leftovers()
             initial = self.handler.find_resume(self.cfg.runner.resume_dir)
+            if connect is not None:
+                connect()
             checkpoint, placement_timeout_s = initial, self.cfg.cluster.placement_timeout_s
             budget = RestartBudget(recovery.max_restarts)
             while True:
