@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from rlrunner.checkpoint import layout
-from rlrunner.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, read_metadata
+from rlrunner.checkpoint.safe_dcp import METADATA_FILE, SafeFileSystemReader, SafeLoadPlanner, read_metadata
 
 MODEL_PREFIX = "model."
 
@@ -23,7 +23,7 @@ def find_dcp_dir(path: str | Path) -> Path:
     """Accept a DCP folder itself, or a `global_step_N` folder holding one under `actor/`."""
     folder = Path(path).expanduser().resolve()
     for candidate in (folder, folder / layout.ACTOR_DIR):
-        if (candidate / ".metadata").is_file():
+        if (candidate / METADATA_FILE).is_file():
             return candidate
     raise FileNotFoundError(f"no DCP checkpoint (.metadata) in {path} or {Path(path) / layout.ACTOR_DIR}")
 

@@ -38,7 +38,7 @@ from rlrunner.checkpoint.manifest import (
 )
 from rlrunner.checkpoint.policy import fingerprint_differences, should_save, steps_to_delete
 from rlrunner.errors import CheckpointError, CheckpointSaveError
-from rlrunner.utils.fs import fsync_dir
+from rlrunner.utils.fs import atomic_write_bytes, fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class CheckpointHandler:
             files = {f"{layout.ACTOR_DIR}/{name}": record for name, record in actor_files.items()}
             data_path = staging / layout.DATA_FILE
             data_path.parent.mkdir(parents=True)
-            _write_torch_durably(data_state, data_path)
+            atomic_write_bytes(data_path, _torch_bytes(data_state))
             if write_extra is not None:
                 write_extra(staging)
             for name in relative_files(staging):
@@ -292,13 +292,10 @@ class CheckpointHandler:
             raise CheckpointError(f"loading checkpoint {checkpoint.path} failed: {root_cause(exc)}") from exc
 
 
-def _write_torch_durably(obj: Any, path: Path) -> None:
+def _torch_bytes(obj: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    with open(path, "wb") as handle:
-        handle.write(buffer.getvalue())
-        handle.flush()
-        os.fsync(handle.fileno())
+    return buffer.getvalue()
 
 
 _NEARLY_FULL_BYTES = 64 << 20

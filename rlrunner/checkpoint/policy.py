@@ -12,9 +12,9 @@ def should_save(step: int, save_interval: int, last_step: int) -> bool:
 
 def steps_to_delete(complete_steps: Iterable[int], max_keep: int | None) -> list[int]:
     """The oldest complete checkpoints beyond the newest `max_keep` (None keeps all; the newest is never listed)."""
-    ordered = sorted(set(complete_steps), reverse=True)
     if max_keep is None:
         return []
+    ordered = sorted(set(complete_steps), reverse=True)
     return sorted(ordered[max(1, max_keep):])
 
 

@@ -124,7 +124,7 @@ class WorkerGroup:
             next_log += log_every_s
             logger.info(
                 "waiting for the cluster to fit the %s group (%.0fs of %.0fs): %s",
-                self.name, waited, timeout_s, describe_missing_resources(self.name, self.num_workers, bundle, waited).split(": needs ")[-1],
+                self.name, waited, timeout_s, missing_resources(self.num_workers, bundle),
             )
 
     # -- calls ---------------------------------------------------------------------------------
@@ -205,13 +205,12 @@ class WorkerGroup:
             pass
 
 
-def _drain(refs: Sequence[ray.ObjectRef] | ray.ObjectRef, timeout_s: float = 0.0) -> None:
+def _drain(pending: list[ray.ObjectRef]) -> None:
     """Read what other ranks already returned after one failed, so Ray does not log their errors as unhandled.
-    Never waits by default: a failure must reach the caller at once."""
-    pending = [refs] if isinstance(refs, ray.ObjectRef) else list(refs)
+    Never waits: a failure must reach the caller at once."""
     if not pending:
         return
-    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
+    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
     for ref in ready:
         try:
             ray.get(ref, timeout=0)
@@ -219,8 +218,8 @@ def _drain(refs: Sequence[ray.ObjectRef] | ray.ObjectRef, timeout_s: float = 0.0
             pass
 
 
-def describe_missing_resources(name: str, num_workers: int, bundle: dict[str, float], waited_s: float) -> str:
-    """One line: what the group asked for and what the cluster has in total and free."""
+def missing_resources(num_workers: int, bundle: dict[str, float]) -> str:
+    """What the group needs beyond what is free now, with the cluster's total and free amounts."""
     total = ray.cluster_resources()
     free = ray.available_resources()
     wanted = {key: value * num_workers for key, value in bundle.items()}
@@ -229,9 +228,13 @@ def describe_missing_resources(name: str, num_workers: int, bundle: dict[str, fl
         for key in wanted
         if wanted[key] > free.get(key, 0) + 1e-9
     ]
+    return "; ".join(short) or "resources held by other placement groups"
+
+
+def describe_missing_resources(name: str, num_workers: int, bundle: dict[str, float], waited_s: float) -> str:
+    """One line: what the group asked for and what the cluster has in total and free."""
     per_worker = ", ".join(f"{k}={v:g}" for k, v in bundle.items())
-    needs = "; ".join(short) or "resources held by other placement groups"
     return (
         f"cannot place the {name} group ({num_workers} workers x {{{per_worker}}}) after waiting {waited_s:g}s: "
-        f"needs {needs}"
+        f"needs {missing_resources(num_workers, bundle)}"
     )

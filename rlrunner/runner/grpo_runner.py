@@ -356,8 +356,7 @@ class GRPORunner:
                 except StoppedEarly:
                     raise
                 except CallAbandoned:  # stopped while the workers were starting: nothing new to save
-                    newest = self.handler.newest_complete()
-                    kept = f"the newest checkpoint is {newest.name}" if newest else "there is no checkpoint yet"
+                    kept = self._newest_checkpoint_note()
                     raise StoppedEarly(f"{self.stop.reason} while starting the workers; {kept}; resume with runner.resume_dir=auto") from None
                 except Exception as exc:
                     failed_at = time.time()
@@ -365,8 +364,7 @@ class GRPORunner:
                     if cause is None or not recovery.enabled:
                         raise
                     if self.stop.requested:  # no restart once a stop was asked for: the newest checkpoint stands
-                        newest = self.handler.newest_complete()
-                        kept = f"the newest checkpoint is {newest.name}" if newest else "there is no checkpoint yet"
+                        kept = self._newest_checkpoint_note()
                         raise StoppedEarly(f"{self.stop.reason}, then a failure ({cause}); {kept}; resume with runner.resume_dir=auto") from exc
                     newest = self.handler.newest_complete()
                     if not budget.spend(str(newest) if newest else None):
@@ -390,6 +388,10 @@ class GRPORunner:
                     placement_timeout_s = recovery.wait_timeout_s
                 finally:
                     self.teardown_groups()
+
+    def _newest_checkpoint_note(self) -> str:
+        newest = self.handler.newest_complete()
+        return f"the newest checkpoint is {newest.name}" if newest else "there is no checkpoint yet"
 
     def repairable_cause(self, exc: BaseException) -> str | None:
         """Why `exc` is a worker/node/collective failure the run can repair, or None (a bug or bad input).

@@ -7,11 +7,6 @@ import uuid
 from pathlib import Path
 
 
-def fsync_file(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
-
-
 def fsync_dir(path: Path) -> None:
     """Persist a directory's entries (new files, renames) on filesystems that need it."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
