@@ -46,6 +46,7 @@ class RecoveryConfig:
     max_restarts: int = 3  # in-job restarts in a row without a new checkpoint in between, before the run gives up
     step_timeout_s: float = 600.0  # bound on every remote call and collective (also the process-group timeout)
     wait_timeout_s: float = 600.0  # how long a restart waits for the cluster to have the resources again
+    checkpoint_timeout_s: float = 1800.0  # bound on one checkpoint save or load (its own: a big save on a slow disk is no hang)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class RunnerConfig:
     resume_dir: Optional[str] = None
     max_ckpt_to_keep: Optional[int] = None  # null keeps all
     verify_checksums: bool = True  # check every file's CRC-32 before resuming (sizes are always checked)
+    async_save: bool = True  # write checkpoint files in the background while training goes on
     max_wall_time_s: Optional[float] = None  # stop with an emergency checkpoint after this long (set below a scheduler's limit)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
@@ -264,6 +266,7 @@ def validate_config(cfg: DictConfig) -> None:
         {
             "runner.recovery.step_timeout_s": cfg.runner.recovery.step_timeout_s,
             "runner.recovery.wait_timeout_s": cfg.runner.recovery.wait_timeout_s,
+            "runner.recovery.checkpoint_timeout_s": cfg.runner.recovery.checkpoint_timeout_s,
         }
     )
     if cfg.runner.max_wall_time_s is not None:
