@@ -7,8 +7,9 @@
 # If the driver dies (exit code 1, or killed), it is relaunched with runner.resume_dir=auto, up to
 # RLRUNNER_MAX_RESTARTS times (default 3; 0 = never), after RLRUNNER_RESTART_BACKOFF_S seconds
 # (default 10, doubling each time, at most RLRUNNER_RESTART_BACKOFF_MAX_S, default 300). It is not
-# relaunched after success (0), a configuration error (2), or a requested stop (3: SIGTERM, SIGINT
-# or runner.max_wall_time_s, after an emergency checkpoint). SIGTERM / SIGINT sent to this script
+# relaunched after success (0), a configuration error (2), a requested stop (3: SIGTERM, SIGINT
+# or runner.max_wall_time_s, after an emergency checkpoint), or a failure a relaunch cannot mend
+# (4: an exception in worker code, a save without space or permission, restarts used up on one error). SIGTERM / SIGINT sent to this script
 # are passed on to the driver, which saves and exits; a second one makes it exit at once.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -54,6 +55,7 @@ while true; do
         0) say "the run finished"; exit 0 ;;
         2) say "configuration error (exit code 2): not restarting"; exit 2 ;;
         3) say "stopped on request after an emergency checkpoint (exit code 3): resume with runner.resume_dir=auto"; exit 3 ;;
+        4) say "failed in a way a relaunch cannot mend (exit code 4): not restarting"; exit 4 ;;
     esac
     if [ -n "$stopping" ]; then
         say "stopped by a signal (driver exit code $rc): not restarting"

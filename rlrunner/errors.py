@@ -2,58 +2,133 @@
 
 from __future__ import annotations
 
+import errno
+from typing import Iterator
+
+
+# Exit codes the launch script reads: it relaunches the driver after FAILED (and after a crash), never after the others.
+FINISHED, FAILED, CONFIG_ERROR, STOPPED, FAILED_FOR_GOOD = 0, 1, 2, 3, 4
+
 
 class RLRunnerError(Exception):
     """A problem the user can fix; reported as one line, without a traceback."""
 
-    exit_code = 1
+    exit_code = FAILED
     label = "error"  # the word after "rlrunner:" in the one-line report
 
 
 class ConfigError(RLRunnerError):
     """The configuration or its inputs (model path, data files) cannot work. Retrying will not help."""
 
-    exit_code = 2
+    exit_code = CONFIG_ERROR
 
 
 class ResourceError(RLRunnerError):
     """The cluster cannot place the requested workers within the allowed wait."""
 
-    exit_code = 1
+    exit_code = FAILED
 
 
 class CheckpointError(RLRunnerError):
     """`runner.resume_dir` cannot be used: missing, incomplete, corrupt, or saved with another model/optimizer config."""
 
-    exit_code = 2
+    exit_code = CONFIG_ERROR
 
 
 class CheckpointSaveError(RLRunnerError):
-    """A checkpoint could not be written (e.g. the disk is full); the previous checkpoints are intact."""
+    """A checkpoint could not be written; the previous checkpoints are intact.
 
-    exit_code = 1
+    `permanent` when a relaunch cannot mend it (no space, no permission): exit code 4 instead of 1.
+    """
+
+    def __init__(self, message: str, permanent: bool = False):
+        super().__init__(message)
+        self.permanent = permanent
+
+    @property
+    def exit_code(self) -> int:  # type: ignore[override]
+        return FAILED_FOR_GOOD if self.permanent else FAILED
 
 
 class ExperimentLockedError(RLRunnerError):
     """Another run is using the same experiment folder."""
 
-    exit_code = 2
+    exit_code = CONFIG_ERROR
 
 
 class RecoveryExhaustedError(RLRunnerError):
-    """Workers kept failing: `runner.recovery.max_restarts` in-job restarts were used up."""
+    """Workers kept failing: `runner.recovery.max_restarts` in-job restarts were used up.
 
-    exit_code = 1
+    On the same error every time, a relaunch would only repeat it: exit code 4; on varied errors, 1.
+    """
+
+    def __init__(self, message: str, same_error: bool = False):
+        super().__init__(message)
+        self.same_error = same_error
+
+    @property
+    def exit_code(self) -> int:  # type: ignore[override]
+        return FAILED_FOR_GOOD if self.same_error else FAILED
+
+
+class WorkerError(RLRunnerError):
+    """Worker code raised an exception (a bug, an out-of-memory on one batch, a reward function that raises).
+
+    Deterministic as far as rlrunner can tell: neither repaired in-job nor relaunched.
+    """
+
+    exit_code = FAILED_FOR_GOOD
+
+
+class ClusterLostError(RLRunnerError):
+    """The Ray cluster itself is gone: the embedded one's node died, or the head of a joined cluster.
+
+    For a joined cluster this is a driver failure (exit 1): the launch script relaunches the driver.
+    """
+
+    exit_code = FAILED
 
 
 class StoppedEarly(RLRunnerError):
     """A stop was asked for (SIGTERM, SIGINT, runner.max_wall_time_s): an emergency checkpoint was written."""
 
-    exit_code = 3
+    exit_code = STOPPED
     label = "stopped"
 
 
 class StorageNotSharedError(RLRunnerError):
     """The checkpoint folder is not the same folder on every node that hosts a worker."""
 
-    exit_code = 2
+    exit_code = CONFIG_ERROR
+
+
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc` and everything it wraps: __cause__/__context__, Ray's task-error cause, DCP's per-rank failures."""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        err = stack.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        yield err
+        stack.extend([err.__cause__, err.__context__, getattr(err, "cause", None)])
+        failures = getattr(err, "failures", None)
+        if isinstance(failures, dict):
+            stack.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
+
+
+# OS errors that a relaunch on the same storage cannot mend.
+_PERMANENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG}
+
+
+def is_storage_full_or_forbidden(exc: BaseException) -> bool:
+    """Whether `exc` (or anything it wraps) is an OS error for lack of space or permission."""
+    return any(isinstance(err, OSError) and err.errno in _PERMANENT_ERRNOS for err in exception_chain(exc))
+
+
+def user_error(exc: BaseException) -> RLRunnerError | None:
+    """The RLRunnerError behind `exc`, also when a Ray worker raised it (first found, outermost first)."""
+    if isinstance(exc, RLRunnerError):
+        return exc
+    return next((err for err in exception_chain(exc) if isinstance(err, RLRunnerError)), None)

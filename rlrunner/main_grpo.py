@@ -4,9 +4,12 @@ Config -> input checks -> experiment lock and resume checkpoint -> Ray -> traini
 the process with one line on stderr and the exit code of their kind (see `rlrunner.errors`):
 
     0  finished
-    1  failed (workers kept failing, a save failed, the cluster cannot place the workers)
+    1  failed in a way a relaunch may mend (the cluster cannot place the workers, the head node of a
+       joined cluster is gone, restarts used up on varied errors, a save failed for another reason)
     2  configuration error: retrying will not help
     3  stopped early on SIGTERM / SIGINT / runner.max_wall_time_s, after an emergency checkpoint
+    4  failed for good: an exception in worker code, a save that failed for lack of space or
+       permission, in-job restarts used up on the same error. The launch script does not relaunch
     128+N  a second signal N ended the run at once (130: SIGINT, 143: SIGTERM); the last committed
            checkpoint is intact
 """
@@ -15,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import warnings
 
 from rlrunner.config import DEFAULT_CONFIG_NAME, config_to_yaml, load_config
-from rlrunner.errors import RLRunnerError
+from rlrunner.errors import ClusterLostError, user_error
 
 logger = logging.getLogger("rlrunner")
 
@@ -54,14 +58,6 @@ def check_inputs(cfg) -> None:
         require_tensorboard()
 
 
-def user_error(exc: BaseException) -> RLRunnerError | None:
-    """The RLRunnerError behind `exc`, also when a Ray worker raised it."""
-    if isinstance(exc, RLRunnerError):
-        return exc
-    cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError keeps the worker's exception here
-    return cause if isinstance(cause, RLRunnerError) else None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configure_logging()
@@ -93,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         if error is None:
             raise
         print(f"rlrunner: {error.label}: {error}", file=sys.stderr)
+        if isinstance(error, ClusterLostError):
+            # Ray's exit hooks would block on the GCS that is gone: leave now, the launch script relaunches.
+            sys.stderr.flush()
+            os._exit(error.exit_code)
         return error.exit_code
 
 

@@ -82,6 +82,9 @@ def test_saves_at_the_interval_and_the_last_step_in_the_layout(reference):
         data = torch.load(path / "data" / "data.pt", weights_only=True)
         assert data["runner"]["global_step"] == step and data["runner"]["epoch"] == epoch
     assert [s.status for s in scan_checkpoints(root, checksums=True)] == [COMPLETE] * 3
+    # the time each save blocked the loop is logged on the steps that save, and only there
+    assert [r["step"] for r in reference.metrics if "time/save_s" in r] == [3, 6, 8]
+    assert all(r["time/save_s"] > 0 for r in reference.metrics if "time/save_s" in r)
 
 
 @pytest.mark.parametrize("resume_step", [3, 6], ids=["mid_epoch", "epoch_boundary"])
@@ -282,3 +285,39 @@ def test_a_save_killed_halfway_is_skipped_by_auto(ray_session, tmp_path, subproc
     assert [r["step"] for r in records] == list(range(1, 9))
     assert [s.step for s in scan_checkpoints(root) if s.status == COMPLETE] == list(range(8, 0, -1))
     assert not any(p.name.startswith(layout.STAGING_PREFIX) for p in root.iterdir())
+
+
+def test_rolling_back_starts_a_branch_that_retention_and_auto_keep(reference, tmp_path):
+    """Resume on purpose from global_step_3 while 6 and 8 exist, keeping 1: the new branch survives, the old is moved aside."""
+    copy = tmp_path / "test"
+    shutil.copytree(reference.experiment, copy)
+    root = copy / "checkpoints"
+    experiment, _ = resume_run(tmp_path, root / "global_step_3", "runner.max_ckpt_to_keep=1")
+    [abandoned] = list((root / layout.ABANDONED_DIR).iterdir())
+    assert sorted(p.name for p in abandoned.iterdir()) == ["global_step_6", "global_step_8"]
+    assert sorted(p.name for p in layout.step_dirs(root)) == ["global_step_8"]  # the new branch's, kept by retention
+    new_created = read_manifest(root / "global_step_8")["created_unix"]
+    assert new_created > read_manifest(abandoned / "global_step_8")["created_unix"]
+    # the same config and seed: the new branch is the same run, bit for bit, and metrics have each step once
+    final = load_model_weights(root / "global_step_8")
+    assert all(torch.equal(final[k], reference.weights[k]) for k in final)
+    records = read_metrics(experiment / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 9))
+    # a later `auto` (a relaunch) resumes from the live branch, not the abandoned one
+    _, runner = resume_run(tmp_path, "auto", "runner.max_ckpt_to_keep=1")
+    assert runner.global_step == 8 and read_manifest(root / "global_step_8")["created_unix"] == new_created
+
+
+def test_a_resumed_run_follows_its_own_lr_schedule(ray_session, tmp_path):
+    """A cosine run of 4 steps, resumed at step 2 with runner.max_steps=8: the LR follows the 8-step schedule."""
+    from rlrunner.workers.optim import LRSchedule
+
+    cosine = [*RUN, "actor.optim.lr_schedule=cosine", "runner.save_interval=2"]
+    GRPORunner(run_config(tmp_path, *cosine, "runner.max_steps=4")).run()
+    checkpoint = tmp_path / "test" / "checkpoints" / "global_step_2"
+    GRPORunner(run_config(tmp_path / "longer", *cosine, "runner.max_steps=8", f"runner.resume_dir={checkpoint}")).run()
+    lrs = {r["step"]: r["actor/lr"] for r in read_metrics(tmp_path / "longer" / "test" / "metrics.jsonl")}
+    schedule = LRSchedule(0, 8, "cosine")  # one optimizer step per GRPO step here; actor/lr is the LR after the step
+    assert list(lrs) == [3, 4, 5, 6, 7, 8]
+    for step, lr in lrs.items():
+        assert lr == pytest.approx(3e-4 * schedule(step), rel=1e-12)

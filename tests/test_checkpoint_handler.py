@@ -103,6 +103,17 @@ def test_failed_write_commits_nothing_and_names_the_cause(tmp_path):
     assert "\n" not in message
     assert [s.path.name for s in scan_checkpoints(handler.root)] == ["global_step_2"]
     assert layout.leftover_dirs(handler.root) == []
+    assert error.value.permanent and error.value.exit_code == 4  # no space: a relaunch would fail the same way
+
+
+def test_a_save_that_fails_for_another_reason_may_be_relaunched(tmp_path):
+    class Crashing(FileBackend):
+        def save(self, path, step):
+            raise RuntimeError("worker lost mid-save")
+
+    with pytest.raises(CheckpointSaveError) as error:
+        make_handler(tmp_path).save(2, Crashing(), {})
+    assert not error.value.permanent and error.value.exit_code == 1
 
 
 def test_scan_reports_complete_incomplete_and_corrupt(tmp_path):
@@ -266,6 +277,44 @@ def test_retention_holds_across_restarts_and_keeps_the_newest(tmp_path):
     assert [(s.step, s.status) for s in scan_checkpoints(handler.root)] == [(8, COMPLETE), (7, INCOMPLETE), (6, COMPLETE)]
     save_steps(make_handler(tmp_path, keep=1), [10])
     assert [s.step for s in scan_checkpoints(handler.root) if s.status == COMPLETE] == [10]
+
+
+def test_the_checkpoint_just_committed_is_never_deleted(tmp_path):
+    handler = make_handler(tmp_path, keep=1)
+    save_steps(handler, [6])
+    save_steps(handler, [3])  # an older step committed while a newer one exists (e.g. a branch not moved aside)
+    assert sorted(s.step for s in scan_checkpoints(handler.root)) == [3, 6]
+
+
+def test_an_explicit_resume_from_an_older_checkpoint_starts_a_new_branch(tmp_path, caplog):
+    handler = make_handler(tmp_path, keep=1)
+    handler.max_keep = None
+    save_steps(handler, [2, 4, 6])
+    (handler.root / "global_step_5").mkdir()  # an unfinished save of the old branch goes too
+    checkpoint = handler.find_resume(str(handler.root / "global_step_2"))
+    with caplog.at_level(logging.WARNING, logger="rlrunner.checkpoint.handler"):
+        assert handler.start_branch(checkpoint) == ["global_step_4", "global_step_5", "global_step_6"]
+    [moved_to] = list((handler.root / layout.ABANDONED_DIR).iterdir())
+    assert sorted(p.name for p in moved_to.iterdir()) == ["global_step_4", "global_step_5", "global_step_6"]
+    assert read_manifest(moved_to / "global_step_6")["step"] == 6  # moved whole, never deleted
+    assert f"moved the old branch's newer checkpoints global_step_4, global_step_5, global_step_6 to {moved_to}" in caplog.text
+    # the live branch is all that discovery and retention see now
+    assert [s.step for s in scan_checkpoints(handler.root)] == [2]
+    handler.max_keep = 1
+    save_steps(handler, [3])
+    assert [s.step for s in scan_checkpoints(handler.root)] == [3]
+    assert handler.find_resume("auto").step == 3
+    assert handler.start_branch(handler.find_resume("auto")) == []  # resuming the newest moves nothing
+
+
+def test_resuming_from_another_experiment_moves_this_one_s_newer_steps_aside(tmp_path):
+    other = make_handler(tmp_path / "other")
+    save_steps(other, [4])
+    handler = make_handler(tmp_path / "this")
+    save_steps(handler, [2, 4, 6])
+    moved = handler.start_branch(handler.find_resume(str(other.root / "global_step_4")))
+    assert moved == ["global_step_4", "global_step_6"]
+    assert [s.step for s in scan_checkpoints(handler.root)] == [2]
 
 
 def test_leftovers_of_killed_saves_are_removed_at_start(tmp_path):

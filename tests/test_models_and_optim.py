@@ -209,3 +209,31 @@ def test_lr_schedule_drives_lambda_lr() -> None:
         optimizer.step()
         scheduler.step()
     assert lrs == pytest.approx([0.05, 0.1, 0.1, 0.05, 0.0])
+
+
+def test_a_restored_scheduler_keeps_this_run_s_schedule_from_its_first_step() -> None:
+    from rlrunner.workers.optim import apply_schedule, build_optimizer
+
+    def build(total_steps: int, param: torch.nn.Parameter):
+        cfg = {"lr": 1.0, "betas": [0.9, 0.99], "weight_decay": 0.0, "warmup_steps": 0, "lr_schedule": "cosine", "min_lr_ratio": 0.0}
+        return build_optimizer([param], cfg, total_steps)
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    saved_optimizer, saved_scheduler = build(4, param)
+    for _ in range(2):
+        saved_optimizer.step()
+        saved_scheduler.step()
+    assert "lr_lambdas" not in saved_scheduler.state_dict()  # the schedule is config, not state
+    optimizer, scheduler = build(8, param)
+    optimizer.load_state_dict(saved_optimizer.state_dict())  # its LR is the 4-step schedule's
+    scheduler.load_state_dict(saved_scheduler.state_dict())
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(LRSchedule(0, 4, "cosine")(2))
+    apply_schedule(optimizer, scheduler)
+    assert scheduler.lr_lambdas[0].total_steps == 8 and scheduler.last_epoch == 2
+    assert optimizer.param_groups[0]["lr"] == LRSchedule(0, 8, "cosine")(2)
+    # with the same schedule the LR is bit for bit what LambdaLR set
+    same_optimizer, same_scheduler = build(4, param)
+    same_optimizer.load_state_dict(saved_optimizer.state_dict())
+    same_scheduler.load_state_dict(saved_scheduler.state_dict())
+    apply_schedule(same_optimizer, same_scheduler)
+    assert same_optimizer.param_groups[0]["lr"] == saved_optimizer.param_groups[0]["lr"]

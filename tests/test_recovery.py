@@ -21,11 +21,12 @@ from typing import Callable
 import pytest
 import ray
 import torch
+from ray import cloudpickle
 
 from conftest import TINY_MODEL, read_metrics, run_config, without_time
 from rlrunner.checkpoint import layout
 from rlrunner.checkpoint.convert import load_model_weights
-from rlrunner.errors import RecoveryExhaustedError, StoppedEarly
+from rlrunner.errors import RecoveryExhaustedError, StoppedEarly, WorkerError
 from rlrunner.runner.grpo_runner import GRPORunner
 from rlrunner.runner.stopping import StopRequest
 
@@ -273,3 +274,66 @@ def test_stop_request_from_wall_time_saves_and_stops(cluster, tmp_path):
     once(lambda: metrics_lines(tmp_path) >= 4, lambda: setattr(runner.stop, "max_wall_time_s", 0.0))
     with pytest.raises(StoppedEarly, match=r"runner.max_wall_time_s=0 reached at step \d+; saved global_step_\d+"):
         runner.run()
+
+
+def patch_worker_module(worker, module: str, name: str, make_replacement) -> None:
+    """Replace a module-level function inside one worker process (Ray binds actor methods at creation)."""
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
+
+    def patch(self) -> None:
+        import sys
+
+        target = sys.modules[module]
+        setattr(target, name, make_replacement(getattr(target, name)))
+
+    ray.get(worker.__ray_call__.remote(patch))
+
+
+def raising(original):
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom from worker code")
+
+    return boom
+
+
+def test_an_exception_in_worker_code_during_a_collective_ends_the_run_without_retries(cluster, tmp_path):
+    runner = GRPORunner(run_config(tmp_path, *RUN))
+    # rank 1 raises in its loss after the forward's all-gathers; rank 0 then waits in the backward's reduce-scatter
+    once(lambda: metrics_lines(tmp_path) >= 2,
+         lambda: patch_worker_module(runner.actor_group.workers[1], "rlrunner.workers.actor", "clipped_policy_loss", raising))
+    started = time.monotonic()
+    with pytest.raises(WorkerError) as error:
+        runner.run()
+    assert str(error.value) == "actor rank 1: RuntimeError: boom from worker code (an error in worker code: not retried)"
+    assert error.value.exit_code == 4
+    assert recovery_events(tmp_path, "failure") == []  # not one in-job restart
+    assert time.monotonic() - started < 60  # nobody waited for the step timeout (30 s) behind the stuck rank 0
+
+
+def test_a_reward_function_that_raises_ends_the_run_at_once(cluster, tmp_path):
+    runner = GRPORunner(run_config(tmp_path, *RUN))
+    once(lambda: metrics_lines(tmp_path) >= 2,
+         lambda: patch_worker_module(runner.rollout_group.workers[0], "rlrunner.workers.rollout", "generate", raising))
+    with pytest.raises(WorkerError, match=r"^rollout rank 0: RuntimeError: boom from worker code"):
+        runner.run()
+    assert recovery_events(tmp_path, "failure") == []
+
+
+def test_a_save_slower_than_a_step_bound_is_not_a_hang(cluster, tmp_path):
+    """Checkpoint I/O has its own bound (runner.recovery.checkpoint_timeout_s), also for the process group."""
+
+    def slow(original):
+        def save(*args, **kwargs):
+            time.sleep(5)
+            return original(*args, **kwargs)
+
+        return save
+
+    runner = GRPORunner(run_config(tmp_path, *RUN, "runner.max_steps=4", "runner.save_interval=2",
+                                   "runner.recovery.step_timeout_s=3", "runner.recovery.checkpoint_timeout_s=60"))
+    once(lambda: runner.actor_group is not None and len(runner.actor_group.hosts) == 2,
+         lambda: [patch_worker_module(w, "rlrunner.workers.actor", "save_fsdp_state", slow) for w in runner.actor_group.workers])
+    runner.run()
+    assert recovery_events(tmp_path, "failure") == []
+    saves = [m["time/save_s"] for m in read_metrics(tmp_path / "test" / "metrics.jsonl") if "time/save_s" in m]
+    assert len(saves) == 2 and min(saves) > 3  # each save outlasted the step bound and was not taken for a hang

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import signal
+import subprocess
 import time
 
+import pytest
 import ray
 
 from rlrunner.cluster.shared_storage import answer_probe, check_shared_folder
 from rlrunner.cluster.worker import Worker
 from rlrunner.cluster.worker_group import CallTimeoutError, WorkerGroup
-from rlrunner.errors import CheckpointSaveError
-from rlrunner.runner.recovery import RestartBudget, describe, exception_chain, failure_cause
+from rlrunner.errors import (
+    CheckpointSaveError,
+    RecoveryExhaustedError,
+    WorkerError,
+    exception_chain,
+    is_storage_full_or_forbidden,
+)
+from rlrunner.runner.recovery import RestartBudget, describe, failure_cause, same_failure
 from rlrunner.runner.stopping import DUPLICATE_WINDOW_S, StopRequest
 
 
@@ -99,3 +109,48 @@ def test_restart_budget_counts_restarts_without_progress():
         assert budget.spend(newest)  # progress in between starts the count again
     assert budget.total == 5 and budget.count == 1
     assert not RestartBudget(max_restarts=0).spend(None)
+
+
+def test_same_failure_ignores_pids_ranks_and_ids():
+    died = "worker lost: ActorDiedError: The actor 0054c1bc89c1e74bd154de9a01000000 died (pid={}) [dead: actor rank {}]"
+    assert same_failure([died.format(101, 0), died.format(202, 1), died.format(303, 0)])
+    assert not same_failure([died.format(101, 0), "hang: the rollout group did not answer within 6s"])
+    assert not same_failure([])
+    budget = RestartBudget(max_restarts=1)
+    budget.spend("global_step_2", "a")
+    budget.spend("global_step_4", "b")  # progress since the last restart: a new stretch
+    assert budget.causes == ["b"]
+
+
+def test_lack_of_space_or_permission_is_recognised_through_wrapping():
+    assert is_storage_full_or_forbidden(raised_from(CheckpointSaveError("x"), OSError(errno.ENOSPC, "No space left on device")))
+    assert is_storage_full_or_forbidden(PermissionError(errno.EACCES, "Permission denied"))
+    assert not is_storage_full_or_forbidden(raised_from(CheckpointSaveError("x"), OSError(errno.EIO, "I/O error")))
+
+
+def test_exit_codes_tell_the_launch_script_what_a_relaunch_can_mend():
+    assert WorkerError("actor rank 1: RuntimeError: boom").exit_code == 4
+    assert RecoveryExhaustedError("x", same_error=True).exit_code == 4
+    assert RecoveryExhaustedError("x", same_error=False).exit_code == 1
+    assert CheckpointSaveError("x", permanent=True).exit_code == 4
+    assert CheckpointSaveError("x").exit_code == 1
+
+
+@pytest.mark.parametrize("code, relaunched", [(4, False), (2, False), (3, False), (1, True), (137, True)])
+def test_the_launch_script_relaunches_only_what_a_relaunch_can_mend(repo_root, tmp_path, code, relaunched):
+    """A stand-in driver (the script runs $PYTHON) that exits with `code` once, then 0."""
+    driver = tmp_path / "driver.sh"
+    driver.write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/calls\n[ -f {tmp_path}/ran ] && exit 0\ntouch {tmp_path}/ran\nexit {code}\n')
+    driver.chmod(0o755)
+    result = subprocess.run(["bash", str(repo_root / "launch/run_main_grpo.sh"), "runner.max_steps=3"],
+                            env={**os.environ, "PYTHON": str(driver), "RLRUNNER_RESTART_BACKOFF_S": "0"},
+                            capture_output=True, text=True, timeout=60)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    if relaunched:
+        assert result.returncode == 0 and len(calls) == 2
+        assert calls[1].endswith("runner.resume_dir=auto")
+    else:
+        assert result.returncode == code and len(calls) == 1
+    if code == 4:
+        assert result.stderr.strip().splitlines()[-1] == (
+            "run_main_grpo.sh: failed in a way a relaunch cannot mend (exit code 4): not restarting")

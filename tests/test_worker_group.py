@@ -10,7 +10,7 @@ import ray
 from ray import cloudpickle
 
 from rlrunner.cluster.worker import Worker
-from rlrunner.cluster.worker_group import CallAbandoned, CallTimeoutError, WorkerGroup
+from rlrunner.cluster.worker_group import CallAbandoned, CallTimeoutError, WorkerGroup, WorkerRaised
 from rlrunner.errors import ResourceError
 
 # Ray workers cannot import this test module by name: ship its classes by value.
@@ -73,10 +73,14 @@ def test_a_failing_rank_is_reported_without_waiting_for_hung_peers(ray_session):
     group = WorkerGroup("mixed", SumWorker, 2, cpus_per_worker=0.25, call_timeout_s=60)
     try:
         started = time.monotonic()
-        with pytest.raises(ray.exceptions.RayTaskError, match="rank 1 failed"):
+        with pytest.raises(WorkerRaised, match=r"^mixed rank 1: RuntimeError: rank 1 failed") as error:
             group.call_all("fail_on_rank", 1, 30)
         assert time.monotonic() - started < 10
-        assert group.unresponsive_ranks(timeout_s=1) == [0]  # rank 0 is still sleeping in its call
+        assert isinstance(error.value.__cause__, ray.exceptions.RayTaskError)
+        # rank 0 is still sleeping in its call and rank 1 raised: neither is dead
+        assert group.dead_ranks(timeout_s=1) == []
+        ray.kill(group.workers[1], no_restart=True)
+        assert group.dead_ranks(timeout_s=1) == [1]
     finally:
         group.shutdown()
 

@@ -18,6 +18,7 @@ import io
 import logging
 import os
 import shutil
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,8 +38,8 @@ from rlrunner.checkpoint.manifest import (
     write_manifest,
 )
 from rlrunner.checkpoint.policy import fingerprint_differences, should_save, steps_to_delete
-from rlrunner.errors import CheckpointError, CheckpointSaveError
-from rlrunner.utils.fs import atomic_write_bytes, fsync_dir
+from rlrunner.errors import CheckpointError, CheckpointSaveError, is_storage_full_or_forbidden
+from rlrunner.utils.fs import atomic_write_bytes, fsync_dir, fsync_file
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,8 @@ class CheckpointHandler:
             if write_extra is not None:
                 write_extra(staging)
             for name in relative_files(staging):
-                if name not in files:
+                if name not in files:  # written here (e.g. by save_pretrained), not by a worker: make it durable too
+                    fsync_file(staging / name)
                     files[name] = file_record(staging / name)
             self._check_reported_files(staging, files)
             for folder in {staging / Path(name).parent for name in files}:
@@ -150,9 +152,10 @@ class CheckpointHandler:
                 raise
             newest = self.newest_complete()
             kept = f"the newest complete checkpoint is still {newest.name}" if newest else "there is no complete checkpoint yet"
-            raise CheckpointSaveError(f"saving {final.name} failed: {root_cause(exc)} ({space}); {kept}") from exc
+            permanent = is_storage_full_or_forbidden(exc) or space.endswith(_FULL_NOTE)
+            raise CheckpointSaveError(f"saving {final.name} failed: {root_cause(exc)} ({space}); {kept}", permanent) from exc
         logger.info("saved checkpoint %s (%.1f MB)", final, sum(r["size"] for r in files.values()) / 1e6)
-        self.apply_retention()
+        self.apply_retention(keep=final)
         return final
 
     def _check_reported_files(self, staging: Path, files: dict[str, dict[str, Any]]) -> None:
@@ -188,11 +191,14 @@ class CheckpointHandler:
                 return status.path
         return None
 
-    def apply_retention(self) -> None:
+    def apply_retention(self, keep: Path | None = None) -> None:
+        """Delete the oldest complete checkpoints beyond `max_keep`; never `keep` (the one just committed)."""
         if self.max_keep is None:
             return
         complete = {s.step: s.path for s in scan_checkpoints(self.root) if s.status == COMPLETE}
         for step in steps_to_delete(complete, self.max_keep):
+            if complete[step] == keep:
+                continue
             self.delete(complete[step])
             logger.info("deleted %s (runner.max_ckpt_to_keep=%d)", complete[step].name, self.max_keep)
 
@@ -217,6 +223,34 @@ class CheckpointHandler:
                 continue
             logger.info("removing %s, left by a save or deletion that did not finish", leftover.name)
             shutil.rmtree(leftover, ignore_errors=True)
+
+    def start_branch(self, checkpoint: Checkpoint) -> list[str]:
+        """Move the checkpoints newer than an explicitly chosen one out of the way (never deleted).
+
+        Resuming from an older checkpoint starts a new branch of the run: "newest complete", `auto` and
+        retention must only ever see that branch. The old branch's newer folders go to
+        `checkpoints/abandoned/<time>/`; returns their names.
+        """
+        newer = [
+            path for path in layout.step_dirs(self.root)
+            if path.resolve() != checkpoint.path.resolve() and layout.step_from_name(path.name) >= checkpoint.step
+        ]
+        if not newer:
+            return []
+        destination = self.root / layout.ABANDONED_DIR / time.strftime("%Y%m%d-%H%M%S")
+        while destination.exists():  # two branches started within a second
+            destination = destination.with_name(destination.name + "-" + uuid.uuid4().hex[:4])
+        destination.mkdir(parents=True)
+        for path in sorted(newer, key=lambda p: layout.step_from_name(p.name)):
+            os.rename(path, destination / path.name)
+        fsync_dir(destination)
+        fsync_dir(self.root)
+        moved = sorted((p.name for p in newer), key=layout.step_from_name)
+        logger.warning(
+            "resuming from %s (step %d) starts a new branch: moved the old branch's newer checkpoints %s to %s",
+            checkpoint.path.name, checkpoint.step, ", ".join(moved), destination,
+        )
+        return moved
 
     # -- resume --------------------------------------------------------------------------------
 
@@ -299,6 +333,7 @@ def _torch_bytes(obj: Any) -> bytes:
 
 
 _NEARLY_FULL_BYTES = 64 << 20
+_FULL_NOTE = ": the disk is probably full"
 
 
 def free_space(path: Path) -> str:
@@ -308,7 +343,7 @@ def free_space(path: Path) -> str:
     except OSError:
         return f"free space of {path} unknown"
     note = f"{human_bytes(free)} free on the disk holding {path}"
-    return f"{note}: the disk is probably full" if free < _NEARLY_FULL_BYTES else note
+    return f"{note}{_FULL_NOTE}" if free < _NEARLY_FULL_BYTES else note
 
 
 def human_bytes(count: float) -> str:

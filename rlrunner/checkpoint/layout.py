@@ -5,6 +5,7 @@
       .tmp-global_step_N-*    a save in progress, or one that was killed: never a checkpoint
       .trash-*                a checkpoint being deleted
       .replaced-global_step_N-*  the previous global_step_N while a new save of step N is swapped in
+      abandoned/<time>/global_step_N   checkpoints of a branch left when a run resumed from an older one
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ STEP_PREFIX = "global_step_"
 STAGING_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 REPLACED_PREFIX = ".replaced-"
+ABANDONED_DIR = "abandoned"
 MANIFEST_FILE = "manifest.json"
 ACTOR_DIR = "actor"
 DATA_FILE = "data/data.pt"

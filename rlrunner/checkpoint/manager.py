@@ -31,8 +31,9 @@ class FSDPCheckpointManager:
 
     backend = "fsdp2-dcp"
 
-    def __init__(self, actor_group):
+    def __init__(self, actor_group, timeout_s: float | None = None):
         self.actor_group = actor_group
+        self.timeout_s = timeout_s  # runner.recovery.checkpoint_timeout_s: I/O has its own bound, not a step's
 
     @property
     def world_size(self) -> int:
@@ -41,9 +42,9 @@ class FSDPCheckpointManager:
     def save(self, path: Path, step: int) -> dict[str, dict[str, Any]]:
         path.mkdir(parents=True, exist_ok=True)
         files: dict[str, dict[str, Any]] = {}
-        for written in self.actor_group.call_all("save_checkpoint", str(path)):
+        for written in self.actor_group.call_all("save_checkpoint", str(path), timeout_s=self.timeout_s):
             files.update(written)
         return files
 
     def load(self, path: Path) -> None:
-        self.actor_group.call_all("load_checkpoint", str(path))
+        self.actor_group.call_all("load_checkpoint", str(path), timeout_s=self.timeout_s)

@@ -1,35 +1,145 @@
-"""Connecting the driver to Ray: a given address, a running `ray start` cluster, or an embedded local one."""
+"""Connecting the driver to Ray (a given address, a running `ray start` cluster, or an embedded local one),
+and telling when that cluster is gone.
+
+A lost cluster must end waits at once: with the embedded Ray's raylet dead (the OOM killer's usual
+victim) nobody will ever add the resources a restart waits for, and with the head of a joined
+cluster gone every GCS call blocks. `cluster_lost()` answers without calling the GCS: for the
+embedded cluster it polls the processes this driver started, for a joined one it opens a TCP
+connection to the GCS port.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
+import time
 
 import ray
 
 logger = logging.getLogger(__name__)
+
+EMBEDDED, CONNECTED, EXISTING = "embedded", "connected", "existing"
+_WATCHED_PROCESSES = ("raylet", "gcs_server")  # Ray's process-type names for the node manager and the GCS
+_CHECK_EVERY_S = 1.0
+
+
+class _Connection:
+    """How this process is attached to Ray, remembered for the loss checks and an in-job restart."""
+
+    mode: str | None = None
+    gcs_address: str | None = None
+    num_cpus: int | None = None
+    checked_at = 0.0
+    lost_reason: str | None = None
+
+
+_connection = _Connection()
 
 
 def init_ray(ray_address: str | None, num_cpus: int | None) -> str:
     """Initialise Ray once per process and say how; returns "existing", "connected" or "embedded".
 
     Token authentication stays as Ray configures it (on by default): connecting to a cluster uses
-    the token Ray keeps for it, and the embedded cluster generates its own.
+    the token Ray keeps for it, and the embedded cluster generates its own. `local` starts a new
+    embedded instance even when a cluster runs on this machine.
     """
     if ray.is_initialized():
-        return "existing"
+        if _connection.mode is not None and _current_gcs_address() == _connection.gcs_address:
+            return _connection.mode  # called again after an in-job restart of the embedded Ray
+        return _remember(EXISTING, num_cpus)
     quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
     address = ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
+    if address and address != "local":
         ray.init(address=address, **quiet)
         logger.info("connected to the Ray cluster at %s", address)
-        return "connected"
+        return _remember(CONNECTED, num_cpus)
+    if address is None:
+        try:
+            ray.init(address="auto", **quiet)
+            logger.info("connected to the running Ray cluster on this machine")
+            return _remember(CONNECTED, num_cpus)
+        except ConnectionError:
+            pass
+    return start_embedded(num_cpus)
+
+
+def start_embedded(num_cpus: int | None) -> str:
+    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+    logger.info("started an embedded local Ray (%s CPUs)", ray.cluster_resources().get("CPU", 0))
+    return _remember(EMBEDDED, num_cpus)
+
+
+def _remember(mode: str, num_cpus: int | None) -> str:
+    _connection.mode = mode
+    _connection.num_cpus = num_cpus
+    _connection.lost_reason = None
+    _connection.checked_at = 0.0
+    _connection.gcs_address = _current_gcs_address()
+    return mode
+
+
+def _current_gcs_address() -> str | None:
+    """The GCS address of the Ray this process is attached to now (local information, no GCS call)."""
+    if not ray.is_initialized():
+        return None
     try:
-        ray.init(address="auto", **quiet)
-        logger.info("connected to the running Ray cluster on this machine")
-        return "connected"
-    except ConnectionError:
-        pass
-    ray.init(num_cpus=num_cpus, include_dashboard=False, **quiet)
-    logger.info("no Ray cluster found: started an embedded local one (%s CPUs)", ray.cluster_resources().get("CPU", 0))
-    return "embedded"
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # pragma: no cover - a runtime without a GCS address
+        return None
+
+
+def is_embedded() -> bool:
+    return _connection.mode == EMBEDDED
+
+
+def cluster_lost(force: bool = False) -> str | None:
+    """Why the cluster this driver uses is gone, or None. Cheap (checks at most once a second unless `force`)."""
+    if _connection.mode is None or _current_gcs_address() != _connection.gcs_address:
+        return None  # not a connection init_ray made (e.g. a test's own cluster): nothing to judge
+    if _connection.lost_reason is not None:
+        return _connection.lost_reason
+    now = time.monotonic()
+    if not force and now - _connection.checked_at < _CHECK_EVERY_S:
+        return None
+    _connection.checked_at = now
+    if _connection.mode == EMBEDDED:
+        reason = _embedded_process_exited()
+    elif _connection.mode in (CONNECTED, EXISTING):
+        reason = _gcs_unreachable(_connection.gcs_address)
+    else:
+        reason = None
+    _connection.lost_reason = reason
+    return reason
+
+
+def _embedded_process_exited() -> str | None:
+    node = getattr(ray._private.worker, "_global_node", None)  # the processes `ray.init` started here
+    if node is None:
+        return None
+    for kind in _WATCHED_PROCESSES:
+        for info in node.all_processes.get(kind, []):
+            code = info.process.poll()
+            if code is not None:
+                return f"the embedded Ray's {kind} (pid {info.process.pid}) exited with code {code}"
+    return None
+
+
+def _gcs_unreachable(address: str | None, timeout_s: float = 2.0) -> str | None:
+    if not address:
+        return None
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return f"the Ray cluster's head node (GCS at {address}) is gone: {exc.strerror or type(exc).__name__}"
+
+
+def restart_embedded() -> None:
+    """Shut the lost embedded Ray down and start a fresh one with the same CPUs."""
+    try:
+        ray.shutdown()
+    except Exception as exc:  # its processes are half gone: what is left is killed either way
+        logger.warning("shutting the lost embedded Ray down: %s", exc)
+    start_embedded(_connection.num_cpus)

@@ -20,7 +20,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlrunner.errors import ResourceError
+from rlrunner.cluster.ray_setup import cluster_lost
+from rlrunner.errors import ClusterLostError, ResourceError
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,16 @@ class CallTimeoutError(TimeoutError):
 
 class CallAbandoned(Exception):
     """The caller gave up waiting (e.g. a stop was requested while a rollout was in flight)."""
+
+
+class WorkerRaised(Exception):
+    """A worker's own code raised (not a lost worker): names the group and rank; the worker's error is the cause."""
+
+
+def _raise_if_cluster_lost() -> None:
+    reason = cluster_lost()
+    if reason is not None:
+        raise ClusterLostError(reason)
 
 
 class WorkerGroup:
@@ -114,8 +125,11 @@ class WorkerGroup:
             if ready:
                 return time.monotonic() - started
             waited = time.monotonic() - started
+            if cluster_lost() is not None:
+                remove_placement_group_quietly(self.placement_group)
+                _raise_if_cluster_lost()
             if waited >= timeout_s or (abandon is not None and abandon()):
-                remove_placement_group(self.placement_group)
+                remove_placement_group_quietly(self.placement_group)
                 if waited < timeout_s:
                     raise CallAbandoned(f"stopped waiting for the cluster to fit the {self.name} group")
                 raise ResourceError(describe_missing_resources(self.name, self.num_workers, bundle, timeout_s))
@@ -156,9 +170,10 @@ class WorkerGroup:
                 wait_s = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
                 ready, pending = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
                 for ref in ready:
-                    results[ref] = ray.get(ref)
+                    results[ref] = self._result(ref, order)
                 if not pending:
                     break
+                _raise_if_cluster_lost()
                 if abandon is not None and abandon():
                     raise CallAbandoned(f"stopped waiting for the {self.name} group")
                 if deadline is not None and time.monotonic() >= deadline:
@@ -169,6 +184,18 @@ class WorkerGroup:
         values = [results[ref] for ref in order]
         return values[0] if single else values
 
+    def _result(self, ref: ray.ObjectRef, order: list[ray.ObjectRef]) -> Any:
+        """`ray.get(ref)`, with an exception raised by the worker's own code named by group and rank."""
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc, ray.exceptions.RayActorError):
+                raise
+            where = f"{self.name} rank {order.index(ref)}" if len(order) == self.num_workers else f"{self.name} group"
+            inner = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+            lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
+            raise WorkerRaised(f"{where}: {type(inner).__name__}: {lines[0] if lines else ''}".rstrip(": ")) from exc
+
     def call_all(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         return self.get(self.call_all_async(method, *args, **kwargs), timeout_s)
 
@@ -178,31 +205,41 @@ class WorkerGroup:
     def call_each(self, method: str, per_rank_args: Sequence[tuple], timeout_s: float | None = None) -> list[Any]:
         return self.get(self.call_each_async(method, per_rank_args), timeout_s)
 
-    def unresponsive_ranks(self, timeout_s: float = 5.0) -> list[int]:
-        """Ranks that do not answer a ping within `timeout_s` (dead, or stuck in a call)."""
+    def dead_ranks(self, timeout_s: float = 1.0) -> list[int]:
+        """Ranks Ray reports dead (their actor or node is gone), judged by a ping.
+
+        A rank that is merely busy, or stuck in a collective behind a peer that raised, does not answer
+        the ping in time either: that is not death, so it is not listed.
+        """
         refs = {rank: worker.ping.remote() for rank, worker in enumerate(self.workers)}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-        lost = []
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        dead = []
         for rank, ref in refs.items():
             try:
-                if ref not in ready:
-                    raise TimeoutError
                 ray.get(ref, timeout=0)
-            except Exception:
-                lost.append(rank)
-        return lost
+            except ray.exceptions.RayActorError:
+                dead.append(rank)
+            except Exception:  # still running something (busy, stuck): alive as far as Ray knows
+                pass
+        return dead
 
     def shutdown(self) -> None:
         """Kill every actor and free the placement group; safe to call on a half-dead group."""
+        if cluster_lost() is not None:
+            return  # every call would block on a GCS that is gone; the cluster took the workers with it
         for worker in self.workers:
             try:
                 ray.kill(worker, no_restart=True)
             except Exception:  # already dead
                 pass
-        try:
-            remove_placement_group(self.placement_group)
-        except Exception:
-            pass
+        remove_placement_group_quietly(self.placement_group)
+
+
+def remove_placement_group_quietly(group) -> None:
+    try:
+        remove_placement_group(group)
+    except Exception:  # already removed, or its cluster is gone
+        pass
 
 
 def _drain(pending: list[ray.ObjectRef]) -> None:

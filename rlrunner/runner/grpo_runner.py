@@ -27,15 +27,24 @@ from rlrunner.checkpoint.lock import ExperimentLock
 from rlrunner.checkpoint.manager import FSDPCheckpointManager
 from rlrunner.checkpoint.policy import flatten
 from rlrunner.cluster.shared_storage import check_shared_folder
-from rlrunner.cluster.worker_group import CallAbandoned, WorkerGroup
+from rlrunner.cluster.worker_group import CallAbandoned, WorkerGroup, WorkerRaised
 from rlrunner.config import mini_batch_prompts
 from rlrunner.data.datasets import build_dataset
 from rlrunner.data.loader import PromptLoader
-from rlrunner.errors import CheckpointError, RecoveryExhaustedError, StoppedEarly
+from rlrunner.cluster.ray_setup import cluster_lost, is_embedded, restart_embedded
+from rlrunner.errors import (
+    CheckpointError,
+    ClusterLostError,
+    RecoveryExhaustedError,
+    StoppedEarly,
+    WorkerError,
+    exception_chain,
+    user_error,
+)
 from rlrunner.models.loading import build_hf_config, build_tokenizer, token_ids
 from rlrunner.runner.batching import build_actor_batch, chunk, shard_actor_batch, split_evenly
 from rlrunner.runner.metrics_logger import MetricsLogger, Progress
-from rlrunner.runner.recovery import RecoveryLog, RestartBudget, describe, failure_cause
+from rlrunner.runner.recovery import RecoveryLog, RestartBudget, describe, failure_cause, same_failure
 from rlrunner.runner.stopping import StopRequest
 from rlrunner.utils.seeding import derive_seed
 from rlrunner.workers.actor import ActorWorker
@@ -107,7 +116,8 @@ class GRPORunner:
             "placement_strategy": cfg.placement_strategy,
             "placement_timeout_s": placement_timeout_s,
             "call_timeout_s": recovery.step_timeout_s,
-            "dist_timeout_s": recovery.step_timeout_s,
+            # a collective inside a save or load may wait as long as the slowest rank's I/O
+            "dist_timeout_s": max(recovery.step_timeout_s, recovery.checkpoint_timeout_s),
             "abandon": self._stop_requested,  # a stop while waiting for resources ends the wait
             "start_timeout_s": START_TIMEOUT_S,
             "wait": False,  # both groups start side by side; waited for below
@@ -225,13 +235,16 @@ class GRPORunner:
         }
         path = self.handler.save(
             step,
-            FSDPCheckpointManager(self.actor_group),
+            self.checkpoint_manager(),
             data_state,
             write_extra=self._write_hf_files,
             extra_manifest={"epoch": self.loader.epoch, "experiment_name": self.cfg.runner.experiment_name},
         )
         self.last_saved_step = step
         return path
+
+    def checkpoint_manager(self) -> FSDPCheckpointManager:
+        return FSDPCheckpointManager(self.actor_group, self.cfg.runner.recovery.checkpoint_timeout_s)
 
     def _write_hf_files(self, checkpoint: Path) -> None:
         """HF config and tokenizer beside the shards, so converters need nothing but the checkpoint."""
@@ -240,7 +253,7 @@ class GRPORunner:
         self.tokenizer.save_pretrained(folder)
 
     def restore(self, checkpoint: Checkpoint) -> None:
-        data_state = self.handler.load(checkpoint, FSDPCheckpointManager(self.actor_group))
+        data_state = self.handler.load(checkpoint, self.checkpoint_manager())
         try:
             self.loader.load_state_dict(data_state["dataloader"])
         except ValueError as exc:
@@ -306,13 +319,17 @@ class GRPORunner:
                     self.loader.load_state_dict(position)  # the abandoned step never happened
                     break
                 self.global_step = step
-                metrics_log.log(step, last)
-                progress.update(step, last)
+                try:
+                    if self.handler.should_save(step, self.total_steps):
+                        save_started = time.perf_counter()
+                        self.save_checkpoint(step)
+                        last["time/save_s"] = time.perf_counter() - save_started  # what the loop was blocked for
+                finally:  # the step happened even if its save failed: log it
+                    metrics_log.log(step, last)
+                    progress.update(step, last)
                 if self.restart_to_report is not None:
                     self.recovery_log.write("first_step", restart=self.restart_to_report, step=step)
                     self.restart_to_report = None
-                if self.handler.should_save(step, self.total_steps):
-                    self.save_checkpoint(step)
         finally:
             progress.close()
             metrics_log.close()
@@ -342,6 +359,8 @@ class GRPORunner:
         with self.lock:
             self.handler.remove_leftovers()
             initial = self.handler.find_resume(self.cfg.runner.resume_dir)
+            if initial is not None and self.cfg.runner.resume_dir != "auto":
+                self.handler.start_branch(initial)
             if connect is not None:
                 connect()
             checkpoint, placement_timeout_s = initial, self.cfg.cluster.placement_timeout_s
@@ -361,16 +380,26 @@ class GRPORunner:
                 except Exception as exc:
                     failed_at = time.time()
                     cause = self.repairable_cause(exc)
-                    if cause is None or not recovery.enabled:
+                    if cause is None:
+                        error = self.unrepairable(exc)
+                        if error is exc:
+                            raise
+                        raise error from exc
+                    lost_cluster = cluster_lost(force=True)
+                    if lost_cluster is not None and not is_embedded():
+                        raise ClusterLostError(f"{lost_cluster}; the driver exits so that it can be relaunched") from exc
+                    if not recovery.enabled:
                         raise
                     if self.stop.requested:  # no restart once a stop was asked for: the newest checkpoint stands
                         kept = self._newest_checkpoint_note()
                         raise StoppedEarly(f"{self.stop.reason}, then a failure ({cause}); {kept}; resume with runner.resume_dir=auto") from exc
                     newest = self.handler.newest_complete()
-                    if not budget.spend(str(newest) if newest else None):
+                    if not budget.spend(str(newest) if newest else None, cause):
+                        same = same_failure(budget.causes)
                         raise RecoveryExhaustedError(
                             f"giving up after {recovery.max_restarts} in-job restarts without a new checkpoint in between "
-                            f"(runner.recovery.max_restarts); last failure: {cause}"
+                            f"(runner.recovery.max_restarts); last failure{' (the same each time)' if same else ''}: {cause}",
+                            same_error=same,
                         ) from exc
                     lost = self.global_step - (self.last_saved_step or 0)
                     logger.error(
@@ -383,6 +412,11 @@ class GRPORunner:
                         "failure", restart=budget.total, cause=cause, step=self.global_step, lost_steps=lost,
                         failed_at_unix=failed_at, teardown_s=time.monotonic() - teardown_started,
                     )
+                    if lost_cluster is not None:  # the embedded Ray lost its node: nobody else will bring it back
+                        logger.error("%s: restarting the embedded Ray", lost_cluster)
+                        restart_embedded()
+                        if connect is not None:
+                            connect()  # signal handlers again (ray.init installs its own)
                     self.handler.remove_leftovers()
                     checkpoint = self.handler.find_resume("auto") or initial
                     placement_timeout_s = recovery.wait_timeout_s
@@ -394,18 +428,29 @@ class GRPORunner:
         return f"the newest checkpoint is {newest.name}" if newest else "there is no checkpoint yet"
 
     def repairable_cause(self, exc: BaseException) -> str | None:
-        """Why `exc` is a worker/node/collective failure the run can repair, or None (a bug or bad input).
+        """Why `exc` is a lost or hung worker, node or cluster the run can repair, or None (a bug or bad input).
 
-        The workers that no longer answer are named: the error that arrives first often comes from a
-        surviving peer whose collective broke, not from the worker that died.
+        A worker is lost only when Ray reports it dead, or a call passed its time bound; ranks that are
+        busy or stuck in a collective behind a peer that raised are alive. The dead workers are named:
+        the error that arrives first often comes from a surviving peer whose collective broke.
         """
         cause = failure_cause(exc)
-        lost = [f"{g.name} rank {r}" for g in self.groups() for r in g.unresponsive_ranks(timeout_s=1.0)]
-        if cause is None and not lost:
+        if cluster_lost(force=True) is not None:
+            return cause or f"cluster lost after {describe(exc)}"
+        dead = [f"{g.name} rank {r}" for g in self.groups() for r in g.dead_ranks(timeout_s=1.0)]
+        if cause is None and not dead:
             return None
         if cause is None:
             cause = f"worker lost after {describe(exc)}"
-        return f"{cause} [not answering: {', '.join(lost)}]" if lost else cause
+        return f"{cause} [dead: {', '.join(dead)}]" if dead else cause
+
+    @staticmethod
+    def unrepairable(exc: BaseException) -> BaseException:
+        """The error to end the run with: worker code that raised becomes a one-line WorkerError (not retried)."""
+        raised = next((err for err in exception_chain(exc) if isinstance(err, WorkerRaised)), None)
+        if raised is not None and user_error(exc) is None:
+            return WorkerError(f"{raised} (an error in worker code: not retried)")
+        return exc
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
         """The actor's full weights (HF key names), gathered from the shards."""

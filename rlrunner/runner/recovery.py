@@ -6,11 +6,12 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import ray
 
 from rlrunner.cluster.worker_group import CallTimeoutError
+from rlrunner.errors import ClusterLostError, exception_chain
 
 RECOVERY_FILE = "recovery.jsonl"
 
@@ -25,22 +26,6 @@ _COLLECTIVE_FAILURE_MARKERS = (
     "connection refused",
 )
 _DIST_ERROR_NAMES = {"DistBackendError", "DistNetworkError", "DistStoreError", "DistError"}
-
-
-def exception_chain(exc: BaseException) -> Iterator[BaseException]:
-    """`exc` and everything it wraps: __cause__/__context__, Ray's task-error cause, DCP's per-rank failures."""
-    seen: set[int] = set()
-    stack = [exc]
-    while stack:
-        err = stack.pop()
-        if err is None or id(err) in seen:
-            continue
-        seen.add(id(err))
-        yield err
-        stack.extend([err.__cause__, err.__context__, getattr(err, "cause", None)])
-        failures = getattr(err, "failures", None)
-        if isinstance(failures, dict):
-            stack.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -58,6 +43,8 @@ def describe(err: BaseException) -> str:
 def failure_cause(exc: BaseException) -> str | None:
     """A one-line cause when `exc` comes from a lost or hung worker (repairable), None otherwise (a bug, bad input)."""
     for err in exception_chain(exc):
+        if isinstance(err, ClusterLostError):
+            return f"cluster lost: {err}"
         if isinstance(err, CallTimeoutError):
             return f"hang: {err}"
         if isinstance(err, ray.exceptions.GetTimeoutError):
@@ -85,6 +72,14 @@ class RecoveryLog:
             handle.write(json.dumps({"event": event, "time_unix": time.time(), **fields}) + "\n")
 
 
+_VARYING = re.compile(r"0x[0-9a-f]+|[0-9a-f]{12,}|\d+", re.IGNORECASE)
+
+
+def same_failure(causes: list[str]) -> bool:
+    """Whether the causes are one error repeated: equal once pids, ids, ranks and other numbers are blanked."""
+    return len({_VARYING.sub("#", cause) for cause in causes}) == 1 if causes else False
+
+
 class RestartBudget:
     """`max_restarts` in-job restarts per stretch without progress.
 
@@ -97,13 +92,16 @@ class RestartBudget:
         self.max_restarts = max_restarts
         self.count = 0
         self.total = 0
+        self.causes: list[str] = []  # the failures of the current stretch
         self._newest_at_last_restart: str | None = None
 
-    def spend(self, newest_checkpoint: str | None) -> bool:
+    def spend(self, newest_checkpoint: str | None, cause: str = "") -> bool:
         """Record a restart, given the newest committed checkpoint now; False when the budget is used up."""
         if self.count and newest_checkpoint is not None and newest_checkpoint != self._newest_at_last_restart:
             self.count = 0
+            self.causes = []
         self._newest_at_last_restart = newest_checkpoint
         self.count += 1
         self.total += 1
+        self.causes.append(cause)
         return self.count <= self.max_restarts

@@ -16,6 +16,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_file(path: Path) -> None:
+    """Persist a file's content written by someone else (e.g. a library's save_pretrained)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `path` so that it holds either its old content or all of `data`, never a part."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")

@@ -17,7 +17,7 @@ from rlrunner.algorithms.grpo import clipped_policy_loss, kl_penalty, masked_sum
 from rlrunner.checkpoint.fsdp_dcp import load_fsdp_state, save_fsdp_state
 from rlrunner.cluster.worker import Worker
 from rlrunner.models.loading import build_model, build_tokenizer, torch_dtype
-from rlrunner.workers.optim import build_optimizer
+from rlrunner.workers.optim import apply_schedule, build_optimizer
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -177,7 +177,9 @@ class ActorWorker(Worker):
 
     def load_checkpoint(self, path: str) -> bool:
         """Collective: load the shards (resharding if the world size changed); returns whether RNG was restored."""
-        return load_fsdp_state(path, self.model, self.optimizer, self.scheduler, self.rank, self.world_size)
+        restored_rng = load_fsdp_state(path, self.model, self.optimizer, self.scheduler, self.rank, self.world_size)
+        apply_schedule(self.optimizer, self.scheduler)  # this run's schedule, not the saved run's
+        return restored_rng
 
     # -- weights out ---------------------------------------------------------------------------
 

@@ -11,7 +11,8 @@ import torch
 class LRSchedule:
     """Multiplier of the base LR at optimizer step `step`: linear warmup, then constant or cosine decay.
 
-    A callable object (not a lambda) so LambdaLR's state_dict holds it as plain numbers.
+    A callable object (not a lambda) so that it pickles; its parameters come from the run's config,
+    never from a checkpoint (see `ConfiguredLambdaLR`).
     """
 
     def __init__(self, warmup_steps: int, total_steps: int, kind: str = "constant", min_ratio: float = 0.0):
@@ -39,4 +40,33 @@ def build_optimizer(
         weight_decay=optim_cfg["weight_decay"],
     )
     schedule = LRSchedule(optim_cfg["warmup_steps"], total_steps, optim_cfg["lr_schedule"], optim_cfg["min_lr_ratio"])
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    return optimizer, ConfiguredLambdaLR(optimizer, schedule)
+
+
+class ConfiguredLambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR whose saved state is the step count, not the schedule.
+
+    Stock LambdaLR saves a callable object's `__dict__` and restores it on load, so a run resumed with a
+    larger `runner.max_steps` would silently keep the saved run's schedule length.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.pop("lr_lambdas", None)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict({**state_dict, "lr_lambdas": [None] * len(self.lr_lambdas)})
+
+
+def apply_schedule(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """Set each group's LR from this run's schedule at the restored step.
+
+    The optimizer's state (restored from a checkpoint) holds the LR the saved run's schedule gave; a
+    run resumed with another length (`runner.max_steps`) must use its own from the first step on. With
+    the same schedule this is the very product LambdaLR computes, so a plain resume stays bitwise.
+    """
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs

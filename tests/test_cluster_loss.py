@@ -1,0 +1,149 @@
+"""Losing the Ray cluster itself: the embedded one's node (restarted in-job), or the head of a joined one (driver exits).
+
+The embedded Ray's raylet is SIGKILLed, as the kernel's OOM killer does; the run must notice at once
+(not wait `wait_timeout_s` for resources nobody will add), start a fresh Ray, resume from the newest
+checkpoint and end bit-identical to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from conftest import TINY_MODEL, read_metrics, run_config, without_time
+from rlrunner.checkpoint.convert import load_model_weights
+from rlrunner.cluster.ray_setup import init_ray
+from rlrunner.runner.grpo_runner import GRPORunner
+
+STEPS = 8
+RUN = [
+    "data.synthetic.num_problems=26",
+    f"runner.max_steps={STEPS}",
+    "runner.save_interval=3",
+    "rollout.max_new_tokens=2",
+    "runner.recovery.step_timeout_s=30",
+    "runner.recovery.wait_timeout_s=300",  # a run that waited for a lost node would take this long: it must not
+]
+
+
+def connect() -> None:
+    init_ray("local", 4)
+
+
+@pytest.fixture(autouse=True)
+def no_ray_before_or_after():
+    if ray.is_initialized():
+        ray.shutdown()
+    yield
+    ray.shutdown()
+
+
+def metrics_lines(output_dir: Path) -> int:
+    path = output_dir / "test" / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def recovery_events(output_dir: Path, event: str) -> list[dict]:
+    import json
+
+    path = output_dir / "test" / "recovery.jsonl"
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == event] if path.exists() else []
+
+
+def test_the_embedded_ray_losing_its_node_is_restarted_in_job(tmp_path):
+    import threading
+
+    reference_dir = tmp_path / "reference"
+    GRPORunner(run_config(reference_dir, *RUN)).run(connect)
+    ray.shutdown()
+
+    out = tmp_path / "killed"
+    runner = GRPORunner(run_config(out, *RUN))
+    killed: list[int] = []
+
+    def kill_raylet() -> None:
+        deadline = time.monotonic() + 120
+        while metrics_lines(out) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        node = ray._private.worker._global_node
+        raylet = node.all_processes["raylet"][0].process
+        killed.append(raylet.pid)
+        os.kill(raylet.pid, signal.SIGKILL)
+
+    threading.Thread(target=kill_raylet, daemon=True).start()
+    started = time.monotonic()
+    runner.run(connect)
+    assert killed, "the raylet was never killed"
+    assert time.monotonic() - started < 200  # far below wait_timeout_s: nothing waited for the dead node
+    [failure] = recovery_events(out, "failure")
+    assert failure["cause"].startswith("cluster lost: ") or "raylet" in failure["cause"], failure
+    [resumed] = recovery_events(out, "resumed")
+    assert resumed["step"] == 3
+    assert ray._private.worker._global_node.all_processes["raylet"][0].process.pid != killed[0]  # a fresh Ray
+    reference = read_metrics(reference_dir / "test" / "metrics.jsonl")
+    metrics = read_metrics(out / "test" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert without_time(metrics) == without_time(reference)
+    final = f"test/checkpoints/global_step_{STEPS}"
+    expected, got = load_model_weights(reference_dir / final), load_model_weights(out / final)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_a_joined_cluster_whose_head_is_gone_ends_the_driver_for_a_relaunch(tmp_path, subprocess_env):
+    """Not a wait: the driver exits with code 1 (the launch script relaunches that) and one line naming the cause."""
+    env = {**subprocess_env, "RAY_AUTH_MODE": "token"}
+    temp_dir = tempfile.mkdtemp(prefix="rlr-head-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    port = 6411
+    head = subprocess.Popen(
+        [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+         "--include-dashboard=false", f"--temp-dir={temp_dir}", "--node-ip-address=127.0.0.1"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    driver = None
+    try:
+        overrides = [f"runner.output_dir={tmp_path}", "runner.experiment_name=test", "runner.logger.progress_bar=false",
+                     "data.batch_size=4", "algorithm.group_size=4", "actor.micro_batch_size=4",
+                     f"cluster.ray_address=127.0.0.1:{port}", "runner.max_steps=200", "runner.save_interval=2",
+                     "data.synthetic.num_problems=26", "rollout.max_new_tokens=2", *TINY_MODEL]
+        deadline = time.monotonic() + 60
+        while driver is None:
+            probe = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address='127.0.0.1:{port}', logging_level='ERROR')"],
+                                   env=env, capture_output=True, timeout=60)
+            if probe.returncode == 0:
+                driver = subprocess.Popen([sys.executable, "-m", "rlrunner.main_grpo", *overrides], env=env,
+                                          stderr=subprocess.PIPE, text=True)
+            else:
+                assert time.monotonic() < deadline, probe.stderr.decode()[-2000:]
+                time.sleep(1)
+        deadline = time.monotonic() + 120
+        while metrics_lines(tmp_path) < 2:
+            assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()[1][-3000:]
+            time.sleep(0.05)
+        os.killpg(head.pid, signal.SIGKILL)  # the head node is preempted: GCS, raylet and the workers on it
+        subprocess.run(["pkill", "-9", "-f", temp_dir], check=False)
+        killed_at = time.monotonic()
+        _, err = driver.communicate(timeout=90)
+        assert time.monotonic() - killed_at < 60
+        assert driver.returncode == 1, err[-3000:]
+        lines = [line for line in err.splitlines() if line.startswith("rlrunner: error:")]
+        assert len(lines) == 1 and "the Ray cluster's head node (GCS at " in lines[0] and "is gone" in lines[0], err[-3000:]
+        assert "relaunched" in lines[0]
+    finally:
+        if driver is not None and driver.poll() is None:
+            driver.kill()
+        try:
+            os.killpg(head.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        subprocess.run(["pkill", "-9", "-f", temp_dir], check=False)
+        shutil.rmtree(temp_dir, ignore_errors=True)
