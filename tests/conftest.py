@@ -84,3 +84,49 @@ def subprocess_env(repo_root) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(repo_root) + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+# -- an S3 API on 127.0.0.1 (moto), for the storage tests ---------------------------------------------
+
+S3_BUCKET = "rlrunner-test"
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """One moto S3 server on 127.0.0.1 (a free port) for the session, with the test bucket; stopped afterwards."""
+    import logging
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no request log lines
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        boto3.client(
+            "s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
+        ).create_bucket(Bucket=S3_BUCKET)
+        yield endpoint
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_store(moto_endpoint, monkeypatch, request):
+    """(an `s3://bucket/prefix` URL unique to the test, storage_options for it); also sets the AWS_* variables."""
+    import uuid
+
+    for name, value in {
+        "AWS_ENDPOINT_URL": moto_endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")  # never route the local endpoint through a proxy
+    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": moto_endpoint, "region_name": "us-east-1"}}
+    return f"s3://{S3_BUCKET}/{request.node.name.split('[')[0]}-{uuid.uuid4().hex[:8]}", options

@@ -35,16 +35,18 @@ class FileBackend:
         self.payload_bytes = payload_bytes
         self.loaded: list[dict] = []
 
-    def save(self, path: Path, step: int) -> dict[str, dict]:
+    def start_save(self, path: Path, step: int) -> None:
         path.mkdir(parents=True, exist_ok=True)
-        written = {}
+        self.written = {}
         for rank in range(self.world_size):
             name = f"rank_{rank}.pt"
             buffer = io.BytesIO()
             torch.save({"step": step, "rank": rank, "weights": torch.full((self.payload_bytes // 4,), float(step))}, buffer)
             (path / name).write_bytes(buffer.getvalue())
-            written[name] = file_record(path / name)
-        return written
+            self.written[name] = file_record(path / name)
+
+    def finish_save(self, wait: bool) -> dict[str, dict]:
+        return self.written
 
     def load(self, path: Path) -> None:
         self.loaded = [torch.load(path / f"rank_{r}.pt", weights_only=True) for r in range(self.world_size)]
@@ -108,7 +110,7 @@ def test_failed_write_commits_nothing_and_names_the_cause(tmp_path):
 
 def test_a_save_that_fails_for_another_reason_may_be_relaunched(tmp_path):
     class Crashing(FileBackend):
-        def save(self, path, step):
+        def finish_save(self, wait):
             raise RuntimeError("worker lost mid-save")
 
     with pytest.raises(CheckpointSaveError) as error:
@@ -277,6 +279,51 @@ def test_retention_holds_across_restarts_and_keeps_the_newest(tmp_path):
     assert [(s.step, s.status) for s in scan_checkpoints(handler.root)] == [(8, COMPLETE), (7, INCOMPLETE), (6, COMPLETE)]
     save_steps(make_handler(tmp_path, keep=1), [10])
     assert [s.step for s in scan_checkpoints(handler.root) if s.status == COMPLETE] == [10]
+
+
+class BackgroundBackend(FileBackend):
+    """Writes nothing until told to: a save whose files are still being written in the background."""
+
+    def __init__(self):
+        super().__init__()
+        self.done = False
+
+    def start_save(self, path, step):
+        self.args = (path, step)
+
+    def finish_save(self, wait):
+        if not (self.done or wait):
+            return None
+        super().start_save(*self.args)
+        return self.written
+
+
+def test_a_background_save_commits_only_once_written_and_only_then_retains(tmp_path):
+    handler = make_handler(tmp_path, keep=1)
+    save_steps(handler, [2])
+    backend = BackgroundBackend()
+    pending = handler.begin_save(4, backend, {"runner": {"global_step": 4}})
+    assert handler.finish_save(pending, wait=False) is None  # still writing: no commit, nothing deleted
+    assert [s.step for s in scan_checkpoints(handler.root)] == [2] and pending.staging.is_dir()
+    backend.done = True
+    assert handler.finish_save(pending, wait=False) == handler.root / "global_step_4"
+    assert [(s.step, s.status) for s in scan_checkpoints(handler.root, checksums=True)] == [(4, COMPLETE)]
+    # the data position is the one at the time the save began
+    assert torch.load(handler.root / "global_step_4" / "data" / "data.pt", weights_only=True) == {"runner": {"global_step": 4}}
+
+
+def test_a_background_write_that_fails_never_commits(tmp_path):
+    class FailingBackground(BackgroundBackend):
+        def finish_save(self, wait):
+            raise OSError(28, "No space left on device")
+
+    handler = make_handler(tmp_path)
+    save_steps(handler, [2])
+    pending = handler.begin_save(4, FailingBackground(), {})
+    with pytest.raises(CheckpointSaveError, match="saving global_step_4 failed: OSError: .*No space left on device") as error:
+        handler.finish_save(pending, wait=False)
+    assert error.value.exit_code == 4
+    assert [s.step for s in scan_checkpoints(handler.root)] == [2] and layout.leftover_dirs(handler.root) == []
 
 
 def test_the_checkpoint_just_committed_is_never_deleted(tmp_path):

@@ -156,8 +156,29 @@ def test_hung_worker_is_detected_by_the_step_timeout(cluster, reference, tmp_pat
 def test_restarts_are_bounded(cluster, tmp_path):
     runner = GRPORunner(run_config(tmp_path, *RUN, "runner.recovery.max_restarts=0"))
     once(lambda: metrics_lines(tmp_path) >= 2, lambda: kill(runner.actor_group.hosts[0]["pid"]))
-    with pytest.raises(RecoveryExhaustedError, match=r"giving up after 0 in-job restarts without a new checkpoint in between \(runner.recovery.max_restarts\); last failure: "):
+    with pytest.raises(RecoveryExhaustedError, match=r"giving up after 0 in-job restarts without a new checkpoint in between \(runner.recovery.max_restarts\); last failure: ") as error:
         runner.run()
+    assert error.value.exit_code == 1  # one failure, not a repeated one: a relaunch may get past it
+
+
+def test_restarts_used_up_on_the_same_error_are_not_relaunched(cluster, tmp_path):
+    """A rank dies at the same point every time (before anything new is saved): after the restarts, exit code 4."""
+    runner = GRPORunner(run_config(tmp_path, *RUN, "runner.recovery.max_restarts=1"))
+    kills: list[int] = []
+
+    def kill_actor_rank_0() -> None:
+        deadline = time.monotonic() + 120
+        while len(kills) < 2 and time.monotonic() < deadline:
+            group = runner.actor_group
+            if group is not None and group.hosts and group.hosts[0]["pid"] not in kills and metrics_lines(tmp_path) >= 1:
+                kills.append(group.hosts[0]["pid"])
+                kill(kills[-1])
+            time.sleep(0.01)
+
+    threading.Thread(target=kill_actor_rank_0, daemon=True).start()
+    with pytest.raises(RecoveryExhaustedError, match=r"last failure \(the same each time\): worker lost") as error:
+        runner.run()
+    assert error.value.exit_code == 4 and len(kills) == 2
 
 
 def test_node_lost_and_replaced(cluster, reference, tmp_path):
@@ -332,8 +353,8 @@ def test_a_save_slower_than_a_step_bound_is_not_a_hang(cluster, tmp_path):
     runner = GRPORunner(run_config(tmp_path, *RUN, "runner.max_steps=4", "runner.save_interval=2",
                                    "runner.recovery.step_timeout_s=3", "runner.recovery.checkpoint_timeout_s=60"))
     once(lambda: runner.actor_group is not None and len(runner.actor_group.hosts) == 2,
-         lambda: [patch_worker_module(w, "rlrunner.workers.actor", "save_fsdp_state", slow) for w in runner.actor_group.workers])
+         lambda: [patch_worker_module(w, "rlrunner.workers.actor", "fsdp_state", slow) for w in runner.actor_group.workers])
     runner.run()
     assert recovery_events(tmp_path, "failure") == []
-    saves = [m["time/save_s"] for m in read_metrics(tmp_path / "test" / "metrics.jsonl") if "time/save_s" in m]
-    assert len(saves) == 2 and min(saves) > 3  # each save outlasted the step bound and was not taken for a hang
+    blocked = {m["step"]: m["time/save_s"] for m in read_metrics(tmp_path / "test" / "metrics.jsonl") if "time/save_s" in m}
+    assert blocked[2] > 3 and blocked[4] > 3  # each save outlasted the step bound and was not taken for a hang

@@ -113,9 +113,9 @@ def test_restart_budget_counts_restarts_without_progress():
 
 def test_same_failure_ignores_pids_ranks_and_ids():
     died = "worker lost: ActorDiedError: The actor 0054c1bc89c1e74bd154de9a01000000 died (pid={}) [dead: actor rank {}]"
-    assert same_failure([died.format(101, 0), died.format(202, 1), died.format(303, 0)])
+    assert same_failure([died.format(101, 0), died.format(202, 1), died.format(303, "0, actor rank 1")])
     assert not same_failure([died.format(101, 0), "hang: the rollout group did not answer within 6s"])
-    assert not same_failure([])
+    assert not same_failure([]) and not same_failure([died.format(101, 0)])  # one failure is not a repetition
     budget = RestartBudget(max_restarts=1)
     budget.spend("global_step_2", "a")
     budget.spend("global_step_4", "b")  # progress since the last restart: a new stretch

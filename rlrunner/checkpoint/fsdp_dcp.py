@@ -4,20 +4,30 @@ Each rank writes its own shard file (`__<rank>_0.distcp`); rank 0 also writes `.
 rank stores its own RNG states under `rng.rank_<r>`, and gets them back when the checkpoint was
 saved with the same number of ranks (with another number, DCP reshards the model and optimizer,
 and the per-rank RNG has no meaning, so it is left as it is).
+
+A save can run in the background (`ShardSaver.start(..., background=True)`): the state is copied
+off the training tensors first (pinned host memory on GPU, a host copy on CPU), then DCP writes the
+copy in a thread, with its collectives on a gloo group of their own so they never interleave with
+training's. Every file's size and CRC-32 are computed from the bytes as they are written.
 """
 
 from __future__ import annotations
 
+import io
 import logging
-import os
 import random
 import re
+import time
+from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -25,8 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from rlrunner.checkpoint.manifest import file_record
-from rlrunner.checkpoint.safe_dcp import METADATA_FILE, SafeFileSystemReader, SafeLoadPlanner, saved_keys
+from rlrunner.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, saved_keys
+from rlrunner.storage import ChecksumWriter
 
 logger = logging.getLogger(__name__)
 
@@ -66,24 +76,99 @@ def saved_world_size(dcp_dir: str | Path) -> int:
     return len(ranks)
 
 
-def save_fsdp_state(
-    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int
-) -> dict[str, dict[str, Any]]:
-    """Write this rank's part of the checkpoint; returns {file name: {size, crc32}} for the files it wrote."""
-    folder = Path(path)
-    state = {
+class _ChecksummingFileSystem(FileSystem):
+    """DCP's local filesystem, recording {file name: size and CRC-32} of every file written through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[str, dict[str, Any]] = {}
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            counted = ChecksumWriter(stream, str(path))
+            yield counted
+        self.records[Path(path).name] = counted.record().as_dict()
+
+    def rename(self, path, new_path) -> None:  # DCP writes .metadata.tmp, then renames it
+        super().rename(path, new_path)
+        if Path(path).name in self.records:
+            self.records[Path(new_path).name] = self.records.pop(Path(path).name)
+
+
+def checksumming_writer(path: str | Path) -> FileSystemWriter:
+    """DCP's file writer (one file per rank, fsync'd) that records what it wrote in `writer.fs.records`."""
+    writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+    writer.fs = _ChecksummingFileSystem()
+    return writer
+
+
+def fsdp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int) -> dict[str, Any]:
+    """The state DCP saves: model and optimizer shards, the LR scheduler, this rank's RNG states."""
+    return {
         "model": get_model_state_dict(model),
         "optimizer": get_optimizer_state_dict(model, optimizer),
         "scheduler": scheduler.state_dict(),
         "rng": {f"rank_{rank}": capture_rng()},
     }
-    writer = FileSystemWriter(folder, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
-    dcp.save(state, storage_writer=writer)
-    # dcp.save returns after the coordinator has written .metadata, so rank 0 can record it too.
-    mine = [name for name in os.listdir(folder) if name.startswith(f"__{rank}_") and name.endswith(".distcp")]
-    if rank == 0:
-        mine.append(METADATA_FILE)
-    return {name: file_record(folder / name) for name in sorted(mine)}
+
+
+class ShardSaver:
+    """One rank's save in flight (at most one): started, then finished (waited for, or polled)."""
+
+    def __init__(self, process_group=None):
+        self.process_group = process_group  # a gloo group of the actor ranks for checkpoint collectives only
+        self._future: Future | None = None
+        self._writer: FileSystemWriter | None = None
+        self._started = 0.0
+        self._write_s: float | None = None
+
+    @property
+    def written(self) -> bool:
+        """Whether the save in flight is done writing (or failed): `finish` will not wait."""
+        if self._future is None:
+            raise RuntimeError("no checkpoint save in flight on this rank")
+        return self._future.done()
+
+    def start(self, path: str | Path, state: dict[str, Any], background: bool) -> None:
+        """Write `state` under `path`; with `background`, return once it is copied off the live tensors."""
+        if self._future is not None:
+            raise RuntimeError("a checkpoint save is already in flight on this rank")
+        self._writer = checksumming_writer(path)
+        self._started, self._write_s = time.monotonic(), None
+        if background:
+            stager = DefaultStager(StagingOptions(torch.cuda.is_available(), False, False, False))
+            self._future = dcp.async_save(
+                state, storage_writer=self._writer, process_group=self.process_group, async_stager=stager
+            )
+            self._future.add_done_callback(self._record_time)
+        else:
+            future: Future = Future()
+            try:
+                dcp.save(state, storage_writer=self._writer, process_group=self.process_group)
+                future.set_result(None)
+            except BaseException as exc:  # DCP raises CheckpointException, a BaseException
+                future.set_exception(exc)
+            self._record_time(future)
+            self._future = future
+
+    def _record_time(self, _future: Future) -> None:
+        self._write_s = time.monotonic() - self._started
+
+    def finish(self) -> dict[str, Any]:
+        """Wait for the save in flight: {"files": {name: {size, crc32}}, "write_s": seconds}, or its error.
+
+        The files are the ones this rank wrote (its shard; rank 0 also `.metadata`).
+        """
+        if self._future is None:
+            raise RuntimeError("no checkpoint save in flight on this rank")
+        future, writer = self._future, self._writer
+        self._future = self._writer = None
+        future.result()
+        return {"files": dict(sorted(writer.fs.records.items())), "write_s": self._write_s}
 
 
 def load_fsdp_state(

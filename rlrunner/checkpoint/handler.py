@@ -2,7 +2,8 @@
 
 Commit protocol of `global_step_N` (a killed save never becomes a checkpoint):
   1. the backend's manager writes its shards into `checkpoints/.tmp-global_step_N-<id>/actor/`,
-     each file fsync'd; the handler writes `data/data.pt` and any extra files;
+     each file fsync'd, possibly in the background (`begin_save`, then `finish_save` when every
+     rank's write has finished); the handler writes `data/data.pt` and any extra files;
   2. the handler checks that every file is there with the size its writer reported;
   3. `manifest.json` is written last (atomically, fsync'd): files, sizes, CRC-32s, step, world size,
      backend, config fingerprint;
@@ -20,9 +21,10 @@ import os
 import shutil
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -75,6 +77,18 @@ def scan_checkpoints(root: Path, checksums: bool = False) -> list[CheckpointStat
     return [inspect_checkpoint(path, checksums) for path in layout.step_dirs(root)]
 
 
+@dataclass
+class PendingSave:
+    """A save begun and not yet committed: its staging folder and what the commit will write."""
+
+    step: int
+    staging: Path
+    manager: CheckpointManager
+    data_bytes: bytes  # data/data.pt, serialised when the save began
+    write_extra: Callable[[Path], None] | None
+    extra_manifest: dict[str, Any]
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A verified checkpoint to resume from."""
@@ -123,18 +137,45 @@ class CheckpointHandler:
         extra_manifest: dict[str, Any] | None = None,
     ) -> Path:
         """Write and commit `global_step_<step>`; on any failure nothing is committed and the error says so."""
+        return self.finish_save(self.begin_save(step, manager, data_state, write_extra, extra_manifest), wait=True)
+
+    def begin_save(
+        self,
+        step: int,
+        manager: CheckpointManager,
+        data_state: dict[str, Any],
+        write_extra: Callable[[Path], None] | None = None,
+        extra_manifest: dict[str, Any] | None = None,
+    ) -> PendingSave:
+        """Start `global_step_<step>` in a staging folder; the manager may go on writing in the background.
+
+        Everything the commit needs from the driver (the data position, the manifest's extras) is taken now.
+        """
         self.root.mkdir(parents=True, exist_ok=True)
         staging = self.root / f"{layout.STAGING_PREFIX}{layout.step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
-        final = self.root / layout.step_dir_name(step)
-        try:
+        pending = PendingSave(step, staging, manager, _torch_bytes(data_state), write_extra, dict(extra_manifest or {}))
+        with self._failing_save(pending):
             staging.mkdir()
-            actor_files = manager.save(staging / layout.ACTOR_DIR, step)
+            manager.start_save(staging / layout.ACTOR_DIR, step)
+        return pending
+
+    def finish_save(self, pending: PendingSave, wait: bool) -> Path | None:
+        """Commit `pending` once every rank's write has finished (waiting for it with `wait`); None if not yet.
+
+        Only a committed checkpoint counts, and only after the commit may retention delete anything.
+        """
+        final = self.root / layout.step_dir_name(pending.step)
+        with self._failing_save(pending):
+            actor_files = pending.manager.finish_save(wait)
+            if actor_files is None:
+                return None
+            staging = pending.staging
             files = {f"{layout.ACTOR_DIR}/{name}": record for name, record in actor_files.items()}
             data_path = staging / layout.DATA_FILE
             data_path.parent.mkdir(parents=True)
-            atomic_write_bytes(data_path, _torch_bytes(data_state))
-            if write_extra is not None:
-                write_extra(staging)
+            atomic_write_bytes(data_path, pending.data_bytes)
+            if pending.write_extra is not None:
+                pending.write_extra(staging)
             for name in relative_files(staging):
                 if name not in files:  # written here (e.g. by save_pretrained), not by a worker: make it durable too
                     fsync_file(staging / name)
@@ -142,21 +183,35 @@ class CheckpointHandler:
             self._check_reported_files(staging, files)
             for folder in {staging / Path(name).parent for name in files}:
                 fsync_dir(folder)
-            manifest = build_manifest(step, manager.world_size, manager.backend, self.fingerprint, files, extra_manifest or {})
+            manager = pending.manager
+            manifest = build_manifest(pending.step, manager.world_size, manager.backend, self.fingerprint, files, pending.extra_manifest)
             write_manifest(staging, manifest)
             self._commit(staging, final)
+        size = sum(r["size"] for r in files.values())
+        write_s = getattr(manager, "write_s", None)
+        if write_s:
+            logger.info("saved checkpoint %s (%.1f MB; shards written in %.2fs, %.2f GB/s)", final, size / 1e6, write_s,
+                        sum(r["size"] for r in actor_files.values()) / write_s / 1e9)
+        else:
+            logger.info("saved checkpoint %s (%.1f MB)", final, size / 1e6)
+        self.apply_retention(keep=final)
+        return final
+
+    @contextmanager
+    def _failing_save(self, pending: PendingSave) -> Iterator[None]:
+        """On any failure: nothing committed, the staging folder removed, one CheckpointSaveError naming the cause."""
+        try:
+            yield
         except BaseException as exc:
             space = free_space(self.root)  # measured before the staging folder's space is given back
-            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(pending.staging, ignore_errors=True)
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             newest = self.newest_complete()
             kept = f"the newest complete checkpoint is still {newest.name}" if newest else "there is no complete checkpoint yet"
             permanent = is_storage_full_or_forbidden(exc) or space.endswith(_FULL_NOTE)
-            raise CheckpointSaveError(f"saving {final.name} failed: {root_cause(exc)} ({space}); {kept}", permanent) from exc
-        logger.info("saved checkpoint %s (%.1f MB)", final, sum(r["size"] for r in files.values()) / 1e6)
-        self.apply_retention(keep=final)
-        return final
+            name = layout.step_dir_name(pending.step)
+            raise CheckpointSaveError(f"saving {name} failed: {root_cause(exc)} ({space}); {kept}", permanent) from exc
 
     def _check_reported_files(self, staging: Path, files: dict[str, dict[str, Any]]) -> None:
         """Every file a worker wrote must be visible here, at its size: catches a folder that is not shared."""

@@ -1,8 +1,11 @@
 """The CheckpointManager interface (one per training backend) and its FSDP2 + DCP implementation.
 
 A manager only writes and reads its backend's shards under the folder it is given; the handler
-decides when and where, and commits. A backend with another layout (e.g. Megatron's
-`iter_0000050/mp_rank_00/...`) implements the same three members.
+decides when and where, and commits. A save has two halves, so that the files can be written in
+the background while training goes on: `start_save` returns once the state is safe from training
+(copied off the live tensors, or fully written for a synchronous save), `finish_save` reports the
+files once every rank's write has finished. A backend with another layout (e.g. Megatron's
+`iter_0000050/mp_rank_00/...`) implements the same members.
 """
 
 from __future__ import annotations
@@ -17,8 +20,13 @@ class CheckpointManager(Protocol):
     @property
     def world_size(self) -> int: ...
 
-    def save(self, path: Path, step: int) -> dict[str, dict[str, Any]]:
-        """Write the training state under `path`; return {relative file: {"size", "crc32"}} for files written."""
+    def start_save(self, path: Path, step: int) -> None:
+        """Begin writing the training state under `path`; training may change the live state once this returns."""
+        ...
+
+    def finish_save(self, wait: bool) -> dict[str, dict[str, Any]] | None:
+        """{relative file: {"size", "crc32"}} of every file written once all writes have finished (raising their
+        error if one failed); None when `wait` is false and some write is still going on."""
         ...
 
     def load(self, path: Path) -> None:
@@ -31,20 +39,34 @@ class FSDPCheckpointManager:
 
     backend = "fsdp2-dcp"
 
-    def __init__(self, actor_group, timeout_s: float | None = None):
+    def __init__(self, actor_group, timeout_s: float | None = None, background: bool = False):
         self.actor_group = actor_group
         self.timeout_s = timeout_s  # runner.recovery.checkpoint_timeout_s: I/O has its own bound, not a step's
+        self.background = background  # runner.async_save
+        self.write_s: float | None = None  # the slowest rank's write time of the last finished save
 
     @property
     def world_size(self) -> int:
         return self.actor_group.num_workers
 
-    def save(self, path: Path, step: int) -> dict[str, dict[str, Any]]:
+    def start_save(self, path: Path, step: int) -> None:
         path.mkdir(parents=True, exist_ok=True)
+        self.actor_group.call_all("start_checkpoint", str(path), self.background, timeout_s=self.timeout_s)
+
+    def finish_save(self, wait: bool) -> dict[str, dict[str, Any]] | None:
+        if not wait and not all(self.actor_group.call_all("checkpoint_written")):
+            return None
+        results = self.actor_group.call_all("finish_checkpoint", timeout_s=self.timeout_s)
+        self.write_s = max(result["write_s"] for result in results)
         files: dict[str, dict[str, Any]] = {}
-        for written in self.actor_group.call_all("save_checkpoint", str(path), timeout_s=self.timeout_s):
-            files.update(written)
+        for result in results:
+            files.update(result["files"])
         return files
+
+    def save(self, path: Path, step: int) -> dict[str, dict[str, Any]]:
+        """Start and finish a save in one call (benchmarks, tools)."""
+        self.start_save(path, step)
+        return self.finish_save(wait=True)
 
     def load(self, path: Path) -> None:
         self.actor_group.call_all("load_checkpoint", str(path), timeout_s=self.timeout_s)

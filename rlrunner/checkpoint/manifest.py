@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import zlib
 from dataclasses import dataclass
@@ -66,7 +67,7 @@ def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
 
 
 class ManifestError(Exception):
-    """The manifest is missing or unreadable: the folder is not a (complete) checkpoint."""
+    """The manifest is missing, unreadable or malformed: the folder is not a (complete) checkpoint."""
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
@@ -84,7 +85,65 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     for key in ("step", "world_size", "backend", "fingerprint", "files"):
         if key not in manifest:
             raise ManifestError(f"manifest.json lacks '{key}'")
+    _check_types(manifest)
     return manifest
+
+
+_CRC32 = re.compile(r"^[0-9a-f]{8}$")
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _is_int(value: Any) -> bool:
+    # JSON true/false load as bool, which Python counts as int: a step of `true` is still wrong.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(manifest: dict[str, Any], key: str, minimum: int) -> None:
+    value = manifest[key]
+    if not _is_int(value):
+        raise ManifestError(f"manifest.json: '{key}' must be an integer, got {_type_name(value)}")
+    if value < minimum:
+        raise ManifestError(f"manifest.json: '{key}' must be >= {minimum}, got {value}")
+
+
+def _check_file_name(name: str) -> None:
+    # Names are joined onto the checkpoint folder when verifying: keep them inside it.
+    parts = name.split("/")
+    if not name or name.startswith("/") or any(part in ("", ".", "..") for part in parts):
+        raise ManifestError(f"manifest.json: 'files' has a name that is not a relative path inside the checkpoint: {name!r}")
+
+
+def _check_file_record(name: str, record: Any) -> None:
+    if not isinstance(record, dict):
+        raise ManifestError(f"manifest.json: 'files' entry {name!r} must be an object, got {_type_name(record)}")
+    size, crc = record.get("size"), record.get("crc32")
+    if not _is_int(size) or size < 0:
+        shown = size if _is_int(size) else _type_name(size)
+        raise ManifestError(f"manifest.json: 'files' entry {name!r} must have a non-negative integer 'size', got {shown}")
+    if not isinstance(crc, str) or not _CRC32.match(crc):
+        shown = repr(crc) if isinstance(crc, str) else _type_name(crc)
+        raise ManifestError(f"manifest.json: 'files' entry {name!r} must have a 'crc32' of 8 hex digits, got {shown}")
+
+
+def _check_types(manifest: dict[str, Any]) -> None:
+    """Raise ManifestError naming the first field whose type or value the readers of a manifest cannot use."""
+    _check_int(manifest, "step", 0)
+    _check_int(manifest, "world_size", 1)
+    backend = manifest["backend"]
+    if not isinstance(backend, str) or not backend:
+        shown = repr(backend) if isinstance(backend, str) else _type_name(backend)
+        raise ManifestError(f"manifest.json: 'backend' must be a non-empty string, got {shown}")
+    if not isinstance(manifest["fingerprint"], dict):
+        raise ManifestError(f"manifest.json: 'fingerprint' must be an object, got {_type_name(manifest['fingerprint'])}")
+    files = manifest["files"]
+    if not isinstance(files, dict):
+        raise ManifestError(f"manifest.json: 'files' must be an object, got {_type_name(files)}")
+    for name, record in files.items():
+        _check_file_name(name)
+        _check_file_record(name, record)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ class Worker:
         import torch.distributed as dist
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.dist_timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend=backend,
             init_method=f"tcp://{host}:{port}",

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlrunner.algorithms.grpo import group_advantages
 from rlrunner.checkpoint import layout
-from rlrunner.checkpoint.handler import Checkpoint, CheckpointHandler
+from rlrunner.checkpoint.handler import Checkpoint, CheckpointHandler, PendingSave
 from rlrunner.checkpoint.lock import ExperimentLock
 from rlrunner.checkpoint.manager import FSDPCheckpointManager
 from rlrunner.checkpoint.policy import flatten
@@ -83,7 +83,8 @@ class GRPORunner:
         self.total_steps = min(cfg.runner.max_steps, cfg.runner.max_epochs * self.loader.steps_per_epoch)
         self.num_minibatches = cfg.data.batch_size // mini_batch_prompts(cfg)
         self.global_step = 0
-        self.last_saved_step: int | None = None
+        self.last_saved_step: int | None = None  # the newest committed checkpoint's step
+        self.pending_save: PendingSave | None = None  # a save whose files are still being written
         self.actor_group: WorkerGroup | None = None
         self.rollout_group: WorkerGroup | None = None
         self.experiment = layout.experiment_dir(cfg.runner.output_dir, cfg.runner.experiment_name)
@@ -228,23 +229,40 @@ class GRPORunner:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def save_checkpoint(self, step: int) -> Path:
+    def save_checkpoint(self, step: int) -> None:
+        """Save `step`: committed before returning, or (`runner.async_save`) written in the background and
+        committed by `commit_pending_save` once every rank's write has finished. One save in flight at a time."""
+        self.commit_pending_save(wait=True)
         data_state = {
             "dataloader": self.loader.state_dict(),
             "runner": {"global_step": step, "epoch": self.loader.epoch, "total_steps": self.total_steps},
         }
-        path = self.handler.save(
+        self.pending_save = self.handler.begin_save(
             step,
             self.checkpoint_manager(),
             data_state,
             write_extra=self._write_hf_files,
             extra_manifest={"epoch": self.loader.epoch, "experiment_name": self.cfg.runner.experiment_name},
         )
-        self.last_saved_step = step
+        if not self.cfg.runner.async_save:
+            self.commit_pending_save(wait=True)
+
+    def commit_pending_save(self, wait: bool) -> Path | None:
+        """Commit the save in flight once its writes are done (waiting for them with `wait`); its path, or None.
+
+        Only a committed checkpoint counts: `last_saved_step` moves here, never when a save begins.
+        """
+        if self.pending_save is None:
+            return None
+        path = self.handler.finish_save(self.pending_save, wait)
+        if path is not None:
+            self.last_saved_step = self.pending_save.step
+            self.pending_save = None
         return path
 
     def checkpoint_manager(self) -> FSDPCheckpointManager:
-        return FSDPCheckpointManager(self.actor_group, self.cfg.runner.recovery.checkpoint_timeout_s)
+        recovery = self.cfg.runner.recovery
+        return FSDPCheckpointManager(self.actor_group, recovery.checkpoint_timeout_s, background=self.cfg.runner.async_save)
 
     def _write_hf_files(self, checkpoint: Path) -> None:
         """HF config and tokenizer beside the shards, so converters need nothing but the checkpoint."""
@@ -266,7 +284,7 @@ class GRPORunner:
     def start(self, checkpoint: Checkpoint | None, placement_timeout_s: float) -> None:
         """Fresh state, groups up, storage checked, checkpoint restored, weights pushed to the rollout group."""
         self.loader = self._new_loader()
-        self.global_step, self.last_saved_step = 0, None
+        self.global_step, self.last_saved_step, self.pending_save = 0, None, None
         started = time.monotonic()
         self.build_groups(placement_timeout_s)
         built = time.monotonic()
@@ -320,9 +338,12 @@ class GRPORunner:
                     break
                 self.global_step = step
                 try:
-                    if self.handler.should_save(step, self.total_steps):
-                        save_started = time.perf_counter()
+                    save_started = time.perf_counter()
+                    committed = self.commit_pending_save(wait=False)  # a background save that finished writing
+                    saving = self.handler.should_save(step, self.total_steps)
+                    if saving:
                         self.save_checkpoint(step)
+                    if saving or committed:
                         last["time/save_s"] = time.perf_counter() - save_started  # what the loop was blocked for
                 finally:  # the step happened even if its save failed: log it
                     metrics_log.log(step, last)
@@ -333,6 +354,7 @@ class GRPORunner:
         finally:
             progress.close()
             metrics_log.close()
+        self.commit_pending_save(wait=True)  # the last step's save, or the one in flight when a stop came
         if self.global_step < self.total_steps:  # the loop ended on a stop request
             self.emergency_stop()
         return last
@@ -344,7 +366,8 @@ class GRPORunner:
         elif self.last_saved_step == step:
             saved = f"global_step_{step} is already saved"
         else:
-            saved = f"saved {self.save_checkpoint(step).name}"
+            self.save_checkpoint(step)
+            saved = f"saved {self.commit_pending_save(wait=True).name}"
         raise StoppedEarly(f"{self.stop.reason} at step {step}; {saved}; resume with runner.resume_dir=auto")
 
     # -- the resilient run ---------------------------------------------------------------------

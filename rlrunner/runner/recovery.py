@@ -73,11 +73,13 @@ class RecoveryLog:
 
 
 _VARYING = re.compile(r"0x[0-9a-f]+|[0-9a-f]{12,}|\d+", re.IGNORECASE)
+_DEAD_LIST = re.compile(r"\s*\[dead: [^\]]*\]")  # which peers went down with the failing one varies
 
 
 def same_failure(causes: list[str]) -> bool:
-    """Whether the causes are one error repeated: equal once pids, ids, ranks and other numbers are blanked."""
-    return len({_VARYING.sub("#", cause) for cause in causes}) == 1 if causes else False
+    """Whether the causes are one error repeated (at least twice): equal once the dead-worker list, pids, ids,
+    ranks and other numbers are blanked."""
+    return len(causes) >= 2 and len({_VARYING.sub("#", _DEAD_LIST.sub("", cause)) for cause in causes}) == 1
 
 
 class RestartBudget:

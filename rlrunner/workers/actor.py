@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from rlrunner.algorithms.grpo import clipped_policy_loss, kl_penalty, masked_sum, token_entropy, token_log_probs
-from rlrunner.checkpoint.fsdp_dcp import load_fsdp_state, save_fsdp_state
+from rlrunner.checkpoint.fsdp_dcp import ShardSaver, fsdp_state, load_fsdp_state
 from rlrunner.cluster.worker import Worker
 from rlrunner.models.loading import build_model, build_tokenizer, torch_dtype
 from rlrunner.workers.optim import apply_schedule, build_optimizer
@@ -66,6 +66,11 @@ class ActorWorker(Worker):
         self.optimizer, self.scheduler = build_optimizer(
             self.model.parameters(), self.actor_cfg["optim"], self.total_optimizer_steps
         )
+        # Checkpoint collectives get a gloo group of their own: a save written in the background must never
+        # interleave its collectives with training's (and DCP's background path needs a CPU backend on GPU too).
+        import torch.distributed as dist
+
+        self.saver = ShardSaver(dist.new_group(backend="gloo", timeout=self.dist_timeout))
         self.ref_model = None
         if self.algorithm_cfg["use_kl_loss"]:
             ref = build_model(self.model_cfg, tokenizer, self.init_seed, dtype="float32").to(self.device)
@@ -171,9 +176,17 @@ class ActorWorker(Worker):
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def save_checkpoint(self, path: str) -> dict[str, dict[str, Any]]:
-        """Collective: write this rank's shards; returns the files it wrote with their sizes and checksums."""
-        return save_fsdp_state(path, self.model, self.optimizer, self.scheduler, self.rank)
+    def start_checkpoint(self, path: str, background: bool) -> None:
+        """Collective: save this rank's shards under `path`; with `background`, return once the state is copied."""
+        self.saver.start(path, fsdp_state(self.model, self.optimizer, self.scheduler, self.rank), background)
+
+    def checkpoint_written(self) -> bool:
+        """Whether the save in flight has finished writing (or failed); never waits."""
+        return self.saver.written
+
+    def finish_checkpoint(self) -> dict[str, Any]:
+        """Wait for the save in flight; the files this rank wrote: {"files": {name: {size, crc32}}, "write_s"}."""
+        return self.saver.finish()
 
     def load_checkpoint(self, path: str) -> bool:
         """Collective: load the shards (resharding if the world size changed); returns whether RNG was restored."""
