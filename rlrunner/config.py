@@ -54,7 +54,7 @@ class RunnerConfig:
     experiment_name: str = "grpo-arith"
     output_dir: str = "./logs"
     seed: int = 1
-    max_steps: int = 200
+    max_steps: int = 800
     max_epochs: int = 1000
     save_interval: int = 50
     resume_dir: Optional[str] = None
@@ -68,7 +68,7 @@ class RunnerConfig:
 
 @dataclass
 class AlgorithmConfig:
-    group_size: int = 8
+    group_size: int = 16
     norm_adv_by_std: bool = True
     clip_ratio: float = 0.2
     clip_ratio_high: Optional[float] = None  # null: same as clip_ratio (symmetric clipping)
@@ -80,7 +80,7 @@ class AlgorithmConfig:
 @dataclass
 class SyntheticDataConfig:
     num_problems: int = 4096
-    max_operand: int = 9
+    max_operand: int = 4
     operations: str = "+"  # any of + - *
 
 
@@ -106,7 +106,7 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
+    lr: float = 3e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
     weight_decay: float = 0.0
     warmup_steps: int = 0
@@ -131,7 +131,7 @@ class RolloutConfig:
     num_workers: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    max_new_tokens: int = 6
+    max_new_tokens: int = 4
     generation_batch_size: int = 8  # prompts generated together (padded); fixed chunks of the step's batch
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import warnings
@@ -12,10 +13,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from rlrunner.checkpoint.handler import root_cause
+from rlrunner.checkpoint.__main__ import main as checkpoint_cli
+from rlrunner.checkpoint.handler import COMPLETE, INCOMPLETE, root_cause, scan_checkpoints
 from rlrunner.checkpoint.manifest import ManifestError, build_manifest, file_record, read_manifest, verify_files, write_manifest
 from rlrunner.checkpoint.policy import fingerprint_differences, flatten, should_save, steps_to_delete
 from rlrunner.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeMetadataError, read_metadata
+from test_checkpoint_handler import make_handler, save_steps  # a real CheckpointHandler with a small file backend
 
 
 @pytest.mark.parametrize(
@@ -72,6 +75,69 @@ def test_bad_manifests(tmp_path, content, expected):
         (tmp_path / "manifest.json").write_text(content)
     with pytest.raises(ManifestError, match=expected):
         read_manifest(tmp_path)
+
+
+def _good_manifest() -> dict:
+    return build_manifest(4, 2, "fsdp2-dcp", {"k": 1}, {"actor/a.distcp": {"size": 3, "crc32": "0000abcd"}}, {})
+
+
+def _files(record) -> dict:
+    return {"actor/a.distcp": record}
+
+
+@pytest.mark.parametrize(
+    "field, value, expected",
+    [
+        ("step", "4", "manifest.json: 'step' must be an integer, got str"),
+        ("step", True, "manifest.json: 'step' must be an integer, got bool"),
+        ("step", 4.0, "manifest.json: 'step' must be an integer, got float"),
+        ("step", -1, "manifest.json: 'step' must be >= 0, got -1"),
+        ("world_size", None, "manifest.json: 'world_size' must be an integer, got null"),
+        ("world_size", -2, "manifest.json: 'world_size' must be >= 1, got -2"),
+        ("world_size", 0, "manifest.json: 'world_size' must be >= 1, got 0"),
+        ("backend", 7, "manifest.json: 'backend' must be a non-empty string, got int"),
+        ("backend", "", "manifest.json: 'backend' must be a non-empty string, got ''"),
+        ("fingerprint", ["k", 1], "manifest.json: 'fingerprint' must be an object, got list"),
+        ("files", ["actor/a.distcp"], "manifest.json: 'files' must be an object, got list"),
+        ("files", _files(3), "manifest.json: 'files' entry 'actor/a.distcp' must be an object, got int"),
+        ("files", _files({"crc32": "0000abcd"}), "'files' entry 'actor/a.distcp' must have a non-negative integer 'size', got null"),
+        ("files", _files({"size": "3", "crc32": "0000abcd"}), "must have a non-negative integer 'size', got str"),
+        ("files", _files({"size": False, "crc32": "0000abcd"}), "must have a non-negative integer 'size', got bool"),
+        ("files", _files({"size": -3, "crc32": "0000abcd"}), "must have a non-negative integer 'size', got -3"),
+        ("files", _files({"size": 3}), "'files' entry 'actor/a.distcp' must have a 'crc32' of 8 hex digits, got null"),
+        ("files", _files({"size": 3, "crc32": 43981}), "must have a 'crc32' of 8 hex digits, got int"),
+        ("files", _files({"size": 3, "crc32": "abc"}), "must have a 'crc32' of 8 hex digits, got 'abc'"),
+        ("files", {"../outside.bin": {"size": 3, "crc32": "0000abcd"}}, "not a relative path inside the checkpoint: '../outside.bin'"),
+        ("files", {"/etc/passwd": {"size": 3, "crc32": "0000abcd"}}, "not a relative path inside the checkpoint: '/etc/passwd'"),
+    ],
+)
+def test_manifests_with_wrong_types_are_refused_naming_the_field(tmp_path, field, value, expected):
+    manifest = {**_good_manifest(), field: value}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError) as error:
+        read_manifest(tmp_path)
+    assert expected in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_a_well_typed_manifest_is_still_read(tmp_path):
+    manifest = {**_good_manifest(), "step": 0, "world_size": 1, "fingerprint": {}, "files": {}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert read_manifest(tmp_path) == manifest
+
+
+def test_scan_list_and_auto_resume_report_a_tampered_manifest_instead_of_crashing(tmp_path, capsys):
+    handler = make_handler(tmp_path / "exp")
+    save_steps(handler, [2, 4])
+    manifest_path = handler.root / "global_step_4" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "step": "four"}))
+    statuses = scan_checkpoints(handler.root)
+    assert [(s.path.name, s.status, s.step) for s in statuses] == [("global_step_4", INCOMPLETE, 4), ("global_step_2", COMPLETE, 2)]
+    assert statuses[0].reasons == ["manifest.json: 'step' must be an integer, got str"]
+    assert handler.find_resume("auto").step == 2
+    assert checkpoint_cli(["list", str(tmp_path / "exp")]) == 0
+    assert "manifest.json: 'step' must be an integer, got str" in capsys.readouterr().out
 
 
 def _save_dcp(folder: Path, state: dict) -> None:

@@ -215,9 +215,70 @@ def test_prompt_dataset_none_fit(tokenizer) -> None:
         PromptDataset([{"prompt": "1+2=", "answer": "3"}], tokenizer, max_prompt_length=3, apply_chat_template=False)
 
 
-def test_prompt_dataset_chat_messages_need_a_template(tokenizer) -> None:
+def test_prompt_dataset_chat_messages_need_a_template() -> None:
+    templateless = build_char_tokenizer()
+    templateless.chat_template = None  # as a tokenizer of a base model without one
     with pytest.raises(ConfigError, match="chat template"):
-        PromptDataset([{"prompt": [{"role": "user", "content": "hi"}], "answer": "x"}], tokenizer, 100, True)
+        PromptDataset([{"prompt": [{"role": "user", "content": "hi"}], "answer": "x"}], templateless, 100, True)
+
+
+# --- the embedded tokenizer's chat template ----------------------------------------------------
+
+MULTI_TURN = [
+    {"role": "system", "content": "Answer with a number."},
+    {"role": "user", "content": "1+1="},
+    {"role": "assistant", "content": "2"},
+    {"role": "user", "content": "2+3="},
+]
+MULTI_TURN_TEXT = "Answer with a number.\n1+1=\n2<eos>\n2+3="
+
+
+def plain_ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_verl_chat_prompt_files_build_a_dataset_with_the_embedded_tokenizer(tmp_path: Path, tokenizer, suffix: str) -> None:
+    records = [
+        {"prompt": [{"role": "user", "content": f"{i}+1="}], "reward_model": {"ground_truth": str(i + 1), "style": "rule"}}
+        for i in range(4)
+    ]
+    write = write_jsonl if suffix == "jsonl" else write_parquet
+    path = write(tmp_path / f"train.{suffix}", records)
+    cfg = data_cfg(train_files=str(path), prompt_key="prompt", answer_key="reward_model.ground_truth")
+    dataset = build_dataset(cfg, tokenizer, seed=0)
+    assert [dataset[i]["prompt_ids"] for i in range(4)] == [plain_ids(tokenizer, f"{i}+1=") for i in range(4)]
+    assert [dataset[i]["answer"] for i in range(4)] == ["1", "2", "3", "4"]
+
+
+def test_the_template_leaves_synthetic_prompt_ids_unchanged(tokenizer) -> None:
+    templated = build_dataset(data_cfg(apply_chat_template=True, synthetic={"operations": "+-*"}), tokenizer, seed=3)
+    records = synthetic_arithmetic(10, 9, "+-*", seed=3)
+    assert tokenizer.chat_template is not None  # so the dataset above went through the template
+    assert [templated[i]["prompt_ids"] for i in range(10)] == [plain_ids(tokenizer, r["prompt"]) for r in records]
+    plain = PromptDataset(records, tokenizer, max_prompt_length=32, apply_chat_template=False)
+    assert [item["prompt_ids"] for item in templated.items] == [item["prompt_ids"] for item in plain.items]
+
+
+def test_a_multi_turn_prompt_renders_joined_by_newlines_with_eos_after_assistant_turns(tokenizer) -> None:
+    text = tokenizer.apply_chat_template(MULTI_TURN, tokenize=False, add_generation_prompt=True)
+    assert text == MULTI_TURN_TEXT
+    assert tokenizer.apply_chat_template(MULTI_TURN, tokenize=False, add_generation_prompt=False) == text
+    dataset = PromptDataset([{"prompt": MULTI_TURN, "answer": "5"}], tokenizer, max_prompt_length=64, apply_chat_template=True)
+    ids = dataset[0]["prompt_ids"]
+    assert ids.count(tokenizer.eos_token_id) == 1 and tokenizer.unk_token_id not in ids
+    assert ids == plain_ids(tokenizer, "Answer with a number.\n1+1=\n2") + [tokenizer.eos_token_id] + plain_ids(tokenizer, "\n2+3=")
+
+
+def test_the_chat_template_survives_save_and_load(tmp_path: Path, tokenizer) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    assert loaded.chat_template == tokenizer.chat_template
+    assert loaded.apply_chat_template(MULTI_TURN, tokenize=False, add_generation_prompt=True) == MULTI_TURN_TEXT
+    dataset = PromptDataset([{"prompt": MULTI_TURN, "answer": "5"}], loaded, max_prompt_length=64, apply_chat_template=True)
+    assert dataset[0]["prompt_ids"] == plain_ids(tokenizer, "Answer with a number.\n1+1=\n2") + [1] + plain_ids(tokenizer, "\n2+3=")
 
 
 def data_cfg(**changes):

@@ -1,0 +1,119 @@
+"""One source of truth for config defaults: the schema (rlrunner/config.py).
+
+configs/grpo.yaml only selects the schema, and the README's configuration table must show the
+schema's values.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+
+from rlrunner.checkpoint.policy import flatten
+from rlrunner.config import GRPOConfig, load_config
+
+_MISSING = "<absent>"
+# A default cell part that is one plain literal: null, true, 16, 3e-4, {}, grpo-arith, ${a.b}/${c}.
+_LITERAL = re.compile(r"^(\{\}|\[\]|[A-Za-z0-9_.+\-/${}]+)$")
+
+
+def schema_tree(resolve: bool) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(GRPOConfig), resolve=resolve)
+
+
+def lookup(tree: dict[str, Any], key: str) -> Any:
+    """tree["a"]["b"] for "a.b" (an empty dict is a value too, unlike in `flatten`), or _MISSING."""
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def test_the_default_yaml_composes_to_exactly_the_schema_defaults():
+    composed = flatten("", OmegaConf.to_container(load_config(), resolve=True))
+    schema = flatten("", schema_tree(resolve=True))
+    differences = sorted(k for k in set(schema) | set(composed) if schema.get(k, _MISSING) != composed.get(k, _MISSING))
+    assert differences == [], [(k, schema.get(k, _MISSING), composed.get(k, _MISSING)) for k in differences]
+    # The default job as it has always run (tests/test_cli.py relies on group size 16, micro batch 32).
+    assert (schema["runner.max_steps"], schema["algorithm.group_size"], schema["actor.micro_batch_size"]) == (800, 16, 32)
+    assert (schema["actor.optim.lr"], schema["rollout.max_new_tokens"], schema["data.synthetic.max_operand"]) == (3e-4, 4, 4)
+
+
+def test_the_default_yaml_repeats_no_values(repo_root: Path):
+    content = yaml.safe_load((repo_root / "configs" / "grpo.yaml").read_text())
+    assert content == {"defaults": ["grpo_schema", "_self_"]}
+
+
+def _table_rows(readme: str) -> list[tuple[str, str]]:
+    """(key cell, default cell) of every row of the table under '## Configuration'."""
+    section = readme.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) >= 3:
+            rows.append((cells[0], cells[1]))
+    return rows
+
+
+def _keys(cell: str) -> list[str]:
+    """Full keys of a key cell: `.max_restarts` and `clip_ratio_high` are siblings of the key before them."""
+    keys: list[str] = []
+    for name in re.findall(r"`([^`]+)`", cell):
+        if "." in name.lstrip(".") and not name.startswith("."):
+            keys.append(name)
+        else:
+            keys.append(keys[-1].rsplit(".", 1)[0] + "." + name.lstrip("."))
+    return keys
+
+
+def _literals(cell: str) -> list[Any] | None:
+    """The comma-separated defaults of a cell as values, or None when a part is not a plain literal."""
+    parts = [part.strip().strip("`") for part in cell.split(",")]
+    if not all(_LITERAL.match(part) for part in parts):
+        return None
+    return [_literal(part) for part in parts]
+
+
+def _literal(text: str) -> Any:
+    # Not yaml.safe_load: YAML 1.1 reads 3e-4 as a string.
+    words = {"null": None, "true": True, "false": False, "{}": {}, "[]": []}
+    if text in words:
+        return words[text]
+    for number in (int, float):
+        try:
+            return number(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _same(documented: Any, actual: Any) -> bool:
+    if isinstance(documented, bool) or isinstance(actual, bool):  # true must not pass for 1
+        return documented is actual
+    if isinstance(documented, (int, float)) and isinstance(actual, (int, float)):
+        return float(documented) == float(actual)
+    return documented == actual
+
+
+def test_the_readme_configuration_table_shows_the_schema_defaults(repo_root: Path):
+    schema = schema_tree(resolve=False)  # log_path is documented as its interpolation
+    checked, wrong = [], []
+    for key_cell, default_cell in _table_rows((repo_root / "README.md").read_text()):
+        keys = _keys(key_cell)
+        assert all(lookup(schema, key) is not _MISSING for key in keys), f"README names a key the schema lacks: {key_cell}"
+        values = _literals(default_cell)
+        if values is None:
+            continue  # e.g. "0.2 (null = same)": prose, not a literal
+        assert len(values) in (1, len(keys)), f"README row has {len(keys)} keys and {len(values)} defaults: {key_cell}"
+        for key, value in zip(keys, values * len(keys) if len(values) == 1 else values):
+            checked.append(key)
+            if not _same(value, lookup(schema, key)):
+                wrong.append(f"{key}: README {value!r}, schema {lookup(schema, key)!r}")
+    assert wrong == []
+    assert len(set(checked)) >= 20, sorted(checked)
