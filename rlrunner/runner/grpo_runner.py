@@ -26,12 +26,12 @@ from rlrunner.checkpoint.handler import Checkpoint, CheckpointHandler, PendingSa
 from rlrunner.checkpoint.lock import ExperimentLock
 from rlrunner.checkpoint.manager import FSDPCheckpointManager
 from rlrunner.checkpoint.policy import flatten
+from rlrunner.cluster.ray_setup import cluster_lost, is_embedded, restart_embedded
 from rlrunner.cluster.shared_storage import check_shared_folder
 from rlrunner.cluster.worker_group import CallAbandoned, WorkerGroup, WorkerRaised
 from rlrunner.config import mini_batch_prompts
 from rlrunner.data.datasets import build_dataset
 from rlrunner.data.loader import PromptLoader
-from rlrunner.cluster.ray_setup import cluster_lost, is_embedded, restart_embedded
 from rlrunner.errors import (
     CheckpointError,
     ClusterLostError,
