@@ -46,6 +46,8 @@ from rlrunner.runner.batching import build_actor_batch, chunk, shard_actor_batch
 from rlrunner.runner.metrics_logger import MetricsLogger, Progress
 from rlrunner.runner.recovery import RecoveryLog, RestartBudget, describe, failure_cause, same_failure
 from rlrunner.runner.stopping import StopRequest
+from rlrunner.runner.weight_sync import DEFAULT_BUCKET_BYTES, connect_weight_sync
+from rlrunner.runner.weight_sync import sync_weights as push_weights
 from rlrunner.utils.seeding import derive_seed
 from rlrunner.workers.actor import ActorWorker
 from rlrunner.workers.rollout import RolloutWorker
@@ -160,6 +162,8 @@ class GRPORunner:
         setup = self.actor_group.call_all_async("setup")
         self.rollout_group.wait_ready(self._stop_requested)
         self.actor_group.get(setup, max(recovery.step_timeout_s, START_TIMEOUT_S), self._stop_requested)
+        # The direct channels from the actor ranks to every rollout worker (rebuilt with the groups on every restart).
+        connect_weight_sync(self.actor_group, self.rollout_group, timeout_s=recovery.step_timeout_s)
 
     def _stop_requested(self) -> bool:
         return self.stop.requested
@@ -176,15 +180,12 @@ class GRPORunner:
     # -- one step ------------------------------------------------------------------------------
 
     def sync_weights(self) -> None:
-        """Every actor rank joins the gather; rank 0's full state dict goes to every rollout worker.
+        """Every actor rank broadcasts its own shards, in the rollout's dtype, to every rollout worker.
 
-        The driver passes rank 0's result on by reference and never fetches the weights itself. (Publishing
-        them with ray.put inside the actor instead coincided with rare native crashes of actor workers.)
+        Straight from worker to worker over collective channels (gloo on CPU, NCCL on GPU): nothing passes
+        through the driver or the object store.
         """
-        refs = self.actor_group.call_all_async("full_state_dict")
-        loads = self.rollout_group.call_all_async("load_weights", refs[0])
-        self.actor_group.get(refs[1:])
-        self.rollout_group.get(loads)
+        push_weights(self.actor_group, self.rollout_group, DEFAULT_BUCKET_BYTES)
 
     def generate(self, step: int, prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Samples in prompt order; chunks of prompts are fixed here, so the result is the same for any worker count.

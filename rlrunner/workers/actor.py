@@ -202,3 +202,45 @@ class ActorWorker(Worker):
 
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state if self.rank == 0 else None
+
+    # -- weight sync (see rlrunner.workers.weight_sync) ----------------------------------------
+
+    def weight_sync_address(self) -> tuple[str, int]:
+        """Rank 0: start a new rendezvous store for the weight-sync channels on a free port; its (host, port)."""
+        from rlrunner.cluster.worker import node_ip
+        from rlrunner.workers.weight_sync import serve_store
+
+        self.close_weight_sync()
+        host = node_ip()
+        self._weight_sync_store = serve_store(host)  # kept alive as long as this rank's channel
+        return host, self._weight_sync_store.port
+
+    def join_weight_sync(self, host: str, port: int, num_actor_ranks: int, num_rollout_workers: int, timeout_s: float) -> str:
+        """Collective with every actor rank and rollout worker: build this rank's channel; returns its backend."""
+        from rlrunner.cluster.worker import node_ip
+        from rlrunner.workers.weight_sync import ActorSync, connect_store
+
+        if num_actor_ranks != self.world_size:
+            raise ValueError(f"join_weight_sync: {num_actor_ranks} actor ranks given, the actor group has {self.world_size}")
+        self._drop_weight_sync_channels()
+        store = connect_store(host, port, timeout_s)
+        self.weight_sync = ActorSync(
+            store, self.rank, num_actor_ranks, num_rollout_workers, self.model.state_dict(), self.device, timeout_s, node_ip()
+        )
+        return self.weight_sync.backend
+
+    def send_weights(self, bucket_bytes: int) -> dict[str, float]:
+        """Collective with every rollout worker's `receive_weights`: broadcast this rank's shards in the rollout dtype."""
+        if getattr(self, "weight_sync", None) is None:
+            raise RuntimeError("send_weights before join_weight_sync")
+        return self.weight_sync.send(self.model.state_dict(), bucket_bytes)
+
+    def _drop_weight_sync_channels(self) -> None:
+        sync, self.weight_sync = getattr(self, "weight_sync", None), None
+        if sync is not None:
+            sync.close()
+
+    def close_weight_sync(self) -> None:
+        """Drop the channel and (rank 0) the store; a later sync needs a new address and join."""
+        self._drop_weight_sync_channels()
+        self._weight_sync_store = None

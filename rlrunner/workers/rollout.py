@@ -39,6 +39,37 @@ class RolloutWorker(Worker):
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state_dict, strict=True)
 
+    # -- weight sync (see rlrunner.workers.weight_sync) ----------------------------------------
+
+    def join_weight_sync(self, host: str, port: int, num_actor_ranks: int, num_rollout_workers: int, timeout_s: float) -> list[str]:
+        """Collective with every actor rank and rollout worker: join all actor ranks' channels; returns their backends."""
+        from rlrunner.cluster.worker import node_ip
+        from rlrunner.workers.weight_sync import RolloutSync, connect_store
+
+        if num_rollout_workers != self.world_size:
+            raise ValueError(f"join_weight_sync: {num_rollout_workers} rollout workers given, the group has {self.world_size}")
+        self.close_weight_sync()
+        store = connect_store(host, port, timeout_s)
+        self.weight_sync = RolloutSync(
+            store, self.rank, num_actor_ranks, num_rollout_workers, self._weight_sync_state(), self.device, timeout_s, node_ip()
+        )
+        return self.weight_sync.backends
+
+    def receive_weights(self, bucket_bytes: int) -> dict[str, float]:
+        """Collective with every actor rank's `send_weights`: receive the weights into this worker's model."""
+        if getattr(self, "weight_sync", None) is None:
+            raise RuntimeError("receive_weights before join_weight_sync")
+        return self.weight_sync.receive(self._weight_sync_state(), bucket_bytes)
+
+    def close_weight_sync(self) -> None:
+        sync, self.weight_sync = getattr(self, "weight_sync", None), None
+        if sync is not None:
+            sync.close()
+
+    def _weight_sync_state(self) -> dict[str, torch.Tensor]:
+        """The model's own tensors by state-dict name (what `load_weights` fills), written in place by the sync."""
+        return self.model.state_dict(keep_vars=True)
+
     def generate(self, step: int, chunks: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         """`group_size` scored samples per prompt, in prompt order, for each chunk of prompts.
 
