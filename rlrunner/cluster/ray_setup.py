@@ -65,7 +65,9 @@ def init_ray(ray_address: str | None, num_cpus: int | None) -> str:
 
 
 def start_embedded(num_cpus: int | None) -> str:
-    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+    # address="local": a new instance even while another one's GCS still runs here (a killed driver's
+    # embedded Ray takes seconds to exit, and `ray.init()` with no address would join it).
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
     logger.info("started an embedded local Ray (%s CPUs)", ray.cluster_resources().get("CPU", 0))
     return _remember(EMBEDDED, num_cpus)
 
