@@ -6,10 +6,18 @@ AdamW optimizer + LR scheduler + per-rank RNG) of a Qwen2-architecture model of 
 million parameters, sharded over `--workers` FSDP2 actor ranks on a local Ray:
 
   save  rlrunner CheckpointHandler.save      the real commit path: staging folder, per-rank DCP shards
-                                             (fsync'd, CRC-32 re-read), data.pt, manifest, atomic rename
-        rlrunner FSDPCheckpointManager.save  the shard write alone (no data.pt/manifest/rename)
+                                             (fsync'd, CRC-32 computed as written), data.pt, manifest, rename
+          of which FSDPCheckpointManager     its start_save + finish_save (background=False): the sync save
         torch.save + fsync                   the full (unsharded) state gathered into the driver, one file
         raw write + fsync                    os.write of as many bytes as the rlrunner checkpoint (disk ceiling)
+  async FSDPCheckpointManager(background=True), i.e. runner.async_save=true:
+        blocked                              start_save: what the training loop waits for (state copied off)
+        background write                     the finish_save that follows at once (every rank's write done)
+        copy floor                           each rank copies the tensors of the same fsdp_state into fresh
+                                             host tensors (pinned on GPU); the slowest rank's time
+        and what the blocked time is made of: the ranks' own part of start_save (a second async save, timed
+        on the ranks), within it building fsdp_state and DCP's DefaultStager.stage of it; the same copy
+        into host tensors that already exist; a Ray round trip (ping)
   load  rlrunner checksum verification       inspect_checkpoint(path, checksums=True) (CRC-32 of every file)
         rlrunner FSDPCheckpointManager.load  DCP load into the live actor group
         torch.load(weights_only=True)        the torch.save file
@@ -24,6 +32,7 @@ otherwise loads read from the page cache (the output says which).
 Run from the repository root:
 
     .venv/bin/python benchmarks/bench_checkpoint.py                       # ~100M params, 2 ranks, 3 repeats
+    .venv/bin/python benchmarks/bench_checkpoint.py --params 5 --repeat 5  # small model: fixed costs dominate
     .venv/bin/python benchmarks/bench_checkpoint.py --params 20 --repeat 1 --dir /mnt/fast
 """
 
@@ -291,7 +300,7 @@ def raw_read(path: Path, block: memoryview) -> int:
 
 
 class TimedManager:
-    """The FSDPCheckpointManager, passed to CheckpointHandler.save, recording how long its save took."""
+    """The FSDPCheckpointManager, passed to CheckpointHandler.save, recording how long its two halves took."""
 
     def __init__(self, manager):
         self.manager = manager
@@ -302,13 +311,21 @@ class TimedManager:
     def world_size(self) -> int:
         return self.manager.world_size
 
-    def save(self, path: Path, step: int) -> dict[str, dict[str, Any]]:
-        seconds, files = timed(lambda: self.manager.save(path, step))
+    @property
+    def write_s(self) -> float | None:
+        return self.manager.write_s
+
+    def start_save(self, url: str, step: int) -> None:
+        seconds, _ = timed(lambda: self.manager.start_save(url, step))
         self.save_seconds = seconds
+
+    def finish_save(self, wait: bool) -> dict[str, dict[str, Any]] | None:
+        seconds, files = timed(lambda: self.manager.finish_save(wait))
+        self.save_seconds += seconds
         return files
 
-    def load(self, path: Path) -> None:
-        self.manager.load(path)
+    def load(self, url: str) -> None:
+        self.manager.load(url)
 
 
 @dataclass
@@ -332,15 +349,11 @@ def measure_saves(group, handler, work: Path, full_state: dict[str, Any], sample
 
     manager = TimedManager(FSDPCheckpointManager(group))
     data_state = {"dataloader": {"epoch": 0, "position": 0}, "runner": {"global_step": 1, "epoch": 0, "total_steps": 1}}
-    seconds, checkpoint = timed(lambda: handler.save(1, manager, data_state))
+    seconds, url = timed(lambda: handler.save(1, manager, data_state))
+    checkpoint = Path(url)
     checkpoint_bytes = folder_bytes(checkpoint)
     samples.add("rlrunner CheckpointHandler.save", seconds, checkpoint_bytes)
-    samples.add("  of which FSDPCheckpointManager.save", manager.save_seconds, folder_bytes(checkpoint / "actor"))
-
-    shards_only = work / "shards_only"
-    seconds, _ = timed(lambda: FSDPCheckpointManager(group).save(shards_only, 1))
-    samples.add("rlrunner FSDPCheckpointManager.save (alone)", seconds, folder_bytes(shards_only))
-    shutil.rmtree(shards_only)
+    samples.add(SYNC_ROW, manager.save_seconds, folder_bytes(checkpoint / "actor"))
 
     torch_file = work / "full_state.pt"
     seconds, _ = timed(lambda: torch_save_durably(full_state, torch_file))
@@ -352,20 +365,20 @@ def measure_saves(group, handler, work: Path, full_state: dict[str, Any], sample
     return checkpoint
 
 
-def measure_loads(group, checkpoint: Path, work: Path, samples: Samples, block: memoryview, drop: bool) -> None:
+def measure_loads(group, storage, checkpoint: Path, work: Path, samples: Samples, block: memoryview, drop: bool) -> None:
     """One repeat of every load-side measurement, each from a cold page cache when `drop`."""
     from rlrunner.checkpoint.handler import COMPLETE, inspect_checkpoint
     from rlrunner.checkpoint.manager import FSDPCheckpointManager
 
     checkpoint_bytes = folder_bytes(checkpoint)
     drop_page_cache(drop)
-    seconds, status = timed(lambda: inspect_checkpoint(checkpoint, checksums=True))
+    seconds, status = timed(lambda: inspect_checkpoint(storage, str(checkpoint), checksums=True))
     if status.status != COMPLETE:
         raise RuntimeError(f"{checkpoint} does not verify: {status.reasons}")
     samples.add("rlrunner inspect_checkpoint(checksums=True)", seconds, checkpoint_bytes)
 
     drop_page_cache(drop)
-    seconds, _ = timed(lambda: FSDPCheckpointManager(group).load(checkpoint / "actor"))
+    seconds, _ = timed(lambda: FSDPCheckpointManager(group).load(str(checkpoint / "actor")))
     samples.add("rlrunner FSDPCheckpointManager.load", seconds, folder_bytes(checkpoint / "actor"))
 
     torch_file = work / "full_state.pt"
@@ -380,12 +393,118 @@ def measure_loads(group, checkpoint: Path, work: Path, samples: Samples, block: 
     samples.add("raw read", seconds, nbytes)
 
 
+# -- the async save and its floor ------------------------------------------------------------------
+
+
+def _local_tensors(state: Any) -> list[torch.Tensor]:
+    """Every tensor of a (nested) state dict, DTensors as this rank's local shard: what DCP stages and writes."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        return [state.to_local()]
+    if torch.is_tensor(state):
+        return [state]
+    if isinstance(state, dict):
+        state = list(state.values())
+    if isinstance(state, (list, tuple)):
+        return [tensor for item in state for tensor in _local_tensors(item)]
+    return []
+
+
+def _copy_floor(worker) -> dict[str, float]:
+    """Runs in every actor: the pieces of an async save's blocked time on this rank, next to a plain copy.
+
+    Each piece starts from the same `fsdp_state` the save builds; the copies are dropped before the next
+    piece so that every one of them allocates fresh host memory, as a save does.
+    """
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from rlrunner.checkpoint.fsdp_dcp import fsdp_state
+
+    pinned = torch.cuda.is_available()  # what ShardSaver's stager uses
+    state_s, state = timed(lambda: fsdp_state(worker.model, worker.optimizer, worker.scheduler, worker.rank))
+    tensors = _local_tensors(state)
+
+    def fresh_copy() -> list[torch.Tensor]:
+        return [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned).copy_(t) for t in tensors]
+
+    copy_s, copies = timed(fresh_copy)
+    recopy_s, _ = timed(lambda: [c.copy_(t) for c, t in zip(copies, tensors)])  # into memory already touched
+    del copies
+    stager = DefaultStager(StagingOptions(pinned, False, False, False))  # as ShardSaver.start builds it
+    stage_s, staged = timed(lambda: stager.stage(state))
+    del staged
+    stager.close()
+    return {
+        "state_s": state_s,
+        "copy_s": copy_s,
+        "recopy_s": recopy_s,
+        "stage_s": stage_s,
+        "bytes": float(sum(t.numel() * t.element_size() for t in tensors)),
+    }
+
+
+def _timed_start_checkpoint(worker, url: str) -> float:
+    """Runs in every actor: seconds of the rank's own part of start_save (fsdp_state + ShardSaver.start)."""
+    seconds, _ = timed(lambda: worker.start_checkpoint(url, True))
+    return seconds
+
+
+def measure_async(group, work: Path, samples: Samples) -> None:
+    """One repeat of the async save (blocked and background parts), its floor and the blocked time's pieces."""
+    from rlrunner.checkpoint.manager import FSDPCheckpointManager
+
+    folder = work / "async_shards"
+    folder.mkdir()  # the handler makes it before start_save in a run
+    manager = FSDPCheckpointManager(group, background=True)
+    blocked, _ = timed(lambda: manager.start_save(str(folder), 1))
+    waited, _ = timed(lambda: manager.finish_save(wait=True))
+    written = folder_bytes(folder)
+    shutil.rmtree(folder)
+    samples.add(BLOCKED_ROW, blocked, written)
+    samples.add(WAIT_ROW, waited, written)
+    samples.add(WRITE_S_ROW, manager.write_s, written)
+
+    ranks = group.get([w.__ray_call__.remote(_copy_floor) for w in group.workers])
+    nbytes = int(sum(rank["bytes"] for rank in ranks))
+    slowest = lambda key: max(rank[key] for rank in ranks)  # noqa: E731  the group waits for its slowest rank
+    samples.add(COPY_FLOOR, slowest("copy_s"), nbytes)
+    samples.add(STATE_ROW, slowest("state_s"), nbytes)
+    samples.add(STAGE_ROW, slowest("stage_s"), nbytes)
+    samples.add(RECOPY_ROW, slowest("recopy_s"), nbytes)
+    seconds, _ = timed(lambda: group.call_all("ping"))
+    samples.add(PING_ROW, seconds, 0)
+
+    # The same async save again, its start timed on the ranks: the rest of the blocked time is the call's way
+    # there and back (Ray, and the GIL the reply shares with the writer thread that has just started).
+    folder.mkdir()
+    driver_s, ranks_s = timed(
+        lambda: group.get([w.__ray_call__.remote(_timed_start_checkpoint, str(folder)) for w in group.workers])
+    )
+    FSDPCheckpointManager(group, background=True).finish_save(wait=True)
+    shutil.rmtree(folder)
+    samples.add(RANK_START_ROW, max(ranks_s), written)
+    samples.add(RANK_START_DRIVER_ROW, driver_s, written)
+
+
 # -- report ----------------------------------------------------------------------------------------
 
+SYNC_ROW = "  of which FSDPCheckpointManager.save"  # start_save + finish_save, background=False
+COPY_FLOOR = "copy floor: fsdp_state tensors -> fresh host tensors (slowest rank)"
+BLOCKED_ROW = "async save: blocked in start_save (background=True)"
+WAIT_ROW = "async save: background write, finish_save(wait=True) right after"
+WRITE_S_ROW = "async save: manager.write_s (slowest rank, start to written)"
+STATE_ROW = "rank: fsdp_state() (state dict of views, no copy)"
+STAGE_ROW = "rank: DefaultStager.stage(fsdp_state) (the async save's copy)"
+RECOPY_ROW = "rank: copy into host tensors already allocated (memcpy alone)"
+PING_ROW = "driver: Ray round trip, call_all('ping')"
+RANK_START_ROW = "rank: its part of start_save (fsdp_state + ShardSaver.start), timed on the rank"
+RANK_START_DRIVER_ROW = "driver: the same call (same save), timed on the driver"
+ASYNC_ROWS = [COPY_FLOOR, BLOCKED_ROW, WAIT_ROW, WRITE_S_ROW]
+PIECE_ROWS = [RANK_START_ROW, RANK_START_DRIVER_ROW, STATE_ROW, STAGE_ROW, RECOPY_ROW, PING_ROW]
 SAVE_ROWS = [
     "rlrunner CheckpointHandler.save",
-    "  of which FSDPCheckpointManager.save",
-    "rlrunner FSDPCheckpointManager.save (alone)",
+    SYNC_ROW,
     "torch.save + fsync (one file)",
     "raw write + fsync",
 ]
@@ -409,11 +528,30 @@ def markdown_table(samples: Samples) -> str:
     return "\n".join(lines)
 
 
+def async_table(samples: Samples) -> str:
+    """The async save next to its floor (a plain copy of the same state) and the synchronous save."""
+    floor = samples.median(COPY_FLOOR)
+    lines = ["| async save (runner.async_save=true) | bytes | seconds | x copy floor |", "|---|---:|---:|---:|"]
+    labels = {name: name for name in ASYNC_ROWS + PIECE_ROWS}
+    labels[SYNC_ROW] = "sync save: FSDPCheckpointManager start_save + finish_save (background=False)"
+    for name in ASYNC_ROWS + [SYNC_ROW] + PIECE_ROWS:
+        seconds = samples.median(name)
+        nbytes = f"{samples.nbytes[name]:,}" if samples.nbytes[name] else ""
+        lines.append(f"| {labels[name]} | {nbytes} | {seconds:.4f} | {seconds / floor:.2f} |")
+    blocked, sync = samples.median(BLOCKED_ROW), samples.median(SYNC_ROW)
+    verdict = "met" if blocked <= 1.5 * floor else "NOT met"
+    lines += [
+        "",
+        f"blocked / copy floor = {blocked / floor:.2f}x (goal <= 1.5x: {verdict}); "
+        f"sync save / blocked = {sync / blocked:.1f}x",
+    ]
+    return "\n".join(lines)
+
+
 def per_repeat_seconds(samples: Samples) -> str:
     """Every repeat's seconds, in order, so a slow first repeat (cold allocations) stays visible."""
-    return "\n".join(
-        f"  {name.strip()}: " + ", ".join(f"{s:.3f}" for s in samples.seconds[name]) for name in SAVE_ROWS + LOAD_ROWS
-    )
+    names = SAVE_ROWS + LOAD_ROWS + ASYNC_ROWS + PIECE_ROWS
+    return "\n".join(f"  {name.strip()}: " + ", ".join(f"{s:.4f}" for s in samples.seconds[name]) for name in names)
 
 
 def filesystem_of(path: Path) -> str:
@@ -453,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from rlrunner.checkpoint.handler import CheckpointHandler
+    from rlrunner.storage import open_storage
 
     parent = args.dir or Path(tempfile.gettempdir())
     parent.mkdir(parents=True, exist_ok=True)
@@ -474,14 +613,17 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         full_state = gather_full_state(group)
+        storage = open_storage(str(work))
         handler = CheckpointHandler(
-            work / "experiment", save_interval=1, max_keep=None, fingerprint={"benchmark": "bench_checkpoint", "params": params}
+            storage, str(work / "experiment"), save_interval=1, max_keep=None,
+            fingerprint={"benchmark": "bench_checkpoint", "params": params},
         )
         block = memoryview(bytearray(os.urandom(1 << 20)) * (RAW_CHUNK_BYTES >> 20))
         samples = Samples({}, {})
         for repeat in range(args.repeat):
             checkpoint = measure_saves(group, handler, work, full_state, samples, block)
-            measure_loads(group, checkpoint, work, samples, block, drop)
+            measure_loads(group, storage, checkpoint, work, samples, block, drop)
+            measure_async(group, work, samples)
             shutil.rmtree(checkpoint)
             print(f"repeat {repeat + 1}/{args.repeat} done ({time.perf_counter() - started:.0f}s elapsed)", flush=True)
         del full_state
@@ -489,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print()
         print(markdown_table(samples))
+        print()
+        print(async_table(samples))
         print()
         print(
             f"Medians of {args.repeat} repeats. 'torch.save + fsync' includes the fsync; its state is gathered unsharded into "

@@ -77,6 +77,7 @@ def write_checkpoint(params_millions: float, workers: int, cpus_per_worker: floa
 
     from rlrunner.checkpoint.handler import CheckpointHandler
     from rlrunner.checkpoint.manager import FSDPCheckpointManager
+    from rlrunner.storage import open_storage
 
     shape = shared.choose_shape(params_millions * 1e6, shared.tokenizer_vocab_size())
     cfg = shared.build_config(shape, workers, cpus_per_worker, work)
@@ -86,11 +87,12 @@ def write_checkpoint(params_millions: float, workers: int, cpus_per_worker: floa
     try:
         group = shared.build_actor_group(cfg)
         shared.create_optimizer_state(group, cfg)
+        storage = open_storage(str(work / "experiment"))
         handler = CheckpointHandler(
-            work / "experiment", save_interval=1, max_keep=None, fingerprint={"benchmark": "bench_convert_memory", "params": params}
+            storage, storage.url, save_interval=1, max_keep=None, fingerprint={"benchmark": "bench_convert_memory", "params": params}
         )
         data_state = {"runner": {"global_step": 1, "epoch": 0, "total_steps": 1}}
-        checkpoint = handler.save(1, FSDPCheckpointManager(group), data_state)
+        checkpoint = Path(handler.save(1, FSDPCheckpointManager(group), data_state))
         group.shutdown()
     finally:
         ray.shutdown()

@@ -52,7 +52,9 @@ class RecoveryConfig:
 @dataclass
 class RunnerConfig:
     experiment_name: str = "grpo-arith"
-    output_dir: str = "./logs"
+    output_dir: str = "./logs"  # a local path or a fsspec URL (s3://bucket/runs, gs://..., hdfs://..., file://...)
+    storage_options: dict[str, Any] = field(default_factory=dict)  # passed to the fsspec filesystem of a URL
+    local_cache_dir: str = "~/.cache/rlrunner"  # where logs of a remote experiment are written before upload
     seed: int = 1
     max_steps: int = 800
     max_epochs: int = 1000

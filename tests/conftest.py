@@ -8,6 +8,15 @@ from pathlib import Path
 
 import pytest
 
+def _local_storage():
+    from rlrunner.storage import open_storage
+
+    return open_storage("/")
+
+
+# Any local path or file:// URL is a URL on this one LocalStorage (tests that look at local checkpoints use it).
+LOCAL = _local_storage()
+
 # `model.*` settings of a one-layer model for tests that build models directly (no config loading).
 TINY_MODEL_CFG = {
     "path": None,

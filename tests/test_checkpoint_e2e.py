@@ -22,7 +22,7 @@ import pytest
 import ray
 import torch
 
-from conftest import TINY_MODEL, read_metrics, run_config, without_time
+from conftest import LOCAL, TINY_MODEL, read_metrics, run_config, without_time
 from rlrunner.checkpoint import layout
 from rlrunner.checkpoint.convert import load_model_weights
 from rlrunner.checkpoint.handler import COMPLETE, scan_checkpoints
@@ -30,6 +30,7 @@ from rlrunner.checkpoint.manifest import read_manifest
 from rlrunner.errors import CheckpointError, CheckpointSaveError
 from rlrunner.main_grpo import main
 from rlrunner.runner.grpo_runner import GRPORunner
+from rlrunner.storage import basename
 
 RUN = ["data.synthetic.num_problems=26", "runner.max_steps=8", "runner.save_interval=3", "rollout.max_new_tokens=2"]
 
@@ -76,12 +77,12 @@ def test_saves_at_the_interval_and_the_last_step_in_the_layout(reference):
         path = reference.checkpoint(step)
         actor = sorted(p.name for p in (path / "actor").iterdir())
         assert actor == [".metadata", "__0_0.distcp", "__1_0.distcp", "huggingface"]
-        manifest = read_manifest(path)
+        manifest = read_manifest(LOCAL, str(path))
         assert manifest["step"] == step and manifest["world_size"] == 2 and manifest["backend"] == "fsdp2-dcp"
         assert {"actor/.metadata", "actor/__0_0.distcp", "actor/__1_0.distcp", "data/data.pt"} <= set(manifest["files"])
         data = torch.load(path / "data" / "data.pt", weights_only=True)
         assert data["runner"]["global_step"] == step and data["runner"]["epoch"] == epoch
-    assert [s.status for s in scan_checkpoints(root, checksums=True)] == [COMPLETE] * 3
+    assert [s.status for s in scan_checkpoints(LOCAL, str(root), checksums=True)] == [COMPLETE] * 3
     # the time saves block the loop is logged on the steps that save, and on the steps that commit a background save
     blocked = {r["step"]: r["time/save_s"] for r in reference.metrics if "time/save_s" in r}
     assert {3, 6, 8} <= set(blocked) and all(step in (3, 6, 8) or step > 3 for step in blocked)
@@ -278,7 +279,7 @@ def test_a_save_killed_halfway_is_skipped_by_auto(ray_session, tmp_path, subproc
     killed_step = int(staged.name.split("global_step_")[1].split("-")[0])
     assert staged.exists() and not (staged / "manifest.json").exists()
     assert not (root / f"global_step_{killed_step}").exists()
-    complete = [s.step for s in scan_checkpoints(root) if s.status == COMPLETE]
+    complete = [s.step for s in scan_checkpoints(LOCAL, str(root)) if s.status == COMPLETE]
     assert complete == list(range(killed_step - 1, 0, -1))
 
     with caplog.at_level(logging.INFO, logger="rlrunner.checkpoint.handler"):
@@ -289,7 +290,7 @@ def test_a_save_killed_halfway_is_skipped_by_auto(ray_session, tmp_path, subproc
         assert f"global_step_{killed_step - 1} (step {killed_step - 1}), the newest complete checkpoint" in caplog.text
     records = read_metrics(tmp_path / "test" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 9))
-    assert [s.step for s in scan_checkpoints(root) if s.status == COMPLETE] == list(range(8, 0, -1))
+    assert [s.step for s in scan_checkpoints(LOCAL, str(root)) if s.status == COMPLETE] == list(range(8, 0, -1))
     assert not any(p.name.startswith(layout.STAGING_PREFIX) for p in root.iterdir())
 
 
@@ -301,9 +302,9 @@ def test_rolling_back_starts_a_branch_that_retention_and_auto_keep(reference, tm
     experiment, _ = resume_run(tmp_path, root / "global_step_3", "runner.max_ckpt_to_keep=1")
     [abandoned] = list((root / layout.ABANDONED_DIR).iterdir())
     assert sorted(p.name for p in abandoned.iterdir()) == ["global_step_6", "global_step_8"]
-    assert sorted(p.name for p in layout.step_dirs(root)) == ["global_step_8"]  # the new branch's, kept by retention
-    new_created = read_manifest(root / "global_step_8")["created_unix"]
-    assert new_created > read_manifest(abandoned / "global_step_8")["created_unix"]
+    assert sorted(basename(u) for u in layout.step_dirs(LOCAL, str(root))) == ["global_step_8"]  # the new branch's, kept by retention
+    new_created = read_manifest(LOCAL, str(root / "global_step_8"))["created_unix"]
+    assert new_created > read_manifest(LOCAL, str(abandoned / "global_step_8"))["created_unix"]
     # the same config and seed: the new branch is the same run, bit for bit, and metrics have each step once
     final = load_model_weights(root / "global_step_8")
     assert all(torch.equal(final[k], reference.weights[k]) for k in final)
@@ -311,7 +312,7 @@ def test_rolling_back_starts_a_branch_that_retention_and_auto_keep(reference, tm
     assert [r["step"] for r in records] == list(range(1, 9))
     # a later `auto` (a relaunch) resumes from the live branch, not the abandoned one
     _, runner = resume_run(tmp_path, "auto", "runner.max_ckpt_to_keep=1")
-    assert runner.global_step == 8 and read_manifest(root / "global_step_8")["created_unix"] == new_created
+    assert runner.global_step == 8 and read_manifest(LOCAL, str(root / "global_step_8"))["created_unix"] == new_created
 
 
 def test_a_resumed_run_follows_its_own_lr_schedule(ray_session, tmp_path):
@@ -338,7 +339,7 @@ def test_synchronous_saves_give_the_same_run_and_checkpoints(reference, tmp_path
         saved = load_model_weights(experiment / "checkpoints" / f"global_step_{step}")
         background = load_model_weights(reference.checkpoint(step))
         assert all(torch.equal(saved[k], background[k]) for k in background)
-        sync_files = read_manifest(experiment / "checkpoints" / f"global_step_{step}")["files"]
-        async_files = read_manifest(reference.checkpoint(step))["files"]
+        sync_files = read_manifest(LOCAL, str(experiment / "checkpoints" / f"global_step_{step}"))["files"]
+        async_files = read_manifest(LOCAL, str(reference.checkpoint(step)))["files"]
         assert sync_files["data/data.pt"] == async_files["data/data.pt"]
         assert sync_files.keys() == async_files.keys()

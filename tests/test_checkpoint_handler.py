@@ -1,16 +1,13 @@
-"""CheckpointHandler on real files, with a small file-writing backend (no Ray): commit, discovery, resume, retention, lock."""
+"""CheckpointHandler on real files and on a real S3 API (moto), with a small file-writing backend (no Ray):
+commit, discovery, resume, retention, branches, leftovers (the experiment lock: tests/test_lock.py)."""
 
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import resource
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +15,9 @@ import torch
 
 from rlrunner.checkpoint import layout
 from rlrunner.checkpoint.handler import COMPLETE, CORRUPT, INCOMPLETE, CheckpointHandler, scan_checkpoints
-from rlrunner.checkpoint.lock import ExperimentLock
 from rlrunner.checkpoint.manifest import file_record, read_manifest
-from rlrunner.errors import CheckpointError, CheckpointSaveError, ExperimentLockedError
+from rlrunner.errors import CheckpointError, CheckpointSaveError
+from rlrunner.storage import Storage, open_storage
 
 FINGERPRINT = {"model.config.hidden_size": 32, "actor.optim.lr": 0.001, "actor.optim.betas": [0.9, 0.99]}
 
@@ -30,60 +27,109 @@ class FileBackend:
 
     backend = "test-files"
 
-    def __init__(self, world_size: int = 2, payload_bytes: int = 4096):
+    def __init__(self, world_size: int = 2, payload_bytes: int = 4096, storage: Storage | None = None):
         self.world_size = world_size
         self.payload_bytes = payload_bytes
+        self.storage = storage
         self.loaded: list[dict] = []
 
-    def start_save(self, path: Path, step: int) -> None:
-        path.mkdir(parents=True, exist_ok=True)
+    def start_save(self, url: str, step: int) -> None:
+        storage = self.storage or open_storage(url)
         self.written = {}
         for rank in range(self.world_size):
             name = f"rank_{rank}.pt"
             buffer = io.BytesIO()
             torch.save({"step": step, "rank": rank, "weights": torch.full((self.payload_bytes // 4,), float(step))}, buffer)
-            (path / name).write_bytes(buffer.getvalue())
-            self.written[name] = file_record(path / name)
+            with storage.open_write(storage.join(url, name)) as out:
+                out.write(buffer.getvalue())
+            self.written[name] = out.record().as_dict()
 
     def finish_save(self, wait: bool) -> dict[str, dict]:
         return self.written
 
-    def load(self, path: Path) -> None:
-        self.loaded = [torch.load(path / f"rank_{r}.pt", weights_only=True) for r in range(self.world_size)]
+    def load(self, url: str) -> None:
+        storage = self.storage or open_storage(url)
+        self.loaded = [torch.load(io.BytesIO(storage.read_bytes(storage.join(url, f"rank_{r}.pt"))), weights_only=True)
+                       for r in range(self.world_size)]
+
+
+class Store:
+    """An experiment folder on one storage, with the file surgery the tests do (truncate, delete, a leftover)."""
+
+    def __init__(self, storage: Storage, experiment: str):
+        self.storage, self.experiment = storage, experiment
+
+    def handler(self, interval: int = 2, keep: int | None = None, fingerprint=None, name: str | None = None) -> CheckpointHandler:
+        experiment = self.storage.join(self.experiment, name) if name else self.experiment
+        return CheckpointHandler(self.storage, experiment, interval, keep, fingerprint or FINGERPRINT)
+
+    def backend(self, **kwargs) -> FileBackend:
+        return FileBackend(storage=self.storage, **kwargs)
+
+    def url(self, handler: CheckpointHandler, *parts: str) -> str:
+        return self.storage.join(handler.root, *parts)
+
+    def read(self, url: str) -> bytes:
+        return self.storage.read_bytes(url)
+
+    def write(self, url: str, data: bytes) -> None:
+        self.storage.write_bytes(url, data)
+
+    def delete(self, url: str) -> None:
+        self.storage.delete(url)
+
+    def partial_folder(self, url: str) -> None:
+        """A folder a killed save left: some bytes, no manifest (an empty folder does not exist on an object store)."""
+        self.write(self.storage.join(url, "actor", "__0_0.distcp"), b"partial")
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path) -> Store:
+    if request.param == "local":
+        storage = open_storage(str(tmp_path))
+        return Store(storage, storage.join(storage.url, "exp"))
+    url, options = request.getfixturevalue("s3_store")
+    return Store(open_storage(url, options), url + "/exp")
 
 
 def make_handler(experiment: Path, interval: int = 2, keep: int | None = None, fingerprint=None) -> CheckpointHandler:
-    return CheckpointHandler(experiment, interval, keep, fingerprint or FINGERPRINT)
+    """A handler on a local experiment folder (the local-only tests)."""
+    storage = open_storage(str(experiment))
+    return CheckpointHandler(storage, storage.url, interval, keep, fingerprint or FINGERPRINT)
 
 
 def save_steps(handler: CheckpointHandler, steps, backend=None) -> None:
-    backend = backend or FileBackend()
+    backend = backend or FileBackend(storage=handler.storage)
     for step in steps:
         handler.save(step, backend, {"runner": {"global_step": step}})
 
 
-def test_save_commits_the_layout_with_manifest_written_last(tmp_path):
-    handler = make_handler(tmp_path / "exp")
-    path = handler.save(4, FileBackend(), {"runner": {"global_step": 4}}, write_extra=lambda d: (d / "extra.txt").write_text("x"))
-    assert path == tmp_path / "exp" / "checkpoints" / "global_step_4"
-    assert sorted(p.name for p in path.iterdir()) == ["actor", "data", "extra.txt", "manifest.json"]
-    manifest = read_manifest(path)
+def steps_of(handler: CheckpointHandler, checksums: bool = False, complete_only: bool = False) -> list[int]:
+    return [s.step for s in scan_checkpoints(handler.storage, handler.root, checksums) if s.status == COMPLETE or not complete_only]
+
+
+def test_save_commits_the_layout_with_manifest_written_last(store):
+    handler = store.handler()
+    url = handler.save(4, store.backend(), {"runner": {"global_step": 4}}, write_extra=lambda d: Path(d, "extra.txt").write_text("x"))
+    assert url == store.storage.join(store.experiment, "checkpoints", "global_step_4")
+    assert store.storage.list(url) == ["actor", "data", "extra.txt", "manifest.json"]
+    manifest = read_manifest(store.storage, url)
     assert manifest["step"] == 4 and manifest["world_size"] == 2 and manifest["backend"] == "test-files"
     assert set(manifest["files"]) == {"actor/rank_0.pt", "actor/rank_1.pt", "data/data.pt", "extra.txt"}
-    assert manifest["files"]["data/data.pt"] == file_record(path / "data" / "data.pt")
+    assert manifest["files"]["data/data.pt"] == file_record(store.storage, url + "/data/data.pt")
     assert manifest["fingerprint"] == FINGERPRINT
-    assert torch.load(path / "data" / "data.pt", weights_only=True) == {"runner": {"global_step": 4}}
-    assert layout.leftover_dirs(handler.root) == []
+    assert torch.load(io.BytesIO(store.read(url + "/data/data.pt")), weights_only=True) == {"runner": {"global_step": 4}}
+    assert store.storage.list(handler.root) == ["global_step_4"]  # no staging or trash left behind
 
 
-def test_saving_a_step_again_replaces_it_whole(tmp_path):
-    handler = make_handler(tmp_path)
-    handler.save(2, FileBackend(world_size=3), {"v": 1})
-    handler.save(2, FileBackend(world_size=1), {"v": 2})
-    path = handler.root / "global_step_2"
-    assert sorted(p.name for p in (path / "actor").iterdir()) == ["rank_0.pt"]
-    assert read_manifest(path)["world_size"] == 1
-    assert layout.leftover_dirs(handler.root) == []
+def test_saving_a_step_again_replaces_it_whole(store):
+    handler = store.handler()
+    handler.save(2, store.backend(world_size=3), {"v": 1})
+    handler.save(2, store.backend(world_size=1), {"v": 2})
+    url = store.url(handler, "global_step_2")
+    assert store.storage.list(url + "/actor") == ["rank_0.pt"]
+    assert read_manifest(store.storage, url)["world_size"] == 1
+    assert store.storage.list(handler.root) == ["global_step_2"]
 
 
 def test_failed_write_commits_nothing_and_names_the_cause(tmp_path):
@@ -100,102 +146,107 @@ def test_failed_write_commits_nothing_and_names_the_cause(tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     message = str(error.value)
     assert message.startswith("saving global_step_4 failed: ")
-    assert "OSError: [Errno 27] File too large" in message and "the newest complete checkpoint is still global_step_2" in message
+    assert "File too large" in message and "the newest complete checkpoint is still global_step_2" in message
     assert f" free on the disk holding {handler.root}" in message
     assert "\n" not in message
-    assert [s.path.name for s in scan_checkpoints(handler.root)] == ["global_step_2"]
-    assert layout.leftover_dirs(handler.root) == []
+    assert [s.name for s in scan_checkpoints(handler.storage, handler.root)] == ["global_step_2"]
+    assert layout.leftover_dirs(handler.storage, handler.root) == []
     assert error.value.permanent and error.value.exit_code == 4  # no space: a relaunch would fail the same way
 
 
-def test_a_save_that_fails_for_another_reason_may_be_relaunched(tmp_path):
+def test_a_save_that_fails_for_another_reason_may_be_relaunched(store):
     class Crashing(FileBackend):
         def finish_save(self, wait):
             raise RuntimeError("worker lost mid-save")
 
+    handler = store.handler()
     with pytest.raises(CheckpointSaveError) as error:
-        make_handler(tmp_path).save(2, Crashing(), {})
+        handler.save(2, Crashing(storage=store.storage), {})
     assert not error.value.permanent and error.value.exit_code == 1
+    assert store.storage.list(handler.root) == []  # the unfinished folder went too
 
 
-def test_scan_reports_complete_incomplete_and_corrupt(tmp_path):
-    handler = make_handler(tmp_path)
+def test_scan_reports_complete_incomplete_and_corrupt(store):
+    handler = store.handler()
     save_steps(handler, [2, 4, 6])
-    (handler.root / "global_step_4" / "manifest.json").unlink()
-    shard = handler.root / "global_step_6" / "actor" / "rank_1.pt"
-    shard.write_bytes(shard.read_bytes()[:-10])
-    (handler.root / "global_step_8").mkdir()
-    statuses = {s.path.name: s for s in scan_checkpoints(handler.root)}
-    assert [s.status for s in scan_checkpoints(handler.root)] == [INCOMPLETE, CORRUPT, INCOMPLETE, COMPLETE]
+    store.delete(store.url(handler, "global_step_4", "manifest.json"))
+    shard = store.url(handler, "global_step_6", "actor", "rank_1.pt")
+    data = store.read(shard)
+    store.write(shard, data[:-10])  # a truncated object
+    store.partial_folder(store.url(handler, "global_step_8"))
+    statuses = {s.name: s for s in scan_checkpoints(store.storage, handler.root)}
+    assert [s.status for s in scan_checkpoints(store.storage, handler.root)] == [INCOMPLETE, CORRUPT, INCOMPLETE, COMPLETE]
     assert "no manifest.json" in statuses["global_step_4"].reasons[0]
-    assert statuses["global_step_6"].reasons == [f"actor/rank_1.pt: {shard.stat().st_size} bytes, the manifest says {shard.stat().st_size + 10} (truncated or rewritten)"]
+    assert statuses["global_step_6"].reasons == [f"actor/rank_1.pt: {len(data) - 10} bytes, the manifest says {len(data)} (truncated or rewritten)"]
 
 
-def test_a_flipped_byte_is_caught_by_the_checksum_only(tmp_path):
-    handler = make_handler(tmp_path)
+def test_a_flipped_byte_is_caught_by_the_checksum_only(store):
+    handler = store.handler()
     save_steps(handler, [2])
-    shard = handler.root / "global_step_2" / "actor" / "rank_0.pt"
-    data = bytearray(shard.read_bytes())
+    shard = store.url(handler, "global_step_2", "actor", "rank_0.pt")
+    data = bytearray(store.read(shard))
     data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
-    assert scan_checkpoints(handler.root, checksums=False)[0].status == COMPLETE
-    deep = scan_checkpoints(handler.root, checksums=True)[0]
+    store.write(shard, bytes(data))
+    assert scan_checkpoints(store.storage, handler.root, checksums=False)[0].status == COMPLETE
+    deep = scan_checkpoints(store.storage, handler.root, checksums=True)[0]
     assert deep.status == CORRUPT and "checksum" in deep.reasons[0] and "(corrupted)" in deep.reasons[0]
 
 
 # -- resume -----------------------------------------------------------------------------------
 
 
-def test_null_resume_dir_starts_fresh_only_without_checkpoints(tmp_path):
-    handler = make_handler(tmp_path)
+def test_null_resume_dir_starts_fresh_only_without_checkpoints(store):
+    handler = store.handler()
     assert handler.find_resume(None) is None
     save_steps(handler, [2])
     with pytest.raises(CheckpointError, match="already has checkpoints \\(newest global_step_2\\) and runner.resume_dir is null"):
         handler.find_resume(None)
 
 
-def test_auto_takes_the_newest_complete_and_logs_each_skip(tmp_path, caplog):
-    handler = make_handler(tmp_path)
+def test_auto_takes_the_newest_complete_and_logs_each_skip(store, caplog):
+    handler = store.handler()
     save_steps(handler, [2, 4, 6, 8])
-    (handler.root / "global_step_8" / "data" / "data.pt").unlink()
-    (handler.root / "global_step_6" / "manifest.json").unlink()
-    (handler.root / f"{layout.STAGING_PREFIX}global_step_10-abc").mkdir()  # a save killed halfway
+    store.delete(store.url(handler, "global_step_8", "data", "data.pt"))
+    store.delete(store.url(handler, "global_step_6", "manifest.json"))
+    store.partial_folder(store.url(handler, "global_step_10"))  # a save killed halfway
     with caplog.at_level(logging.INFO, logger="rlrunner.checkpoint.handler"):
         checkpoint = handler.find_resume("auto")
-    assert checkpoint.step == 4 and checkpoint.path == handler.root / "global_step_4"
+    assert checkpoint.step == 4 and checkpoint.url == store.url(handler, "global_step_4")
+    assert "skipping global_step_10: incomplete" in caplog.text
     assert "skipping global_step_8: corrupt (data/data.pt: missing)" in caplog.text
     assert "skipping global_step_6: incomplete (no manifest.json (the save did not finish))" in caplog.text
     assert "resuming from" in caplog.text and "global_step_4 (step 4)" in caplog.text
 
 
-def test_auto_with_nothing_usable_starts_fresh_and_says_so(tmp_path, caplog):
-    handler = make_handler(tmp_path)
-    (handler.root / "global_step_2").mkdir(parents=True)
+def test_auto_with_nothing_usable_starts_fresh_and_says_so(store, caplog):
+    handler = store.handler()
+    store.partial_folder(store.url(handler, "global_step_2"))
     with caplog.at_level(logging.INFO, logger="rlrunner.checkpoint.handler"):
         assert handler.find_resume("auto") is None
     assert "no complete checkpoint" in caplog.text and "starting fresh" in caplog.text
 
 
-def test_step_comes_from_the_manifest_not_the_name(tmp_path):
-    handler = make_handler(tmp_path)
+def test_step_comes_from_the_manifest_not_the_name(store):
+    handler = store.handler()
     save_steps(handler, [4])
-    renamed = tmp_path / "renamed_checkpoint"
-    os.rename(handler.root / "global_step_4", renamed)
-    assert handler.find_resume(str(renamed)).step == 4
+    renamed = store.storage.join(store.experiment, "renamed_checkpoint")
+    store.storage.copy_tree(store.url(handler, "global_step_4"), renamed)
+    assert handler.find_resume(renamed).step == 4
 
 
 def test_explicit_resume_dir_accepts_trailing_slash_relative_path_and_symlink(tmp_path, monkeypatch):
     handler = make_handler(tmp_path / "exp")
     save_steps(handler, [2])
-    target = handler.root / "global_step_2"
-    assert handler.find_resume(str(target) + "/").path == target
+    target = handler.storage.join(handler.root, "global_step_2")
+    assert handler.find_resume(target + "/").url == target
     monkeypatch.chdir(handler.root)
-    assert handler.find_resume("global_step_2").path == target
-    assert handler.find_resume("./global_step_2//").path == target
+    assert handler.find_resume("global_step_2").url == target
+    assert handler.find_resume("./global_step_2//").url == target
+    assert handler.find_resume("file://" + target).url == target
     link = tmp_path / "latest"
     link.symlink_to(target, target_is_directory=True)
     checkpoint = handler.find_resume(str(link))
-    assert checkpoint.path == target and checkpoint.step == 2
+    assert checkpoint.url == target and checkpoint.step == 2
 
 
 @pytest.mark.parametrize(
@@ -211,47 +262,47 @@ def test_explicit_resume_dir_accepts_trailing_slash_relative_path_and_symlink(tm
         ("garbled_manifest", "is not a complete checkpoint: manifest.json is unreadable (JSONDecodeError)"),
     ],
 )
-def test_every_bad_resume_dir_is_a_clear_error(tmp_path, breakage, expected):
-    handler = make_handler(tmp_path / "exp")
+def test_every_bad_resume_dir_is_a_clear_error(store, breakage, expected):
+    handler = store.handler()
     save_steps(handler, [2])
-    path = handler.root / "global_step_2"
+    url = store.url(handler, "global_step_2")
     if breakage == "nonexistent":
-        path = tmp_path / "nowhere" / "global_step_9"
+        url = store.storage.join(store.experiment, "nowhere", "global_step_9")
     elif breakage == "file":
-        path = path / "data" / "data.pt"
+        url = url + "/data/data.pt"
     elif breakage == "no_manifest":
-        (path / "manifest.json").unlink()
+        store.delete(url + "/manifest.json")
     elif breakage == "experiment_dir":
-        path = tmp_path / "exp"
+        url = store.experiment
     elif breakage == "missing_shard":
-        (path / "actor" / "rank_1.pt").unlink()
+        store.delete(url + "/actor/rank_1.pt")
     elif breakage == "missing_data":
-        (path / "data" / "data.pt").unlink()
+        store.delete(url + "/data/data.pt")
     elif breakage == "truncated_shard":
-        (path / "actor" / "rank_0.pt").write_bytes(b"short")
+        store.write(url + "/actor/rank_0.pt", b"short")
     elif breakage == "garbled_manifest":
-        (path / "manifest.json").write_text("{not json")
+        store.write(url + "/manifest.json", b"{not json")
     with pytest.raises(CheckpointError) as error:
-        handler.find_resume(str(path))
+        handler.find_resume(url)
     assert expected in str(error.value)
     assert "\n" not in str(error.value)
 
 
-def test_a_checkpoint_of_another_model_or_optimizer_is_refused_naming_the_keys(tmp_path):
-    save_steps(make_handler(tmp_path), [2])
+def test_a_checkpoint_of_another_model_or_optimizer_is_refused_naming_the_keys(store):
+    save_steps(store.handler(), [2])
     changed = {**FINGERPRINT, "model.config.hidden_size": 64, "actor.optim.lr": 0.01}
     with pytest.raises(CheckpointError) as error:
-        make_handler(tmp_path, fingerprint=changed).find_resume("auto")
+        store.handler(fingerprint=changed).find_resume("auto")
     message = str(error.value)
     assert "was saved with a different model/optimizer config" in message
     assert "actor.optim.lr (checkpoint 0.001, run 0.01)" in message
     assert "model.config.hidden_size (checkpoint 32, run 64)" in message
 
 
-def test_load_restores_the_backend_state_and_returns_data_state(tmp_path):
-    handler = make_handler(tmp_path)
+def test_load_restores_the_backend_state_and_returns_data_state(store):
+    handler = store.handler()
     save_steps(handler, [2, 4])
-    backend = FileBackend()
+    backend = store.backend()
     data = handler.load(handler.find_resume("auto"), backend)
     assert data == {"runner": {"global_step": 4}}
     assert [s["rank"] for s in backend.loaded] == [0, 1] and backend.loaded[0]["step"] == 4
@@ -269,27 +320,27 @@ def test_load_refuses_a_checkpoint_of_another_backend(tmp_path):
 # -- retention --------------------------------------------------------------------------------
 
 
-def test_retention_holds_across_restarts_and_keeps_the_newest(tmp_path):
-    save_steps(make_handler(tmp_path, keep=2), [2, 4, 6])
-    assert [s.step for s in scan_checkpoints(tmp_path / "checkpoints")] == [6, 4]
-    # a new run (new handler) counts what is on disk, including a corrupt newer folder it must not count
-    handler = make_handler(tmp_path, keep=2)
-    (handler.root / "global_step_7").mkdir()
+def test_retention_holds_across_restarts_and_keeps_the_newest(store):
+    save_steps(store.handler(keep=2), [2, 4, 6])
+    assert steps_of(store.handler()) == [6, 4]
+    # a new run (new handler) counts what is stored, including an unfinished newer folder it must not count
+    handler = store.handler(keep=2)
+    store.partial_folder(store.url(handler, "global_step_7"))
     save_steps(handler, [8])
-    assert [(s.step, s.status) for s in scan_checkpoints(handler.root)] == [(8, COMPLETE), (7, INCOMPLETE), (6, COMPLETE)]
-    save_steps(make_handler(tmp_path, keep=1), [10])
-    assert [s.step for s in scan_checkpoints(handler.root) if s.status == COMPLETE] == [10]
+    assert [(s.step, s.status) for s in scan_checkpoints(store.storage, handler.root)] == [(8, COMPLETE), (7, INCOMPLETE), (6, COMPLETE)]
+    save_steps(store.handler(keep=1), [10])
+    assert steps_of(handler, complete_only=True) == [10]
 
 
 class BackgroundBackend(FileBackend):
     """Writes nothing until told to: a save whose files are still being written in the background."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, storage=None):
+        super().__init__(storage=storage)
         self.done = False
 
-    def start_save(self, path, step):
-        self.args = (path, step)
+    def start_save(self, url, step):
+        self.args = (url, step)
 
     def finish_save(self, wait):
         if not (self.done or wait):
@@ -298,118 +349,101 @@ class BackgroundBackend(FileBackend):
         return self.written
 
 
-def test_a_background_save_commits_only_once_written_and_only_then_retains(tmp_path):
-    handler = make_handler(tmp_path, keep=1)
+def test_a_background_save_commits_only_once_written_and_only_then_retains(store):
+    handler = store.handler(keep=1)
     save_steps(handler, [2])
-    backend = BackgroundBackend()
+    backend = BackgroundBackend(store.storage)
     pending = handler.begin_save(4, backend, {"runner": {"global_step": 4}})
     assert handler.finish_save(pending, wait=False) is None  # still writing: no commit, nothing deleted
-    assert [s.step for s in scan_checkpoints(handler.root)] == [2] and pending.staging.is_dir()
+    assert [(s.step, s.status) for s in scan_checkpoints(store.storage, handler.root)][-1] == (2, COMPLETE)
+    assert steps_of(handler, complete_only=True) == [2]
     backend.done = True
-    assert handler.finish_save(pending, wait=False) == handler.root / "global_step_4"
-    assert [(s.step, s.status) for s in scan_checkpoints(handler.root, checksums=True)] == [(4, COMPLETE)]
+    assert handler.finish_save(pending, wait=False) == store.url(handler, "global_step_4")
+    assert [(s.step, s.status) for s in scan_checkpoints(store.storage, handler.root, checksums=True)] == [(4, COMPLETE)]
     # the data position is the one at the time the save began
-    assert torch.load(handler.root / "global_step_4" / "data" / "data.pt", weights_only=True) == {"runner": {"global_step": 4}}
+    data = store.read(store.url(handler, "global_step_4", "data", "data.pt"))
+    assert torch.load(io.BytesIO(data), weights_only=True) == {"runner": {"global_step": 4}}
 
 
-def test_a_background_write_that_fails_never_commits(tmp_path):
+def test_a_background_write_that_fails_never_commits(store):
     class FailingBackground(BackgroundBackend):
         def finish_save(self, wait):
             raise OSError(28, "No space left on device")
 
-    handler = make_handler(tmp_path)
+    handler = store.handler()
     save_steps(handler, [2])
-    pending = handler.begin_save(4, FailingBackground(), {})
+    pending = handler.begin_save(4, FailingBackground(store.storage), {})
     with pytest.raises(CheckpointSaveError, match="saving global_step_4 failed: OSError: .*No space left on device") as error:
         handler.finish_save(pending, wait=False)
     assert error.value.exit_code == 4
-    assert [s.step for s in scan_checkpoints(handler.root)] == [2] and layout.leftover_dirs(handler.root) == []
+    assert steps_of(handler) == [2] and store.storage.list(handler.root) == ["global_step_2"]
 
 
-def test_the_checkpoint_just_committed_is_never_deleted(tmp_path):
-    handler = make_handler(tmp_path, keep=1)
+def test_the_checkpoint_just_committed_is_never_deleted(store):
+    handler = store.handler(keep=1)
     save_steps(handler, [6])
     save_steps(handler, [3])  # an older step committed while a newer one exists (e.g. a branch not moved aside)
-    assert sorted(s.step for s in scan_checkpoints(handler.root)) == [3, 6]
+    assert sorted(steps_of(handler)) == [3, 6]
 
 
-def test_an_explicit_resume_from_an_older_checkpoint_starts_a_new_branch(tmp_path, caplog):
-    handler = make_handler(tmp_path, keep=1)
-    handler.max_keep = None
+def test_an_explicit_resume_from_an_older_checkpoint_starts_a_new_branch(store, caplog):
+    handler = store.handler()
     save_steps(handler, [2, 4, 6])
-    (handler.root / "global_step_5").mkdir()  # an unfinished save of the old branch goes too
-    checkpoint = handler.find_resume(str(handler.root / "global_step_2"))
+    store.partial_folder(store.url(handler, "global_step_5"))  # an unfinished save of the old branch goes too
+    checkpoint = handler.find_resume(store.url(handler, "global_step_2"))
     with caplog.at_level(logging.WARNING, logger="rlrunner.checkpoint.handler"):
         assert handler.start_branch(checkpoint) == ["global_step_4", "global_step_5", "global_step_6"]
-    [moved_to] = list((handler.root / layout.ABANDONED_DIR).iterdir())
-    assert sorted(p.name for p in moved_to.iterdir()) == ["global_step_4", "global_step_5", "global_step_6"]
-    assert read_manifest(moved_to / "global_step_6")["step"] == 6  # moved whole, never deleted
+    [stamp] = store.storage.list(store.url(handler, layout.ABANDONED_DIR))
+    moved_to = store.url(handler, layout.ABANDONED_DIR, stamp)
+    assert store.storage.list(moved_to) == ["global_step_4", "global_step_5", "global_step_6"]
+    assert read_manifest(store.storage, moved_to + "/global_step_6")["step"] == 6  # moved whole, never deleted
     assert f"moved the old branch's newer checkpoints global_step_4, global_step_5, global_step_6 to {moved_to}" in caplog.text
     # the live branch is all that discovery and retention see now
-    assert [s.step for s in scan_checkpoints(handler.root)] == [2]
+    assert steps_of(handler) == [2]
     handler.max_keep = 1
     save_steps(handler, [3])
-    assert [s.step for s in scan_checkpoints(handler.root)] == [3]
+    assert steps_of(handler) == [3]
     assert handler.find_resume("auto").step == 3
     assert handler.start_branch(handler.find_resume("auto")) == []  # resuming the newest moves nothing
 
 
-def test_resuming_from_another_experiment_moves_this_one_s_newer_steps_aside(tmp_path):
-    other = make_handler(tmp_path / "other")
+def test_resuming_from_another_experiment_moves_this_one_s_newer_steps_aside(store):
+    other = store.handler(name="other")
     save_steps(other, [4])
-    handler = make_handler(tmp_path / "this")
+    handler = store.handler(name="this")
     save_steps(handler, [2, 4, 6])
-    moved = handler.start_branch(handler.find_resume(str(other.root / "global_step_4")))
+    moved = handler.start_branch(handler.find_resume(store.url(other, "global_step_4")))
     assert moved == ["global_step_4", "global_step_6"]
-    assert [s.step for s in scan_checkpoints(handler.root)] == [2]
+    assert steps_of(handler) == [2]
 
 
 def test_leftovers_of_killed_saves_are_removed_at_start(tmp_path):
     handler = make_handler(tmp_path)
+    root = Path(handler.root)
     save_steps(handler, [2, 6])
-    (handler.root / f"{layout.STAGING_PREFIX}global_step_4-dead").mkdir()
-    (handler.root / f"{layout.TRASH_PREFIX}global_step_0-dead").mkdir()
+    (root / f"{layout.STAGING_PREFIX}global_step_4-dead").mkdir()
+    (root / f"{layout.TRASH_PREFIX}global_step_0-dead").mkdir()
     # killed between the two renames of a re-save of step 6: the old global_step_6 was set aside, the new one
     # is still staged. The old one comes back; a set-aside copy whose replacement did arrive is deleted.
-    os.rename(handler.root / "global_step_6", handler.root / f"{layout.REPLACED_PREFIX}global_step_6-abcd1234")
-    (handler.root / f"{layout.STAGING_PREFIX}global_step_6-feed0000").mkdir()
-    shutil.copytree(handler.root / "global_step_2", handler.root / f"{layout.REPLACED_PREFIX}global_step_2-00000000")
+    os.rename(root / "global_step_6", root / f"{layout.REPLACED_PREFIX}global_step_6-abcd1234")
+    (root / f"{layout.STAGING_PREFIX}global_step_6-feed0000").mkdir()
+    shutil.copytree(root / "global_step_2", root / f"{layout.REPLACED_PREFIX}global_step_2-00000000")
     handler.remove_leftovers()
-    assert sorted(p.name for p in handler.root.iterdir()) == ["global_step_2", "global_step_6"]
-    assert [s.status for s in scan_checkpoints(handler.root, checksums=True)] == [COMPLETE, COMPLETE]
+    assert sorted(p.name for p in root.iterdir()) == ["global_step_2", "global_step_6"]
+    assert [s.status for s in scan_checkpoints(handler.storage, handler.root, checksums=True)] == [COMPLETE, COMPLETE]
+
+
+def test_unfinished_folders_on_an_object_store_are_removed_at_start(s3_store):
+    url, options = s3_store
+    store = Store(open_storage(url, options), url + "/exp")
+    handler = store.handler()
+    save_steps(handler, [2, 6])
+    store.partial_folder(store.url(handler, "global_step_8"))  # a save killed halfway
+    store.delete(store.url(handler, "global_step_6", "manifest.json"))  # a deletion killed after its first step
+    handler.remove_leftovers()
+    assert store.storage.list(handler.root) == ["global_step_2"]
 
 
 def test_schedule_description_mentions_disabled_periodic_saves(tmp_path):
     assert "periodic checkpoints are off (the last step is still saved)" in make_handler(tmp_path, interval=0).describe_schedule()
     assert "every 50 steps" in make_handler(tmp_path, interval=50, keep=3).describe_schedule()
-
-
-# -- lock -------------------------------------------------------------------------------------
-
-
-def test_a_second_run_on_the_same_experiment_is_refused(tmp_path):
-    with ExperimentLock(tmp_path):
-        with pytest.raises(ExperimentLockedError) as error:
-            ExperimentLock(tmp_path).acquire()
-    assert f"experiment folder {tmp_path} is in use by another run (pid {os.getpid()} on " in str(error.value)
-    with ExperimentLock(tmp_path):  # released on exit
-        pass
-
-
-def test_a_killed_holder_does_not_leave_the_lock_stuck(tmp_path):
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from rlrunner.checkpoint.lock import ExperimentLock; "
-         "ExperimentLock(Path(sys.argv[1])).acquire(); print('locked', flush=True); time.sleep(60)", str(tmp_path)],
-        stdout=subprocess.PIPE, text=True,
-    )
-    try:
-        assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(ExperimentLockedError, match=f"pid {holder.pid}"):
-            ExperimentLock(tmp_path).acquire()
-    finally:
-        holder.send_signal(signal.SIGKILL)
-        holder.wait()
-    lock = ExperimentLock(tmp_path)
-    lock.acquire()
-    assert json.loads((tmp_path / ".rlrunner.lock").read_text())["pid"] == os.getpid()
-    lock.release()

@@ -18,6 +18,7 @@ from rlrunner.checkpoint.handler import COMPLETE, INCOMPLETE, root_cause, scan_c
 from rlrunner.checkpoint.manifest import ManifestError, build_manifest, file_record, read_manifest, verify_files, write_manifest
 from rlrunner.checkpoint.policy import fingerprint_differences, flatten, should_save, steps_to_delete
 from rlrunner.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeMetadataError, read_metadata
+from conftest import LOCAL
 from test_checkpoint_handler import make_handler, save_steps  # a real CheckpointHandler with a small file backend
 
 
@@ -53,15 +54,15 @@ def test_flatten_and_fingerprint_differences():
 def test_manifest_round_trip_and_verification(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "shard.bin").write_bytes(b"hello world" * 100)
-    record = file_record(tmp_path / "a" / "shard.bin")
+    record = file_record(LOCAL, str(tmp_path / "a" / "shard.bin"))
     assert record == {"size": 1100, "crc32": f"{zlib.crc32(b'hello world' * 100):08x}"}
     manifest = build_manifest(5, 2, "fsdp2-dcp", {"k": 1}, {"a/shard.bin": record}, {"epoch": 0})
-    write_manifest(tmp_path, manifest)
-    assert read_manifest(tmp_path) == manifest
-    assert verify_files(tmp_path, manifest, checksums=True) == []
+    write_manifest(LOCAL, str(tmp_path), manifest)
+    assert read_manifest(LOCAL, str(tmp_path)) == manifest
+    assert verify_files(LOCAL, str(tmp_path), manifest, checksums=True) == []
     (tmp_path / "a" / "shard.bin").write_bytes(b"hello wOrld" * 100)
-    assert [str(p) for p in verify_files(tmp_path, manifest, checksums=False)] == []
-    assert "checksum" in str(verify_files(tmp_path, manifest, checksums=True)[0])
+    assert [str(p) for p in verify_files(LOCAL, str(tmp_path), manifest, checksums=False)] == []
+    assert "checksum" in str(verify_files(LOCAL, str(tmp_path), manifest, checksums=True)[0])
 
 
 @pytest.mark.parametrize(
@@ -74,7 +75,7 @@ def test_bad_manifests(tmp_path, content, expected):
     if content is not None:
         (tmp_path / "manifest.json").write_text(content)
     with pytest.raises(ManifestError, match=expected):
-        read_manifest(tmp_path)
+        read_manifest(LOCAL, str(tmp_path))
 
 
 def _good_manifest() -> dict:
@@ -115,7 +116,7 @@ def test_manifests_with_wrong_types_are_refused_naming_the_field(tmp_path, field
     manifest = {**_good_manifest(), field: value}
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ManifestError) as error:
-        read_manifest(tmp_path)
+        read_manifest(LOCAL, str(tmp_path))
     assert expected in str(error.value)
     assert "\n" not in str(error.value)
 
@@ -123,17 +124,17 @@ def test_manifests_with_wrong_types_are_refused_naming_the_field(tmp_path, field
 def test_a_well_typed_manifest_is_still_read(tmp_path):
     manifest = {**_good_manifest(), "step": 0, "world_size": 1, "fingerprint": {}, "files": {}}
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
-    assert read_manifest(tmp_path) == manifest
+    assert read_manifest(LOCAL, str(tmp_path)) == manifest
 
 
 def test_scan_list_and_auto_resume_report_a_tampered_manifest_instead_of_crashing(tmp_path, capsys):
     handler = make_handler(tmp_path / "exp")
     save_steps(handler, [2, 4])
-    manifest_path = handler.root / "global_step_4" / "manifest.json"
+    manifest_path = Path(handler.root) / "global_step_4" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     manifest_path.write_text(json.dumps({**manifest, "step": "four"}))
-    statuses = scan_checkpoints(handler.root)
-    assert [(s.path.name, s.status, s.step) for s in statuses] == [("global_step_4", INCOMPLETE, 4), ("global_step_2", COMPLETE, 2)]
+    statuses = scan_checkpoints(handler.storage, handler.root)
+    assert [(s.name, s.status, s.step) for s in statuses] == [("global_step_4", INCOMPLETE, 4), ("global_step_2", COMPLETE, 2)]
     assert statuses[0].reasons == ["manifest.json: 'step' must be an integer, got str"]
     assert handler.find_resume("auto").step == 2
     assert checkpoint_cli(["list", str(tmp_path / "exp")]) == 0

@@ -23,12 +23,13 @@ import ray
 import torch
 from ray import cloudpickle
 
-from conftest import TINY_MODEL, read_metrics, run_config, without_time
+from conftest import LOCAL, TINY_MODEL, read_metrics, run_config, without_time
 from rlrunner.checkpoint import layout
 from rlrunner.checkpoint.convert import load_model_weights
 from rlrunner.errors import RecoveryExhaustedError, StoppedEarly, WorkerError
 from rlrunner.runner.grpo_runner import GRPORunner
 from rlrunner.runner.stopping import StopRequest
+from rlrunner.storage import basename
 
 STEPS = 10
 RUN = [
@@ -264,7 +265,7 @@ def test_a_second_signal_exits_at_once(cluster, tmp_path, subprocess_env):
     assert driver.returncode == 143, err
     assert "rlrunner: stopped at once by a second SIGTERM; the last committed checkpoint is intact" in err
     root = tmp_path / "test" / "checkpoints"
-    complete = [p.name for p in layout.step_dirs(root)]
+    complete = [basename(u) for u in layout.step_dirs(LOCAL, str(root))]
     assert all((root / name / "manifest.json").is_file() for name in complete)
 
 

@@ -11,9 +11,7 @@ import time
 import pytest
 import ray
 
-from rlrunner.cluster.shared_storage import answer_probe, check_shared_folder
-from rlrunner.cluster.worker import Worker
-from rlrunner.cluster.worker_group import CallTimeoutError, WorkerGroup
+from rlrunner.cluster.worker_group import CallTimeoutError
 from rlrunner.errors import (
     CheckpointSaveError,
     RecoveryExhaustedError,
@@ -78,26 +76,6 @@ def test_stop_request_from_wall_time():
     assert not stop.requested
     time.sleep(0.1)
     assert stop.requested and stop.reason == "runner.max_wall_time_s=0.05 reached"
-
-
-def test_a_worker_that_cannot_see_the_probe_says_so(tmp_path):
-    assert answer_probe(str(tmp_path), "abc", "10.0.0.7").startswith(f"node 10.0.0.7 cannot read {tmp_path}/.probe-abc")
-    (tmp_path / ".probe-abc").write_text("other")
-    assert answer_probe(str(tmp_path), "abc", "10.0.0.7") == f"node 10.0.0.7 reads other content in {tmp_path}/.probe-abc"
-    (tmp_path / ".probe-abc").write_text("abc")
-    assert answer_probe(str(tmp_path), "abc", "10.0.0.7") is None
-    assert len(list(tmp_path.glob(".probe-abc-10.0.0.7-*"))) == 1
-
-
-def test_shared_folder_check_with_real_workers(ray_session, tmp_path):
-    """On one machine the folder is shared: the check passes and leaves no probe behind. (The failing side is
-    `answer_probe` above: a node that cannot read the driver's probe makes check_shared_folder raise.)"""
-    group = WorkerGroup("probe", Worker, 2, cpus_per_worker=0.25)
-    try:
-        check_shared_folder(tmp_path / "checkpoints", [group])
-        assert list((tmp_path / "checkpoints").iterdir()) == []
-    finally:
-        group.shutdown()
 
 
 def test_restart_budget_counts_restarts_without_progress():

@@ -5,16 +5,22 @@ rank stores its own RNG states under `rng.rank_<r>`, and gets them back when the
 saved with the same number of ranks (with another number, DCP reshards the model and optimizer,
 and the per-rank RNG has no meaning, so it is left as it is).
 
+The folder is a local path or any URL (s3://, gs://, ...): every rank writes its shard straight to
+the store, so no node needs a shared disk. Local folders use DCP's file writer (fsync'd files); a
+remote store goes through `StorageFileSystem` (each object whole or not at all).
+
 A save can run in the background (`ShardSaver.start(..., background=True)`): the state is copied
-off the training tensors first (pinned host memory on GPU, a host copy on CPU), then DCP writes the
-copy in a thread, with its collectives on a gloo group of their own so they never interleave with
-training's. Every file's size and CRC-32 are computed from the bytes as they are written.
+off the training tensors first (pinned host memory on GPU, a host copy on CPU), then DCP writes (or
+uploads) the copy in a thread, with its collectives on a gloo group of their own so they never
+interleave with training's. Every file's size and CRC-32 are computed from the bytes as they are
+written, never by reading them back.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import os
 import random
 import re
 import time
@@ -35,8 +41,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from rlrunner.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, saved_keys
-from rlrunner.storage import ChecksumWriter
+from rlrunner.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, StorageFileSystem, saved_keys
+from rlrunner.storage import ChecksumWriter, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +76,13 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(list(state["cuda"]))
 
 
-def saved_world_size(dcp_dir: str | Path) -> int:
+def saved_world_size(dcp_url: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> int:
     """How many ranks wrote the checkpoint, from the per-rank RNG keys in its metadata."""
-    ranks = {int(m.group(1)) for key in saved_keys(dcp_dir) if (m := _RNG_KEY.match(key))}
-    return len(ranks)
+    return _ranks_saved(saved_keys(dcp_url, storage_options))
+
+
+def _ranks_saved(keys) -> int:
+    return len({int(m.group(1)) for key in keys if (m := _RNG_KEY.match(key))})
 
 
 class _ChecksummingFileSystem(FileSystem):
@@ -99,10 +108,21 @@ class _ChecksummingFileSystem(FileSystem):
             self.records[Path(new_path).name] = self.records.pop(Path(path).name)
 
 
-def checksumming_writer(path: str | Path) -> FileSystemWriter:
-    """DCP's file writer (one file per rank, fsync'd) that records what it wrote in `writer.fs.records`."""
-    writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
-    writer.fs = _ChecksummingFileSystem()
+def checksumming_writer(url: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> FileSystemWriter:
+    """DCP's writer of one file per rank under `url`, recording what it wrote in `writer.fs.records`.
+
+    A local folder gets fsync'd files; a remote URL objects uploaded through the Storage (durable once
+    each upload returns, so no fsync: DCP would call os.sync() for a stream without a file descriptor).
+    """
+    storage = open_storage(url, storage_options)
+    writer = FileSystemWriter(
+        storage.url, single_file_per_rank=True, sync_files=storage.is_local, thread_count=1, overwrite=True
+    )
+    if storage.is_local:
+        writer.fs = _ChecksummingFileSystem()
+    else:
+        writer.fs = StorageFileSystem(storage)
+        writer.path = storage.url  # not DCP's Path of it (Path("s3://b") is "s3:/b")
     return writer
 
 
@@ -125,6 +145,7 @@ class ShardSaver:
         self._writer: FileSystemWriter | None = None
         self._started = 0.0
         self._write_s: float | None = None
+        self._stager: DefaultStager | None = None  # kept: its host (pinned on GPU) buffers are reused by every save
 
     @property
     def written(self) -> bool:
@@ -133,16 +154,20 @@ class ShardSaver:
             raise RuntimeError("no checkpoint save in flight on this rank")
         return self._future.done()
 
-    def start(self, path: str | Path, state: dict[str, Any], background: bool) -> None:
-        """Write `state` under `path`; with `background`, return once it is copied off the live tensors."""
+    def start(
+        self, url: str, state: dict[str, Any], background: bool, storage_options: dict[str, Any] | None = None
+    ) -> None:
+        """Write `state` under `url` (a local folder or any store's URL); with `background`, return once it is
+        copied off the live tensors (the write or upload then goes on in a thread)."""
         if self._future is not None:
             raise RuntimeError("a checkpoint save is already in flight on this rank")
-        self._writer = checksumming_writer(path)
+        self._writer = checksumming_writer(url, storage_options)
         self._started, self._write_s = time.monotonic(), None
         if background:
-            stager = DefaultStager(StagingOptions(torch.cuda.is_available(), False, False, False))
+            if self._stager is None:
+                self._stager = DefaultStager(StagingOptions(torch.cuda.is_available(), False, False, False))
             self._future = dcp.async_save(
-                state, storage_writer=self._writer, process_group=self.process_group, async_stager=stager
+                state, storage_writer=self._writer, process_group=self.process_group, async_stager=self._stager
             )
             self._future.add_done_callback(self._record_time)
         else:
@@ -172,10 +197,18 @@ class ShardSaver:
 
 
 def load_fsdp_state(
-    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int, world_size: int
+    url: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    rank: int,
+    world_size: int,
+    storage_options: dict[str, Any] | None = None,
 ) -> bool:
-    """Load the shards into the live model/optimizer (resharding as needed); returns whether RNG was restored."""
-    saved_world = saved_world_size(path)
+    """Load the shards under `url` (a local folder or any store's URL) into the live model/optimizer, resharding
+    as needed; returns whether RNG was restored."""
+    reader = SafeFileSystemReader(url, storage_options)  # one connection for the metadata and the shards
+    saved_world = _ranks_saved(reader.read_metadata().state_dict_metadata)
     restore = saved_world == world_size
     state: dict[str, Any] = {
         "model": get_model_state_dict(model),
@@ -184,7 +217,7 @@ def load_fsdp_state(
     }
     if restore:
         state["rng"] = {f"rank_{rank}": capture_rng()}
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
+    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

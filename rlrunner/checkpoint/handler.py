@@ -1,16 +1,20 @@
 """The CheckpointHandler: decides when and where to save, commits, discovers, verifies and retains.
 
 Commit protocol of `global_step_N` (a killed save never becomes a checkpoint):
-  1. the backend's manager writes its shards into `checkpoints/.tmp-global_step_N-<id>/actor/`,
-     each file fsync'd, possibly in the background (`begin_save`, then `finish_save` when every
-     rank's write has finished); the handler writes `data/data.pt` and any extra files;
+  1. the backend's manager writes its shards under `<save folder>/actor/`, each file durable
+     (fsync'd locally, a whole object on a store), possibly in the background (`begin_save`, then
+     `finish_save` when every rank's write has finished); the handler writes `data/data.pt` and any
+     extra files;
   2. the handler checks that every file is there with the size its writer reported;
-  3. `manifest.json` is written last (atomically, fsync'd): files, sizes, CRC-32s, step, world size,
+  3. `manifest.json` is written last (atomically): files, sizes, CRC-32s, step, world size,
      backend, config fingerprint;
-  4. the staging folder is renamed to `global_step_N` and the parent folder fsync'd;
-  5. retention deletes the oldest complete checkpoints beyond `runner.max_ckpt_to_keep`.
+  4. on local disks the save folder is a staging folder `.tmp-global_step_N-<id>`, renamed to
+     `global_step_N` and the parent fsync'd; on object stores (no rename) the save folder is
+     `global_step_N` itself and the manifest is the commit;
+  5. retention deletes the oldest complete checkpoints beyond `runner.max_ckpt_to_keep`
+     (on object stores the manifest first, so a half-deleted folder never verifies).
 A folder without a valid manifest is not a checkpoint; "latest" is found by verifying, never by
-trusting a name.
+trusting a name. Every location is a URL string on a Storage (a local path is one too).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import io
 import logging
 import os
 import shutil
+import tempfile
 import time
 import uuid
 from contextlib import contextmanager
@@ -33,7 +38,6 @@ from rlrunner.checkpoint.manager import CheckpointManager
 from rlrunner.checkpoint.manifest import (
     ManifestError,
     build_manifest,
-    file_record,
     read_manifest,
     relative_files,
     verify_files,
@@ -41,7 +45,8 @@ from rlrunner.checkpoint.manifest import (
 )
 from rlrunner.checkpoint.policy import fingerprint_differences, should_save, steps_to_delete
 from rlrunner.errors import CheckpointError, CheckpointSaveError, is_storage_full_or_forbidden
-from rlrunner.utils.fs import atomic_write_bytes, fsync_dir, fsync_file
+from rlrunner.storage import Storage, basename, is_url, open_storage, parent
+from rlrunner.utils.fs import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -52,40 +57,44 @@ COMPLETE, INCOMPLETE, CORRUPT = "complete", "incomplete", "corrupt"
 class CheckpointStatus:
     """What a folder under `checkpoints/` is: a complete checkpoint, or why it is not one."""
 
-    path: Path
+    url: str
     status: str
     step: int | None
     size_bytes: int
     reasons: list[str] = field(default_factory=list)
     manifest: dict[str, Any] | None = None
 
+    @property
+    def name(self) -> str:
+        return basename(self.url)
 
-def inspect_checkpoint(path: Path, checksums: bool) -> CheckpointStatus:
+
+def inspect_checkpoint(storage: Storage, url: str, checksums: bool) -> CheckpointStatus:
     """Verify one folder against its manifest (sizes always, CRC-32s when `checksums`)."""
-    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+    size = sum(storage.walk(url).values())
     try:
-        manifest = read_manifest(path)
+        manifest = read_manifest(storage, url)
     except ManifestError as exc:
-        return CheckpointStatus(path, INCOMPLETE, layout.step_from_name(path.name), size, [str(exc)])
-    problems = verify_files(path, manifest, checksums)
+        return CheckpointStatus(url, INCOMPLETE, layout.step_from_name(basename(url)), size, [str(exc)])
+    problems = verify_files(storage, url, manifest, checksums)
     status = CORRUPT if problems else COMPLETE
-    return CheckpointStatus(path, status, int(manifest["step"]), size, [str(p) for p in problems], manifest)
+    return CheckpointStatus(url, status, int(manifest["step"]), size, [str(p) for p in problems], manifest)
 
 
-def scan_checkpoints(root: Path, checksums: bool = False) -> list[CheckpointStatus]:
+def scan_checkpoints(storage: Storage, root: str, checksums: bool = False) -> list[CheckpointStatus]:
     """Every `global_step_N` folder under `root`, newest first, with its status."""
-    return [inspect_checkpoint(path, checksums) for path in layout.step_dirs(root)]
+    return [inspect_checkpoint(storage, url, checksums) for url in layout.step_dirs(storage, root)]
 
 
 @dataclass
 class PendingSave:
-    """A save begun and not yet committed: its staging folder and what the commit will write."""
+    """A save begun and not yet committed: the folder it writes into and what the commit will write."""
 
     step: int
-    staging: Path
+    folder: str  # a staging folder on local disks, `global_step_N` itself on object stores
     manager: CheckpointManager
     data_bytes: bytes  # data/data.pt, serialised when the save began
-    write_extra: Callable[[Path], None] | None
+    write_extra: Callable[[str], None] | None
     extra_manifest: dict[str, Any]
 
 
@@ -93,27 +102,42 @@ class PendingSave:
 class Checkpoint:
     """A verified checkpoint to resume from."""
 
-    path: Path
+    url: str
     step: int
     world_size: int
     manifest: dict[str, Any]
+    storage: Storage
+
+    @property
+    def name(self) -> str:
+        return basename(self.url)
 
 
 class CheckpointHandler:
     def __init__(
         self,
-        experiment: Path,
+        storage: Storage,
+        experiment: str,
         save_interval: int,
         max_keep: int | None,
         fingerprint: dict[str, Any],
         verify_checksums: bool = True,
     ):
+        self.storage = storage
         self.experiment = experiment
         self.root = layout.checkpoints_root(experiment)
         self.save_interval = save_interval
         self.max_keep = max_keep
         self.fingerprint = fingerprint
         self.verify_checksums = verify_checksums
+
+    @property
+    def stages_locally(self) -> bool:
+        """Local disks stage a save and rename it into place; stores without rename write in place."""
+        return self.storage.supports_rename
+
+    def _url(self, *parts: str) -> str:
+        return self.storage.join(self.root, *parts)
 
     # -- when ----------------------------------------------------------------------------------
 
@@ -133,9 +157,9 @@ class CheckpointHandler:
         step: int,
         manager: CheckpointManager,
         data_state: dict[str, Any],
-        write_extra: Callable[[Path], None] | None = None,
+        write_extra: Callable[[str], None] | None = None,
         extra_manifest: dict[str, Any] | None = None,
-    ) -> Path:
+    ) -> str:
         """Write and commit `global_step_<step>`; on any failure nothing is committed and the error says so."""
         return self.finish_save(self.begin_save(step, manager, data_state, write_extra, extra_manifest), wait=True)
 
@@ -144,49 +168,51 @@ class CheckpointHandler:
         step: int,
         manager: CheckpointManager,
         data_state: dict[str, Any],
-        write_extra: Callable[[Path], None] | None = None,
+        write_extra: Callable[[str], None] | None = None,
         extra_manifest: dict[str, Any] | None = None,
     ) -> PendingSave:
-        """Start `global_step_<step>` in a staging folder; the manager may go on writing in the background.
+        """Start `global_step_<step>`; the manager may go on writing in the background.
 
-        Everything the commit needs from the driver (the data position, the manifest's extras) is taken now.
+        `write_extra(folder)` is called at the commit with a local folder whose files are added to the
+        checkpoint (e.g. the HF config and tokenizer). Everything the commit needs from the driver (the
+        data position, the manifest's extras) is taken now.
         """
-        self.root.mkdir(parents=True, exist_ok=True)
-        staging = self.root / f"{layout.STAGING_PREFIX}{layout.step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
-        pending = PendingSave(step, staging, manager, _torch_bytes(data_state), write_extra, dict(extra_manifest or {}))
+        name = layout.step_dir_name(step)
+        folder = self._url(f"{layout.STAGING_PREFIX}{name}-{uuid.uuid4().hex[:8]}") if self.stages_locally else self._url(name)
+        pending = PendingSave(step, folder, manager, _torch_bytes(data_state), write_extra, dict(extra_manifest or {}))
         with self._failing_save(pending):
-            staging.mkdir()
-            manager.start_save(staging / layout.ACTOR_DIR, step)
+            if not self.stages_locally and self.storage.exists(folder):
+                # Saving a step again on a store without rename: the old one stops being a checkpoint first.
+                self._delete_in_place(folder)
+            self.storage.makedirs(self.storage.join(folder, layout.ACTOR_DIR))
+            manager.start_save(self.storage.join(folder, layout.ACTOR_DIR), step)
         return pending
 
-    def finish_save(self, pending: PendingSave, wait: bool) -> Path | None:
+    def finish_save(self, pending: PendingSave, wait: bool) -> str | None:
         """Commit `pending` once every rank's write has finished (waiting for it with `wait`); None if not yet.
 
         Only a committed checkpoint counts, and only after the commit may retention delete anything.
         """
-        final = self.root / layout.step_dir_name(pending.step)
+        final = self._url(layout.step_dir_name(pending.step))
+        storage = self.storage
         with self._failing_save(pending):
             actor_files = pending.manager.finish_save(wait)
             if actor_files is None:
                 return None
-            staging = pending.staging
+            folder = pending.folder
             files = {f"{layout.ACTOR_DIR}/{name}": record for name, record in actor_files.items()}
-            data_path = staging / layout.DATA_FILE
-            data_path.parent.mkdir(parents=True)
-            atomic_write_bytes(data_path, pending.data_bytes)
+            files[layout.DATA_FILE] = storage.write_bytes(storage.join(folder, layout.DATA_FILE), pending.data_bytes).as_dict()
             if pending.write_extra is not None:
-                pending.write_extra(staging)
-            for name in relative_files(staging):
-                if name not in files:  # written here (e.g. by save_pretrained), not by a worker: make it durable too
-                    fsync_file(staging / name)
-                    files[name] = file_record(staging / name)
-            self._check_reported_files(staging, files)
-            for folder in {staging / Path(name).parent for name in files}:
-                fsync_dir(folder)
+                files.update(self._write_extra_files(folder, pending.write_extra))
+            self._check_reported_files(folder, files)
+            if storage.is_local:  # the files' directory entries (DCP fsyncs the files, not their folders)
+                for sub in {storage.join(folder, name).rsplit("/", 1)[0] for name in files}:
+                    fsync_dir(Path(sub))
             manager = pending.manager
             manifest = build_manifest(pending.step, manager.world_size, manager.backend, self.fingerprint, files, pending.extra_manifest)
-            write_manifest(staging, manifest)
-            self._commit(staging, final)
+            write_manifest(storage, folder, manifest)
+            if self.stages_locally:
+                self._commit_staged(folder, final)
         size = sum(r["size"] for r in files.values())
         write_s = getattr(manager, "write_s", None)
         if write_s:
@@ -197,87 +223,119 @@ class CheckpointHandler:
         self.apply_retention(keep=final)
         return final
 
+    def _write_extra_files(self, folder: str, write_extra: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+        """Files a library writes into a local folder (save_pretrained), copied into the checkpoint durably."""
+        records = {}
+        with tempfile.TemporaryDirectory(prefix="rlrunner-extra-") as local:
+            write_extra(local)
+            for dirpath, _, names in os.walk(local):
+                for file_name in names:
+                    full = os.path.join(dirpath, file_name)
+                    relative = os.path.relpath(full, local).replace(os.sep, "/")
+                    records[relative] = self.storage.put_file(full, self.storage.join(folder, relative)).as_dict()
+        return records
+
     @contextmanager
     def _failing_save(self, pending: PendingSave) -> Iterator[None]:
-        """On any failure: nothing committed, the staging folder removed, one CheckpointSaveError naming the cause."""
+        """On any failure: nothing committed, the save's folder removed, one CheckpointSaveError naming the cause."""
         try:
             yield
         except BaseException as exc:
-            space = free_space(self.root)  # measured before the staging folder's space is given back
-            shutil.rmtree(pending.staging, ignore_errors=True)
+            space = free_space(self.storage, self.root)  # measured before the save's space is given back
+            self._remove_quietly(pending.folder)
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             newest = self.newest_complete()
-            kept = f"the newest complete checkpoint is still {newest.name}" if newest else "there is no complete checkpoint yet"
+            kept = f"the newest complete checkpoint is still {basename(newest)}" if newest else "there is no complete checkpoint yet"
             permanent = is_storage_full_or_forbidden(exc) or space.endswith(_FULL_NOTE)
             name = layout.step_dir_name(pending.step)
             raise CheckpointSaveError(f"saving {name} failed: {root_cause(exc)} ({space}); {kept}", permanent) from exc
 
-    def _check_reported_files(self, staging: Path, files: dict[str, dict[str, Any]]) -> None:
+    def _remove_quietly(self, folder: str) -> None:
+        try:
+            self._delete_in_place(folder)
+        except Exception as exc:  # a leftover without a manifest is never a checkpoint, and is removed at the next start
+            logger.warning("could not remove the unfinished save %s: %s", folder, exc)
+
+    def _check_reported_files(self, folder: str, files: dict[str, dict[str, Any]]) -> None:
         """Every file a worker wrote must be visible here, at its size: catches a folder that is not shared."""
+        present = relative_files(self.storage, folder)
         for name, record in files.items():
-            path = staging / name
-            if not path.is_file():
+            if name not in present:
                 raise CheckpointSaveError(
-                    f"{name} was written by a worker but is not visible to the driver at {path}: "
+                    f"{name} was written by a worker but is not visible to the driver at {self.storage.join(folder, name)}: "
                     "checkpoints must be on storage shared by every node"
                 )
-            if path.stat().st_size != record["size"]:
-                raise CheckpointSaveError(f"{name} is {path.stat().st_size} bytes here, its writer reported {record['size']}")
+            if present[name] != record["size"]:
+                raise CheckpointSaveError(f"{name} is {present[name]} bytes here, its writer reported {record['size']}")
 
-    def _commit(self, staging: Path, final: Path) -> None:
-        if final.exists():
+    def _commit_staged(self, staging: str, final: str) -> None:
+        storage = self.storage
+        if storage.exists(final):
             # A step saved again (e.g. replayed after its first save was found corrupt): swap the new one in,
             # then drop the old. A crash between the two renames is repaired by remove_leftovers().
-            replaced = self.root / f"{layout.REPLACED_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, replaced)
-            os.rename(staging, final)
-            fsync_dir(self.root)
-            shutil.rmtree(replaced, ignore_errors=True)
+            replaced = self._url(f"{layout.REPLACED_PREFIX}{basename(final)}-{uuid.uuid4().hex[:8]}")
+            storage.rename_dir(final, replaced)
+            storage.rename_dir(staging, final)
+            storage.delete_tree(replaced)
         else:
-            os.rename(staging, final)
-            fsync_dir(self.root)
+            storage.rename_dir(staging, final)
 
     # -- discover and retain -------------------------------------------------------------------
 
-    def newest_complete(self) -> Path | None:
-        for status in scan_checkpoints(self.root):
+    def newest_complete(self) -> str | None:
+        for status in scan_checkpoints(self.storage, self.root):
             if status.status == COMPLETE:
-                return status.path
+                return status.url
         return None
 
-    def apply_retention(self, keep: Path | None = None) -> None:
+    def apply_retention(self, keep: str | None = None) -> None:
         """Delete the oldest complete checkpoints beyond `max_keep`; never `keep` (the one just committed)."""
         if self.max_keep is None:
             return
-        complete = {s.step: s.path for s in scan_checkpoints(self.root) if s.status == COMPLETE}
+        complete = {s.step: s.url for s in scan_checkpoints(self.storage, self.root) if s.status == COMPLETE}
         for step in steps_to_delete(complete, self.max_keep):
             if complete[step] == keep:
                 continue
             self.delete(complete[step])
-            logger.info("deleted %s (runner.max_ckpt_to_keep=%d)", complete[step].name, self.max_keep)
+            logger.info("deleted %s (runner.max_ckpt_to_keep=%d)", basename(complete[step]), self.max_keep)
 
-    def delete(self, path: Path) -> None:
-        """Rename out of the namespace first, so a crash mid-delete leaves no half-checkpoint behind."""
-        trash = self.root / f"{layout.TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(path, trash)
-        fsync_dir(self.root)
-        shutil.rmtree(trash, ignore_errors=True)
+    def delete(self, url: str) -> None:
+        """Never leaves a half-deleted folder that verifies: renamed out of the namespace first on local disks,
+        its manifest deleted first on stores without rename."""
+        if self.stages_locally:
+            trash = self._url(f"{layout.TRASH_PREFIX}{basename(url)}-{uuid.uuid4().hex[:8]}")
+            self.storage.rename_dir(url, trash)
+            self.storage.delete_tree(trash)
+        else:
+            self._delete_in_place(url)
+
+    def _delete_in_place(self, url: str) -> None:
+        self.storage.delete(self.storage.join(url, layout.MANIFEST_FILE))
+        self.storage.delete_tree(url)
 
     def remove_leftovers(self) -> None:
         """Delete what killed saves and deletions left (only safe while holding the experiment lock).
 
-        A checkpoint that was being replaced when the run died is put back if its replacement never arrived.
+        Local disks: staging, trash and replaced folders; a checkpoint that was being replaced when the run
+        died is put back if its replacement never arrived. Stores without rename: `global_step_N` folders
+        without a manifest (a save or deletion that did not finish).
         """
-        for leftover in layout.leftover_dirs(self.root):
-            original = layout.replaced_step_name(leftover.name)
-            if original is not None and not (self.root / original).exists():
-                os.rename(leftover, self.root / original)
-                fsync_dir(self.root)
+        storage = self.storage
+        if not self.stages_locally:
+            for status in scan_checkpoints(storage, self.root):
+                if status.manifest is None:
+                    logger.info("removing %s, left by a save or deletion that did not finish (%s)", status.name, status.reasons[0])
+                    storage.delete_tree(status.url)
+            return
+        for leftover in layout.leftover_dirs(storage, self.root):
+            original = layout.replaced_step_name(basename(leftover))
+            if original is not None and not storage.exists(self._url(original)):
+                storage.rename_dir(leftover, self._url(original))
                 logger.info("restored %s, which a save that did not finish was replacing", original)
                 continue
-            logger.info("removing %s, left by a save or deletion that did not finish", leftover.name)
-            shutil.rmtree(leftover, ignore_errors=True)
+            logger.info("removing %s, left by a save or deletion that did not finish", basename(leftover))
+            storage.delete_tree(leftover)
 
     def start_branch(self, checkpoint: Checkpoint) -> list[str]:
         """Move the checkpoints newer than an explicitly chosen one out of the way (never deleted).
@@ -286,24 +344,29 @@ class CheckpointHandler:
         retention must only ever see that branch. The old branch's newer folders go to
         `checkpoints/abandoned/<time>/`; returns their names.
         """
+        storage = self.storage
+        chosen = _same_location_key(checkpoint.storage, checkpoint.url)
         newer = [
-            path for path in layout.step_dirs(self.root)
-            if path.resolve() != checkpoint.path.resolve() and layout.step_from_name(path.name) >= checkpoint.step
+            url for url in layout.step_dirs(storage, self.root)
+            if _same_location_key(storage, url) != chosen and layout.step_from_name(basename(url)) >= checkpoint.step
         ]
         if not newer:
             return []
-        destination = self.root / layout.ABANDONED_DIR / time.strftime("%Y%m%d-%H%M%S")
-        while destination.exists():  # two branches started within a second
-            destination = destination.with_name(destination.name + "-" + uuid.uuid4().hex[:4])
-        destination.mkdir(parents=True)
-        for path in sorted(newer, key=lambda p: layout.step_from_name(p.name)):
-            os.rename(path, destination / path.name)
-        fsync_dir(destination)
-        fsync_dir(self.root)
-        moved = sorted((p.name for p in newer), key=layout.step_from_name)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        destination = self._url(layout.ABANDONED_DIR, stamp)
+        while storage.exists(destination):  # two branches started within a second
+            destination = self._url(layout.ABANDONED_DIR, f"{stamp}-{uuid.uuid4().hex[:4]}")
+        moved = sorted((basename(url) for url in newer), key=layout.step_from_name)
+        for name in moved:
+            source, target = self._url(name), storage.join(destination, name)
+            if self.stages_locally:
+                storage.rename_dir(source, target)
+            else:  # copied whole (manifest included) before the original stops being a checkpoint
+                storage.copy_tree(source, target)
+                self._delete_in_place(source)
         logger.warning(
             "resuming from %s (step %d) starts a new branch: moved the old branch's newer checkpoints %s to %s",
-            checkpoint.path.name, checkpoint.step, ", ".join(moved), destination,
+            checkpoint.name, checkpoint.step, ", ".join(moved), destination,
         )
         return moved
 
@@ -315,7 +378,7 @@ class CheckpointHandler:
             newest = self.newest_complete()
             if newest is not None:
                 raise CheckpointError(
-                    f"{self.experiment} already has checkpoints (newest {newest.name}) and runner.resume_dir is null: "
+                    f"{self.experiment} already has checkpoints (newest {basename(newest)}) and runner.resume_dir is null: "
                     "set runner.resume_dir=auto to continue, or choose another runner.experiment_name"
                 )
             return None
@@ -324,61 +387,76 @@ class CheckpointHandler:
         return self._check_explicit(resume_dir)
 
     def _find_auto(self) -> Checkpoint | None:
-        for status in scan_checkpoints(self.root):
+        for status in scan_checkpoints(self.storage, self.root):
             if status.status == COMPLETE and self.verify_checksums:
-                status = inspect_checkpoint(status.path, checksums=True)
+                status = inspect_checkpoint(self.storage, status.url, checksums=True)
             if status.status == COMPLETE:
-                logger.info("resuming from %s (step %d), the newest complete checkpoint", status.path, status.step)
-                return self._accept(status)
-            logger.warning("skipping %s: %s (%s)", status.path.name, status.status, "; ".join(status.reasons))
+                logger.info("resuming from %s (step %d), the newest complete checkpoint", status.url, status.step)
+                return self._accept(self.storage, status)
+            logger.warning("skipping %s: %s (%s)", status.name, status.status, "; ".join(status.reasons))
         logger.info("runner.resume_dir=auto: no complete checkpoint in %s, starting fresh", self.root)
         return None
 
     def _check_explicit(self, resume_dir: str) -> Checkpoint:
-        given = Path(resume_dir).expanduser()
-        if not given.exists():
+        storage, url = self._resume_location(resume_dir)
+        if not storage.exists(url):
             raise CheckpointError(f"runner.resume_dir does not exist: {resume_dir}")
-        path = given.resolve()
-        if not path.is_dir():
+        if not storage.is_dir(url):
             raise CheckpointError(f"runner.resume_dir is not a directory: {resume_dir}")
-        status = inspect_checkpoint(path, checksums=self.verify_checksums)
+        status = inspect_checkpoint(storage, url, checksums=self.verify_checksums)
         if status.status == INCOMPLETE:
             hint = ""
-            if layout.step_dirs(path) or layout.step_dirs(path / layout.CHECKPOINTS_DIR):
+            if layout.step_dirs(storage, url) or layout.step_dirs(storage, storage.join(url, layout.CHECKPOINTS_DIR)):
                 hint = " (it holds global_step_* folders: name one of them, or use runner.resume_dir=auto)"
             raise CheckpointError(f"runner.resume_dir {resume_dir} is not a complete checkpoint: {status.reasons[0]}{hint}")
         if status.status == CORRUPT:
             raise CheckpointError(f"runner.resume_dir {resume_dir} fails verification: {'; '.join(status.reasons)}")
-        logger.info("resuming from %s (step %d)", path, status.step)
-        return self._accept(status)
+        logger.info("resuming from %s (step %d)", url, status.step)
+        return self._accept(storage, status)
 
-    def _accept(self, status: CheckpointStatus) -> Checkpoint:
+    def _resume_location(self, resume_dir: str) -> tuple[Storage, str]:
+        """The storage and URL of an explicit resume_dir: a local path (symlinks resolved) or a URL on any store."""
+        if is_url(resume_dir):
+            same_store = resume_dir.split("://", 1)[0].lower() == self.storage.protocol
+            storage = self.storage if same_store else open_storage(resume_dir, self.storage.storage_options)
+            return storage, resume_dir.rstrip("/")
+        storage = self.storage if self.storage.is_local else open_storage(resume_dir)
+        return storage, os.path.realpath(os.path.expanduser(resume_dir.removeprefix("file://")))
+
+    def _accept(self, storage: Storage, status: CheckpointStatus) -> Checkpoint:
         manifest = status.manifest
         differences = fingerprint_differences(manifest["fingerprint"], self.fingerprint)
         if differences:
             raise CheckpointError(
-                f"checkpoint {status.path} was saved with a different model/optimizer config: {', '.join(differences)}"
+                f"checkpoint {status.url} was saved with a different model/optimizer config: {', '.join(differences)}"
             )
-        return Checkpoint(status.path, int(manifest["step"]), int(manifest["world_size"]), manifest)
+        return Checkpoint(status.url, int(manifest["step"]), int(manifest["world_size"]), manifest, storage)
 
     def load(self, checkpoint: Checkpoint, manager: CheckpointManager) -> dict[str, Any]:
         """Load the backend's shards into the workers; returns the driver's data state (`data/data.pt`)."""
         if checkpoint.manifest["backend"] != manager.backend:
             raise CheckpointError(
-                f"checkpoint {checkpoint.path} was written by the {checkpoint.manifest['backend']} backend, this run uses {manager.backend}"
+                f"checkpoint {checkpoint.url} was written by the {checkpoint.manifest['backend']} backend, this run uses {manager.backend}"
             )
         if checkpoint.world_size != manager.world_size:
             logger.warning(
                 "resharding %s from %d to %d actor ranks: model and optimizer are resharded, per-rank RNG states are not restored",
-                checkpoint.path.name, checkpoint.world_size, manager.world_size,
+                checkpoint.name, checkpoint.world_size, manager.world_size,
             )
+        storage = checkpoint.storage
         try:
-            manager.load(checkpoint.path / layout.ACTOR_DIR)
-            return torch.load(checkpoint.path / layout.DATA_FILE, weights_only=True)
+            manager.load(storage.join(checkpoint.url, layout.ACTOR_DIR))
+            data = storage.read_bytes(storage.join(checkpoint.url, layout.DATA_FILE))
+            return torch.load(io.BytesIO(data), weights_only=True)
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            raise CheckpointError(f"loading checkpoint {checkpoint.path} failed: {root_cause(exc)}") from exc
+            raise CheckpointError(f"loading checkpoint {checkpoint.url} failed: {root_cause(exc)}") from exc
+
+
+def _same_location_key(storage: Storage, url: str) -> str:
+    """A comparable key for a checkpoint folder: the real path on local disks (symlinks resolved), else the URL."""
+    return os.path.realpath(url) if storage.is_local else f"{storage.protocol}://{url.split('://', 1)[-1].rstrip('/')}"
 
 
 def _torch_bytes(obj: Any) -> bytes:
@@ -391,15 +469,19 @@ _NEARLY_FULL_BYTES = 64 << 20
 _FULL_NOTE = ": the disk is probably full"
 
 
-def free_space(path: Path) -> str:
+def free_space(storage: Storage, url: str) -> str:
     """How much room is left where checkpoints go: libraries do not always pass ENOSPC on as such."""
+    if not storage.is_local:
+        return f"free space of {storage.protocol}:// storage not measured"
+    path = url
+    while not os.path.exists(path) and parent(path) != path:  # the folder may not exist yet
+        path = parent(path)
     try:
         free = shutil.disk_usage(path).free
     except OSError:
-        return f"free space of {path} unknown"
-    note = f"{human_bytes(free)} free on the disk holding {path}"
+        return f"free space of {url} unknown"
+    note = f"{human_bytes(free)} free on the disk holding {url}"
     return f"{note}{_FULL_NOTE}" if free < _NEARLY_FULL_BYTES else note
-
 
 def human_bytes(count: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):

@@ -6,12 +6,17 @@
       .trash-*                a checkpoint being deleted
       .replaced-global_step_N-*  the previous global_step_N while a new save of step N is swapped in
       abandoned/<time>/global_step_N   checkpoints of a branch left when a run resumed from an older one
+
+Folders are URLs on a Storage (local paths are just another store); the dot-folders exist on local disks only,
+where a save is staged and renamed into place. On object stores a save writes `global_step_N/` directly and
+the manifest, written last, is the commit.
 """
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
+
+from rlrunner.storage import Storage, open_storage
 
 CHECKPOINTS_DIR = "checkpoints"
 STEP_PREFIX = "global_step_"
@@ -27,12 +32,14 @@ HF_DIR = "actor/huggingface"
 _STEP_NAME = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 
 
-def experiment_dir(output_dir: str | Path, experiment_name: str) -> Path:
-    return Path(output_dir).expanduser().resolve() / experiment_name
+def experiment_url(output_dir: str, experiment_name: str, storage_options: dict | None = None) -> tuple[Storage, str]:
+    """The storage holding `output_dir` and the experiment folder's URL on it (an absolute path when local)."""
+    storage = open_storage(output_dir, storage_options)
+    return storage, storage.join(storage.url, experiment_name)
 
 
-def checkpoints_root(experiment: Path) -> Path:
-    return experiment / CHECKPOINTS_DIR
+def checkpoints_root(experiment: str) -> str:
+    return f"{experiment.rstrip('/')}/{CHECKPOINTS_DIR}"
 
 
 def step_dir_name(step: int) -> str:
@@ -45,19 +52,16 @@ def step_from_name(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def step_dirs(root: Path) -> list[Path]:
-    """The `global_step_N` folders under `root`, newest (largest N) first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and step_from_name(p.name) is not None]
-    return sorted(found, key=lambda p: step_from_name(p.name), reverse=True)
+def step_dirs(storage: Storage, root: str) -> list[str]:
+    """URLs of the `global_step_N` folders under `root`, newest (largest N) first."""
+    found = [name for name in storage.list(root, dirs_only=True) if step_from_name(name) is not None]
+    return [storage.join(root, name) for name in sorted(found, key=step_from_name, reverse=True)]
 
 
-def leftover_dirs(root: Path) -> list[Path]:
-    """Staging and trash folders: what a killed save or deletion left behind."""
-    if not root.is_dir():
-        return []
-    return [p for p in root.iterdir() if p.is_dir() and p.name.startswith((STAGING_PREFIX, TRASH_PREFIX, REPLACED_PREFIX))]
+def leftover_dirs(storage: Storage, root: str) -> list[str]:
+    """Staging and trash folders: what a killed save or deletion left behind (local disks only)."""
+    prefixes = (STAGING_PREFIX, TRASH_PREFIX, REPLACED_PREFIX)
+    return [storage.join(root, name) for name in storage.list(root, dirs_only=True) if name.startswith(prefixes)]
 
 
 def replaced_step_name(name: str) -> str | None:

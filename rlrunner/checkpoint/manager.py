@@ -1,7 +1,8 @@
 """The CheckpointManager interface (one per training backend) and its FSDP2 + DCP implementation.
 
-A manager only writes and reads its backend's shards under the folder it is given; the handler
-decides when and where, and commits. A save has two halves, so that the files can be written in
+A manager only writes and reads its backend's shards under the folder it is given (a URL string: a
+local path or any store's URL); the handler decides when and where, makes the folder through its
+Storage, and commits. A save has two halves, so that the files can be written in
 the background while training goes on: `start_save` returns once the state is safe from training
 (copied off the live tensors, or fully written for a synchronous save), `finish_save` reports the
 files once every rank's write has finished. A backend with another layout (e.g. Megatron's
@@ -10,7 +11,6 @@ files once every rank's write has finished. A backend with another layout (e.g. 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Protocol
 
 
@@ -20,8 +20,8 @@ class CheckpointManager(Protocol):
     @property
     def world_size(self) -> int: ...
 
-    def start_save(self, path: Path, step: int) -> None:
-        """Begin writing the training state under `path`; training may change the live state once this returns."""
+    def start_save(self, url: str, step: int) -> None:
+        """Begin writing the training state under `url`; training may change the live state once this returns."""
         ...
 
     def finish_save(self, wait: bool) -> dict[str, dict[str, Any]] | None:
@@ -29,29 +29,39 @@ class CheckpointManager(Protocol):
         error if one failed); None when `wait` is false and some write is still going on."""
         ...
 
-    def load(self, path: Path) -> None:
-        """Load the training state saved under `path` into the live workers."""
+    def load(self, url: str) -> None:
+        """Load the training state saved under `url` into the live workers."""
         ...
 
 
 class FSDPCheckpointManager:
-    """FSDP2 shards through torch.distributed.checkpoint, written by every actor rank in parallel."""
+    """FSDP2 shards through torch.distributed.checkpoint, written by every actor rank in parallel, straight to
+    the store (each rank opens its own connection with `storage_options`)."""
 
     backend = "fsdp2-dcp"
 
-    def __init__(self, actor_group, timeout_s: float | None = None, background: bool = False):
+    def __init__(
+        self,
+        actor_group,
+        timeout_s: float | None = None,
+        background: bool = False,
+        storage_options: dict[str, Any] | None = None,
+    ):
         self.actor_group = actor_group
         self.timeout_s = timeout_s  # runner.recovery.checkpoint_timeout_s: I/O has its own bound, not a step's
         self.background = background  # runner.async_save
+        self.storage_options = dict(storage_options or {})  # runner.storage_options, for fsspec on every rank
         self.write_s: float | None = None  # the slowest rank's write time of the last finished save
 
     @property
     def world_size(self) -> int:
         return self.actor_group.num_workers
 
-    def start_save(self, path: Path, step: int) -> None:
-        path.mkdir(parents=True, exist_ok=True)
-        self.actor_group.call_all("start_checkpoint", str(path), self.background, timeout_s=self.timeout_s)
+    def start_save(self, url: str, step: int) -> None:
+        # No folder made here: the handler makes it through its Storage (object stores need none).
+        self.actor_group.call_all(
+            "start_checkpoint", str(url), self.background, self.storage_options, timeout_s=self.timeout_s
+        )
 
     def finish_save(self, wait: bool) -> dict[str, dict[str, Any]] | None:
         if not wait and not all(self.actor_group.call_all("checkpoint_written")):
@@ -63,10 +73,10 @@ class FSDPCheckpointManager:
             files.update(result["files"])
         return files
 
-    def save(self, path: Path, step: int) -> dict[str, dict[str, Any]]:
+    def save(self, url: str, step: int) -> dict[str, dict[str, Any]]:
         """Start and finish a save in one call (benchmarks, tools)."""
-        self.start_save(path, step)
+        self.start_save(url, step)
         return self.finish_save(wait=True)
 
-    def load(self, path: Path) -> None:
-        self.actor_group.call_all("load_checkpoint", str(path), timeout_s=self.timeout_s)
+    def load(self, url: str) -> None:
+        self.actor_group.call_all("load_checkpoint", str(url), self.storage_options, timeout_s=self.timeout_s)

@@ -8,42 +8,26 @@ folder against it: sizes only (cheap, for listing) or sizes and checksums (befor
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
-import zlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from rlrunner.checkpoint.layout import MANIFEST_FILE
-from rlrunner.utils.fs import atomic_write_bytes
+from rlrunner.storage import Storage
 
 FORMAT = "rlrunner.checkpoint"
 VERSION = 1
-_CHUNK = 8 << 20
 
 
-def file_record(path: Path) -> dict[str, Any]:
+def file_record(storage: Storage, url: str) -> dict[str, Any]:
     """{"size": bytes, "crc32": "8 hex digits"} of a file, read in chunks (constant memory)."""
-    crc = 0
-    size = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-    return {"size": size, "crc32": f"{crc:08x}"}
+    return storage.checksum(url).as_dict()
 
 
-def relative_files(folder: Path) -> list[str]:
-    """Every file under `folder`, as sorted POSIX paths relative to it (the manifest excluded)."""
-    files = []
-    for dirpath, _, names in os.walk(folder):
-        for name in names:
-            relative = Path(dirpath, name).relative_to(folder).as_posix()
-            if relative != MANIFEST_FILE:
-                files.append(relative)
-    return sorted(files)
+def relative_files(storage: Storage, folder: str) -> dict[str, int]:
+    """{relative POSIX path: size} of every file under `folder` (the manifest excluded), from one listing."""
+    return {name: size for name, size in storage.walk(folder).items() if name != MANIFEST_FILE}
 
 
 def build_manifest(
@@ -62,21 +46,24 @@ def build_manifest(
     }
 
 
-def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
-    atomic_write_bytes(folder / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True).encode())
+def write_manifest(storage: Storage, folder: str, manifest: dict[str, Any]) -> None:
+    """Atomic and durable: a local write is fsync'd and renamed into place, an object store's PUT is all or nothing."""
+    storage.write_bytes(storage.join(folder, MANIFEST_FILE), json.dumps(manifest, indent=1, sort_keys=True).encode())
 
 
 class ManifestError(Exception):
     """The manifest is missing, unreadable or malformed: the folder is not a (complete) checkpoint."""
 
 
-def read_manifest(folder: Path) -> dict[str, Any]:
-    path = folder / MANIFEST_FILE
-    if not path.is_file():
-        raise ManifestError("no manifest.json (the save did not finish)")
+def read_manifest(storage: Storage, folder: str) -> dict[str, Any]:
+    """The folder's manifest, checked for shape and types; ManifestError says why it is not one."""
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raw = storage.read_bytes(storage.join(folder, MANIFEST_FILE))
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise ManifestError("no manifest.json (the save did not finish)") from None
+    try:
+        manifest = json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ManifestError(f"manifest.json is unreadable ({type(exc).__name__})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ManifestError("manifest.json is not an rlrunner checkpoint manifest")
@@ -157,20 +144,20 @@ class Problem:
         return f"{self.file}: {self.what}"
 
 
-def verify_files(folder: Path, manifest: dict[str, Any], checksums: bool) -> list[Problem]:
-    """Problems found (empty when the folder matches its manifest). Stops reading a file at its first fault."""
+def verify_files(storage: Storage, folder: str, manifest: dict[str, Any], checksums: bool) -> list[Problem]:
+    """Problems found (empty when the folder matches its manifest). Sizes come from one listing of the folder."""
     problems = []
+    present = storage.walk(folder)
     for name, expected in manifest["files"].items():
-        path = folder / name
-        if not path.is_file():
+        if name not in present:
             problems.append(Problem(name, "missing"))
             continue
-        size = path.stat().st_size
+        size = present[name]
         if size != expected["size"]:
             problems.append(Problem(name, f"{size} bytes, the manifest says {expected['size']} (truncated or rewritten)"))
             continue
         if checksums:
-            actual = file_record(path)["crc32"]
+            actual = file_record(storage, storage.join(folder, name))["crc32"]
             if actual != expected["crc32"]:
                 problems.append(Problem(name, f"checksum {actual}, the manifest says {expected['crc32']} (corrupted)"))
     return problems

@@ -23,10 +23,11 @@ class Worker:
         """Where this worker runs: used for placement checks and logs."""
         return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "node_ip": node_ip()}
 
-    def probe_storage(self, directory: str, token: str) -> str | None:
-        from rlrunner.cluster.shared_storage import answer_probe
+    def probe_storage(self, storage_url: str, storage_options: dict, url: str, token: str) -> str | None:
+        """Read the driver's probe under `url` and leave this worker's own (see `check_shared_folder`)."""
+        from rlrunner.cluster.shared_storage import answer_probe_at
 
-        return answer_probe(directory, token, node_ip())
+        return answer_probe_at(storage_url, storage_options, url, token, node_ip())
 
     def free_address(self) -> tuple[str, int]:
         """An address and free port on this worker's node for the process-group rendezvous."""

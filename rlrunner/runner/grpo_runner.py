@@ -35,6 +35,7 @@ from rlrunner.data.loader import PromptLoader
 from rlrunner.errors import (
     CheckpointError,
     ClusterLostError,
+    ExperimentLockedError,
     RecoveryExhaustedError,
     StoppedEarly,
     WorkerError,
@@ -43,11 +44,13 @@ from rlrunner.errors import (
 )
 from rlrunner.models.loading import build_hf_config, build_tokenizer, token_ids
 from rlrunner.runner.batching import build_actor_batch, chunk, shard_actor_batch, split_evenly
+from rlrunner.runner.experiment_logs import ExperimentLogs
 from rlrunner.runner.metrics_logger import MetricsLogger, Progress
 from rlrunner.runner.recovery import RecoveryLog, RestartBudget, describe, failure_cause, same_failure
 from rlrunner.runner.stopping import StopRequest
 from rlrunner.runner.weight_sync import DEFAULT_BUCKET_BYTES, connect_weight_sync
 from rlrunner.runner.weight_sync import sync_weights as push_weights
+from rlrunner.storage import basename
 from rlrunner.utils.seeding import derive_seed
 from rlrunner.workers.actor import ActorWorker
 from rlrunner.workers.rollout import RolloutWorker
@@ -77,7 +80,10 @@ def model_optimizer_fingerprint(cfg: DictConfig, hf_config: dict[str, Any]) -> d
 class GRPORunner:
     def __init__(self, cfg: DictConfig, stop: StopRequest | None = None):
         self.cfg = cfg
-        self.log_path = Path(cfg.runner.logger.log_path).expanduser().resolve()
+        self.storage_options = OmegaConf.to_container(cfg.runner.storage_options, resolve=True)
+        # logs are written locally (a cache folder when log_path is on a store) and uploaded at every commit
+        self.logs = ExperimentLogs(cfg.runner.logger.log_path, self.storage_options, cfg.runner.local_cache_dir, cfg.runner.experiment_name)
+        self.log_path = self.logs.local_dir
         self.tokenizer = build_tokenizer(cfg.model)
         self.token_ids = token_ids(cfg.model, self.tokenizer)
         self.dataset = build_dataset(cfg.data, self.tokenizer, cfg.runner.seed)
@@ -89,16 +95,17 @@ class GRPORunner:
         self.pending_save: PendingSave | None = None  # a save whose files are still being written
         self.actor_group: WorkerGroup | None = None
         self.rollout_group: WorkerGroup | None = None
-        self.experiment = layout.experiment_dir(cfg.runner.output_dir, cfg.runner.experiment_name)
+        self.storage, self.experiment = layout.experiment_url(cfg.runner.output_dir, cfg.runner.experiment_name, self.storage_options)
         self.hf_config = build_hf_config(cfg.model, self.tokenizer)
         self.handler = CheckpointHandler(
+            self.storage,
             self.experiment,
             cfg.runner.save_interval,
             cfg.runner.max_ckpt_to_keep,
             model_optimizer_fingerprint(cfg, self.hf_config.to_dict()),
             verify_checksums=cfg.runner.verify_checksums,
         )
-        self.lock = ExperimentLock(self.experiment)
+        self.lock = ExperimentLock(self.storage, self.experiment)
         self.stop = stop or StopRequest(cfg.runner.max_wall_time_s)
         self.recovery_log = RecoveryLog(self.log_path)
         self.start_timings: dict[str, float] = {}
@@ -248,13 +255,14 @@ class GRPORunner:
         if not self.cfg.runner.async_save:
             self.commit_pending_save(wait=True)
 
-    def commit_pending_save(self, wait: bool) -> Path | None:
-        """Commit the save in flight once its writes are done (waiting for them with `wait`); its path, or None.
+    def commit_pending_save(self, wait: bool) -> str | None:
+        """Commit the save in flight once its writes are done (waiting for them with `wait`); its URL, or None.
 
         Only a committed checkpoint counts: `last_saved_step` moves here, never when a save begins.
         """
         if self.pending_save is None:
             return None
+        self._raise_if_lock_lost(f"committing global_step_{self.pending_save.step}")
         path = self.handler.finish_save(self.pending_save, wait)
         if path is not None:
             self.last_saved_step = self.pending_save.step
@@ -263,11 +271,13 @@ class GRPORunner:
 
     def checkpoint_manager(self) -> FSDPCheckpointManager:
         recovery = self.cfg.runner.recovery
-        return FSDPCheckpointManager(self.actor_group, recovery.checkpoint_timeout_s, background=self.cfg.runner.async_save)
+        return FSDPCheckpointManager(
+            self.actor_group, recovery.checkpoint_timeout_s, background=self.cfg.runner.async_save, storage_options=self.storage_options
+        )
 
-    def _write_hf_files(self, checkpoint: Path) -> None:
+    def _write_hf_files(self, local_folder: str) -> None:
         """HF config and tokenizer beside the shards, so converters need nothing but the checkpoint."""
-        folder = checkpoint / layout.HF_DIR
+        folder = Path(local_folder) / layout.HF_DIR
         self.hf_config.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder)
 
@@ -276,7 +286,7 @@ class GRPORunner:
         try:
             self.loader.load_state_dict(data_state["dataloader"])
         except ValueError as exc:
-            raise CheckpointError(f"checkpoint {checkpoint.path} does not fit this run's data: {exc}") from None
+            raise CheckpointError(f"checkpoint {checkpoint.url} does not fit this run's data: {exc}") from None
         self.global_step = int(data_state["runner"]["global_step"])
         self.last_saved_step = self.global_step
 
@@ -289,7 +299,7 @@ class GRPORunner:
         started = time.monotonic()
         self.build_groups(placement_timeout_s)
         built = time.monotonic()
-        check_shared_folder(self.handler.root, self.groups())
+        check_shared_folder(self.storage, self.handler.root, self.groups())
         if checkpoint is not None:
             self._raise_if_stopping()
             self.restore(checkpoint)
@@ -297,6 +307,12 @@ class GRPORunner:
         self.sync_weights()
         waited = sum(g.placement_wait_s for g in self.groups())
         self.start_timings = {"wait_s": waited, "rebuild_s": built - started - waited, "load_s": time.monotonic() - built}
+
+    def _raise_if_lock_lost(self, before: str) -> None:
+        """A run whose experiment lease lapsed or was taken over must not write on: another run owns the folder."""
+        lost = self.lock.lost()
+        if lost is not None:
+            raise ExperimentLockedError(f"stopping before {before}: the experiment lock was lost ({lost})")
 
     def _raise_if_stopping(self) -> None:
         if self.stop.requested:
@@ -306,6 +322,7 @@ class GRPORunner:
         """One attempt, without in-job recovery: lock, find the checkpoint, start (tests use this to look inside)."""
         self.lock.acquire()
         try:
+            self.logs.restore()
             self.handler.remove_leftovers()
             self.start(self.handler.find_resume(self.cfg.runner.resume_dir), self.cfg.cluster.placement_timeout_s)
         except BaseException:
@@ -316,6 +333,7 @@ class GRPORunner:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.teardown_groups()
+        self.logs.upload()
         self.lock.release()
 
     def train(self) -> dict[str, Any]:
@@ -331,6 +349,8 @@ class GRPORunner:
         try:
             while self.global_step < self.total_steps and not self.stop.requested:
                 step = self.global_step + 1
+                committed_before = self.last_saved_step
+                self._raise_if_lock_lost(f"step {step}")
                 position = self.loader.state_dict()
                 try:
                     last = self.train_step(step)
@@ -349,12 +369,15 @@ class GRPORunner:
                 finally:  # the step happened even if its save failed: log it
                     metrics_log.log(step, last)
                     progress.update(step, last)
+                if self.last_saved_step != committed_before:
+                    self.logs.upload()  # the logs on the store reach at least the newest checkpoint
                 if self.restart_to_report is not None:
                     self.recovery_log.write("first_step", restart=self.restart_to_report, step=step)
                     self.restart_to_report = None
         finally:
             progress.close()
             metrics_log.close()
+            self.logs.upload()
         self.commit_pending_save(wait=True)  # the last step's save, or the one in flight when a stop came
         if self.global_step < self.total_steps:  # the loop ended on a stop request
             self.emergency_stop()
@@ -368,7 +391,7 @@ class GRPORunner:
             saved = f"global_step_{step} is already saved"
         else:
             self.save_checkpoint(step)
-            saved = f"saved {self.commit_pending_save(wait=True).name}"
+            saved = f"saved {basename(self.commit_pending_save(wait=True))}"
         raise StoppedEarly(f"{self.stop.reason} at step {step}; {saved}; resume with runner.resume_dir=auto")
 
     # -- the resilient run ---------------------------------------------------------------------
@@ -379,77 +402,85 @@ class GRPORunner:
         `connect` (start or join Ray) is called once the lock is held and the checkpoint is chosen, so that a
         bad `runner.resume_dir` or a locked experiment is reported before Ray's start-up, not after it.
         """
-        recovery = self.cfg.runner.recovery
         with self.lock:
-            self.handler.remove_leftovers()
-            initial = self.handler.find_resume(self.cfg.runner.resume_dir)
-            if initial is not None and self.cfg.runner.resume_dir != "auto":
-                self.handler.start_branch(initial)
-            if connect is not None:
-                connect()
-            checkpoint, placement_timeout_s = initial, self.cfg.cluster.placement_timeout_s
-            budget = RestartBudget(recovery.max_restarts)
-            while True:
-                try:
-                    self.start(checkpoint, placement_timeout_s)
-                    if budget.total:
-                        self.recovery_log.write("resumed", restart=budget.total, step=self.global_step, **self.start_timings)
-                        self.restart_to_report = budget.total
-                    return self.train()
-                except StoppedEarly:
-                    raise
-                except CallAbandoned:  # stopped while the workers were starting: nothing new to save
-                    kept = self._newest_checkpoint_note()
-                    raise StoppedEarly(f"{self.stop.reason} while starting the workers; {kept}; resume with runner.resume_dir=auto") from None
-                except Exception as exc:
-                    failed_at = time.time()
-                    cause = self.repairable_cause(exc)
-                    if cause is None:
-                        error = self.unrepairable(exc)
-                        if error is exc:
-                            raise
-                        raise error from exc
-                    lost_cluster = cluster_lost(force=True)
-                    if lost_cluster is not None and not is_embedded():
-                        raise ClusterLostError(f"{lost_cluster}; the driver exits so that it can be relaunched") from exc
-                    if not recovery.enabled:
+            self.logs.restore()  # once per driver: an in-job restart must not drop log lines not yet uploaded
+            try:
+                return self._run_with_recovery(connect)
+            finally:
+                self.logs.upload()
+
+    def _run_with_recovery(self, connect: Callable[[], None] | None) -> dict[str, Any]:
+        """`run`'s attempts (called holding the experiment lock)."""
+        recovery = self.cfg.runner.recovery
+        self.handler.remove_leftovers()
+        initial = self.handler.find_resume(self.cfg.runner.resume_dir)
+        if initial is not None and self.cfg.runner.resume_dir != "auto":
+            self.handler.start_branch(initial)
+        if connect is not None:
+            connect()
+        checkpoint, placement_timeout_s = initial, self.cfg.cluster.placement_timeout_s
+        budget = RestartBudget(recovery.max_restarts)
+        while True:
+            try:
+                self.start(checkpoint, placement_timeout_s)
+                if budget.total:
+                    self.recovery_log.write("resumed", restart=budget.total, step=self.global_step, **self.start_timings)
+                    self.restart_to_report = budget.total
+                return self.train()
+            except StoppedEarly:
+                raise
+            except CallAbandoned:  # stopped while the workers were starting: nothing new to save
+                kept = self._newest_checkpoint_note()
+                raise StoppedEarly(f"{self.stop.reason} while starting the workers; {kept}; resume with runner.resume_dir=auto") from None
+            except Exception as exc:
+                failed_at = time.time()
+                cause = self.repairable_cause(exc)
+                if cause is None:
+                    error = self.unrepairable(exc)
+                    if error is exc:
                         raise
-                    if self.stop.requested:  # no restart once a stop was asked for: the newest checkpoint stands
-                        kept = self._newest_checkpoint_note()
-                        raise StoppedEarly(f"{self.stop.reason}, then a failure ({cause}); {kept}; resume with runner.resume_dir=auto") from exc
-                    newest = self.handler.newest_complete()
-                    if not budget.spend(str(newest) if newest else None, cause):
-                        same = same_failure(budget.causes)
-                        raise RecoveryExhaustedError(
-                            f"giving up after {recovery.max_restarts} in-job restarts without a new checkpoint in between "
-                            f"(runner.recovery.max_restarts); last failure{' (the same each time)' if same else ''}: {cause}",
-                            same_error=same,
-                        ) from exc
-                    lost = self.global_step - (self.last_saved_step or 0)
-                    logger.error(
-                        "restart %d (%d of %d since the last new checkpoint; last completed step %d, %d steps to redo): %s",
-                        budget.total, budget.count, recovery.max_restarts, self.global_step, lost, cause,
-                    )
-                    teardown_started = time.monotonic()
-                    self.teardown_groups()
-                    self.recovery_log.write(
-                        "failure", restart=budget.total, cause=cause, step=self.global_step, lost_steps=lost,
-                        failed_at_unix=failed_at, teardown_s=time.monotonic() - teardown_started,
-                    )
-                    if lost_cluster is not None:  # the embedded Ray lost its node: nobody else will bring it back
-                        logger.error("%s: restarting the embedded Ray", lost_cluster)
-                        restart_embedded()
-                        if connect is not None:
-                            connect()  # signal handlers again (ray.init installs its own)
-                    self.handler.remove_leftovers()
-                    checkpoint = self.handler.find_resume("auto") or initial
-                    placement_timeout_s = recovery.wait_timeout_s
-                finally:
-                    self.teardown_groups()
+                    raise error from exc
+                lost_cluster = cluster_lost(force=True)
+                if lost_cluster is not None and not is_embedded():
+                    raise ClusterLostError(f"{lost_cluster}; the driver exits so that it can be relaunched") from exc
+                if not recovery.enabled:
+                    raise
+                if self.stop.requested:  # no restart once a stop was asked for: the newest checkpoint stands
+                    kept = self._newest_checkpoint_note()
+                    raise StoppedEarly(f"{self.stop.reason}, then a failure ({cause}); {kept}; resume with runner.resume_dir=auto") from exc
+                newest = self.handler.newest_complete()
+                if not budget.spend(str(newest) if newest else None, cause):
+                    same = same_failure(budget.causes)
+                    raise RecoveryExhaustedError(
+                        f"giving up after {recovery.max_restarts} in-job restarts without a new checkpoint in between "
+                        f"(runner.recovery.max_restarts); last failure{' (the same each time)' if same else ''}: {cause}",
+                        same_error=same,
+                    ) from exc
+                lost = self.global_step - (self.last_saved_step or 0)
+                logger.error(
+                    "restart %d (%d of %d since the last new checkpoint; last completed step %d, %d steps to redo): %s",
+                    budget.total, budget.count, recovery.max_restarts, self.global_step, lost, cause,
+                )
+                teardown_started = time.monotonic()
+                self.teardown_groups()
+                self.recovery_log.write(
+                    "failure", restart=budget.total, cause=cause, step=self.global_step, lost_steps=lost,
+                    failed_at_unix=failed_at, teardown_s=time.monotonic() - teardown_started,
+                )
+                if lost_cluster is not None:  # the embedded Ray lost its node: nobody else will bring it back
+                    logger.error("%s: restarting the embedded Ray", lost_cluster)
+                    restart_embedded()
+                    if connect is not None:
+                        connect()  # signal handlers again (ray.init installs its own)
+                self.handler.remove_leftovers()
+                checkpoint = self.handler.find_resume("auto") or initial
+                placement_timeout_s = recovery.wait_timeout_s
+            finally:
+                self.teardown_groups()
 
     def _newest_checkpoint_note(self) -> str:
         newest = self.handler.newest_complete()
-        return f"the newest checkpoint is {newest.name}" if newest else "there is no checkpoint yet"
+        return f"the newest checkpoint is {basename(newest)}" if newest else "there is no checkpoint yet"
 
     def repairable_cause(self, exc: BaseException) -> str | None:
         """Why `exc` is a lost or hung worker, node or cluster the run can repair, or None (a bug or bad input).

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from rlrunner.errors import ConfigError
+from rlrunner.storage import is_url
+from rlrunner.storage.local import local_path
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +27,15 @@ def require_tensorboard() -> None:
             "runner.logger.tensorboard=true needs the tensorboard package: pip install tensorboard "
             "(or pip install 'rlrunner[tensorboard]'), or set runner.logger.tensorboard=false"
         ) from None
+
+
+def local_folder(log_path: str | os.PathLike) -> Path:
+    """`log_path` (a path or file:// URL) as an absolute local Path; ValueError for a store URL, whose logs are
+    written in `ExperimentLogs.local_dir` and uploaded."""
+    text = os.fspath(log_path)
+    if is_url(text):
+        raise ValueError(f"{text} is not a local folder: write the logs in ExperimentLogs(...).local_dir and upload them")
+    return Path(local_path(text))
 
 
 def truncate_metrics(path: Path, last_step: int) -> int:
@@ -49,7 +60,8 @@ def truncate_metrics(path: Path, last_step: int) -> int:
 class MetricsLogger:
     """Appends each step's metrics; on (re)start, drops whatever a previous run logged after `start_step`."""
 
-    def __init__(self, log_path: Path, start_step: int, tensorboard: bool):
+    def __init__(self, log_path: str | os.PathLike, start_step: int, tensorboard: bool):
+        log_path = local_folder(log_path)
         log_path.mkdir(parents=True, exist_ok=True)
         self.path = log_path / METRICS_FILE
         truncate_metrics(self.path, start_step)

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
-from pathlib import Path
 from typing import Any
 
 import ray
 
 from rlrunner.cluster.worker_group import CallTimeoutError
 from rlrunner.errors import ClusterLostError, exception_chain
+from rlrunner.runner.metrics_logger import local_folder
 
 RECOVERY_FILE = "recovery.jsonl"
 
@@ -63,8 +64,8 @@ def failure_cause(exc: BaseException) -> str | None:
 class RecoveryLog:
     """Appends one JSON object per restart event to `<log_path>/recovery.jsonl` (kept across resumes)."""
 
-    def __init__(self, log_path: Path):
-        self.path = log_path / RECOVERY_FILE
+    def __init__(self, log_path: str | os.PathLike):
+        self.path = local_folder(log_path) / RECOVERY_FILE
 
     def write(self, event: str, **fields: Any) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

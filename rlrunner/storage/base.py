@@ -183,6 +183,12 @@ class Storage(ABC):
     def size(self, url: str) -> int:
         """Size in bytes of file `url`."""
 
+    def modified(self, url: str) -> float | None:
+        """When file `url` was last written, in seconds by the *store's* clock (None where it keeps no time).
+
+        Only differences of two such times mean anything (a naive timestamp's zone cancels out)."""
+        return None
+
     # -- read and write -------------------------------------------------------------------------
 
     @abstractmethod
@@ -250,6 +256,12 @@ class Storage(ABC):
     @abstractmethod
     def delete_tree(self, url: str) -> None:
         """Delete folder `url` and everything under it; a missing folder is not an error."""
+
+    def copy_tree(self, source: str, target: str) -> None:
+        """Copy every file under folder `source` to the same relative path under `target` (streamed, each file whole)."""
+        for name in self.walk(source):
+            with self.open_read(join(source, name)) as reader, self.open_write(join(target, name)) as writer:
+                shutil.copyfileobj(reader, writer, CHUNK)
 
     def rename_dir(self, source: str, target: str) -> None:
         """Atomically rename folder `source` to `target` (which must not exist). Only where `supports_rename`."""

@@ -73,6 +73,12 @@ class LocalStorage(Storage):
                 raise IsADirectoryError(errno.EISDIR, "Is a directory", url)
             return os.stat(path).st_size
 
+    def modified(self, url: str) -> float | None:
+        try:
+            return os.stat(self._path(url)).st_mtime
+        except FileNotFoundError:
+            return None
+
     def read_bytes(self, url: str) -> bytes:
         with naming(url), open(self._path(url), "rb") as handle:
             return handle.read()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import time
+from datetime import datetime
 from typing import Any, BinaryIO, Iterator
 
 from fsspec.core import split_protocol
@@ -87,6 +88,15 @@ class FsspecStorage(Storage):
                 raise IsADirectoryError(errno.EISDIR, "Is a directory", url)
             return int(info["size"])
 
+    def modified(self, url: str) -> float | None:
+        try:
+            value = self.fs.modified(self._path(url))  # S3: the object's LastModified
+        except (NotImplementedError, IsADirectoryError, KeyError, FileNotFoundError):
+            return None
+        if isinstance(value, datetime):
+            return value.timestamp()
+        return float(value) if isinstance(value, (int, float)) else None
+
     def read_bytes(self, url: str) -> bytes:
         path = self._path(url)
         with naming(url):
@@ -166,6 +176,14 @@ class FsspecStorage(Storage):
         path = self._path(url)
         with contextlib.suppress(FileNotFoundError), naming(url):
             self.fs.rm_file(path)
+
+    def copy_tree(self, source: str, target: str) -> None:
+        """Server-side copies (S3 CopyObject), one object at a time: nothing passes through this machine."""
+        for name in self.walk(source):
+            src, dst = self._path(self.join(source, name)), self._path(self.join(target, name))
+            with naming(self.join(source, name)):
+                self._ensure_parent(dst)
+                self.fs.copy(src, dst)
 
     def delete_tree(self, url: str) -> None:
         path = self._path(url)

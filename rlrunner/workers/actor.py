@@ -176,9 +176,11 @@ class ActorWorker(Worker):
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def start_checkpoint(self, path: str, background: bool) -> None:
-        """Collective: save this rank's shards under `path`; with `background`, return once the state is copied."""
-        self.saver.start(path, fsdp_state(self.model, self.optimizer, self.scheduler, self.rank), background)
+    def start_checkpoint(self, path: str, background: bool, storage_options: dict[str, Any] | None = None) -> None:
+        """Collective: save this rank's shards under `path` (a local folder or any store's URL, written straight
+        there); with `background`, return once the state is copied."""
+        state = fsdp_state(self.model, self.optimizer, self.scheduler, self.rank)
+        self.saver.start(path, state, background, storage_options)
 
     def checkpoint_written(self) -> bool:
         """Whether the save in flight has finished writing (or failed); never waits."""
@@ -188,9 +190,12 @@ class ActorWorker(Worker):
         """Wait for the save in flight; the files this rank wrote: {"files": {name: {size, crc32}}, "write_s"}."""
         return self.saver.finish()
 
-    def load_checkpoint(self, path: str) -> bool:
-        """Collective: load the shards (resharding if the world size changed); returns whether RNG was restored."""
-        restored_rng = load_fsdp_state(path, self.model, self.optimizer, self.scheduler, self.rank, self.world_size)
+    def load_checkpoint(self, path: str, storage_options: dict[str, Any] | None = None) -> bool:
+        """Collective: load the shards under `path` (a local folder or any store's URL), resharding if the world size
+        changed; returns whether RNG was restored."""
+        restored_rng = load_fsdp_state(
+            path, self.model, self.optimizer, self.scheduler, self.rank, self.world_size, storage_options
+        )
         apply_schedule(self.optimizer, self.scheduler)  # this run's schedule, not the saved run's
         return restored_rng
 

@@ -3,13 +3,16 @@
 
     python toolkits/ckpt_convertor/convert_dcp_to_hf.py --ckpt_path .../global_step_N --output_path OUT_DIR
 
-The config and tokenizer come from the checkpoint's `actor/huggingface/`; the weights from its DCP
-shards (the optimizer is never read). `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads it.
+The checkpoint is a local folder or on any store (s3://bucket/..., gs://...), read directly;
+credentials come the usual way (AWS_* variables, ~/.aws, ...) or from --storage_options. The config
+and tokenizer come from the checkpoint's `actor/huggingface/`; the weights from its DCP shards (the
+optimizer is never read). OUT_DIR is a local folder: `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads it.
 """
 
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 from pathlib import Path
 
@@ -17,18 +20,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from rlrunner.checkpoint.convert import export_hf  # noqa: E402
+from rlrunner.checkpoint.convert import export_hf, parse_storage_options  # noqa: E402
+from rlrunner.errors import ConfigError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ckpt_path", required=True, help="a global_step_N folder")
-    parser.add_argument("--output_path", required=True, help="folder to write the HF model into")
+    parser.add_argument("--ckpt_path", required=True, help="a global_step_N folder: a local path or a URL (s3://...)")
+    parser.add_argument("--output_path", required=True, help="local folder to write the HF model into")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="cast the weights")
+    parser.add_argument("--storage_options", default=None, metavar="JSON",
+                        help='options for the fsspec filesystem of a URL, e.g. \'{"client_kwargs": {"endpoint_url": "..."}}\'')
     args = parser.parse_args(argv)
     try:
-        out = export_hf(args.ckpt_path, args.output_path, getattr(torch, args.dtype) if args.dtype else None)
-    except (FileNotFoundError, ValueError) as exc:
+        options = parse_storage_options(args.storage_options) if args.storage_options else None
+    except ValueError as exc:
+        parser.error(f"--storage_options: {exc}")
+    try:
+        dtype = getattr(torch, args.dtype) if args.dtype else None
+        out = export_hf(args.ckpt_path, args.output_path, dtype, options)
+    except (ConfigError, OSError, ValueError, pickle.UnpicklingError) as exc:
         print(f"convert_dcp_to_hf: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote a Hugging Face model to {out}")

@@ -3,14 +3,17 @@
 
     python toolkits/ckpt_convertor/convert_dcp_to_state_dict.py --dcp_path DCP_PATH --output_path OUTPUT_PATH
 
-DCP_PATH is the DCP folder (`.../global_step_N/actor`) or the `global_step_N` folder itself. The
-optimizer state is never read: peak memory is about the size of the weights. Load the result
-with `torch.load(OUTPUT_PATH, weights_only=True)`.
+DCP_PATH is the DCP folder (`.../global_step_N/actor`) or the `global_step_N` folder itself, on a
+local disk or any store (s3://bucket/..., gs://...), read directly. Credentials come the usual way
+(AWS_* variables, ~/.aws, ...) or from --storage_options. The optimizer state is never read: peak
+memory is about the size of the weights. OUTPUT_PATH is a local file; load it with
+`torch.load(OUTPUT_PATH, weights_only=True)`.
 """
 
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 from pathlib import Path
 
@@ -18,18 +21,31 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from rlrunner.checkpoint.convert import load_model_weights  # noqa: E402
+from rlrunner.checkpoint.convert import load_model_weights, parse_storage_options  # noqa: E402
+from rlrunner.errors import ConfigError  # noqa: E402
+from rlrunner.storage import is_url  # noqa: E402
+
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dcp_path", required=True, help="DCP folder (global_step_N/actor) or global_step_N")
-    parser.add_argument("--output_path", required=True, help="file to write (torch.save format)")
+    parser.add_argument("--dcp_path", required=True,
+                        help="DCP folder (global_step_N/actor) or global_step_N: a local path or a URL (s3://...)")
+    parser.add_argument("--output_path", required=True, help="local file to write (torch.save format)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="cast the weights")
+    parser.add_argument("--storage_options", default=None, metavar="JSON",
+                        help='options for the fsspec filesystem of a URL, e.g. \'{"client_kwargs": {"endpoint_url": "..."}}\'')
     args = parser.parse_args(argv)
     try:
-        state = load_model_weights(args.dcp_path, getattr(torch, args.dtype) if args.dtype else None)
-    except (FileNotFoundError, ValueError) as exc:
+        options = parse_storage_options(args.storage_options) if args.storage_options else None
+    except ValueError as exc:
+        parser.error(f"--storage_options: {exc}")
+    if is_url(args.output_path):
+        parser.error(f"--output_path must be a local file, got {args.output_path}")
+    try:
+        dtype = getattr(torch, args.dtype) if args.dtype else None
+        state = load_model_weights(args.dcp_path, dtype, options)
+    except (ConfigError, OSError, ValueError, pickle.UnpicklingError) as exc:
         print(f"convert_dcp_to_state_dict: error: {exc}", file=sys.stderr)
         return 2
     output = Path(args.output_path)
