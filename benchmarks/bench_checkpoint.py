@@ -29,11 +29,19 @@ Each measurement is repeated `--repeat` times and the median is reported. When
 /proc/sys/vm/drop_caches is writable the page cache is dropped before every load-side measurement;
 otherwise loads read from the page cache (the output says which).
 
+With `--output s3://bucket/prefix` (or any fsspec URL) it measures the store instead of the disk: the
+same CheckpointHandler.save and FSDPCheckpointManager.load, with every rank uploading its own shard,
+next to a plain s3fs put and get of the same objects (one thread per shard, as the ranks upload in
+parallel) from this process, in one run. `--moto` first starts moto's S3 server on 127.0.0.1 (in its
+own process) and creates the bucket: the way to try it without a real store.
+
 Run from the repository root:
 
     .venv/bin/python benchmarks/bench_checkpoint.py                       # ~100M params, 2 ranks, 3 repeats
     .venv/bin/python benchmarks/bench_checkpoint.py --params 5 --repeat 5  # small model: fixed costs dominate
     .venv/bin/python benchmarks/bench_checkpoint.py --params 20 --repeat 1 --dir /mnt/fast
+    .venv/bin/python benchmarks/bench_checkpoint.py --output s3://bench/ckpt --moto   # a local S3 API
+    .venv/bin/python benchmarks/bench_checkpoint.py --output s3://my-bucket/bench      # a real store (AWS_* credentials)
 """
 
 from __future__ import annotations
@@ -44,7 +52,9 @@ import os
 import platform
 import shlex
 import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -516,6 +526,94 @@ LOAD_ROWS = [
 ]
 
 
+# -- an object store (--output URL) ------------------------------------------------------------------
+
+REMOTE_SAVE_ROWS = ["rlrunner CheckpointHandler.save", SYNC_ROW, "s3fs put of the same objects (one thread per shard)"]
+REMOTE_LOAD_ROWS = [
+    "rlrunner inspect_checkpoint(checksums=True)",
+    "rlrunner FSDPCheckpointManager.load",
+    "s3fs get of the same objects (one thread per shard)",
+]
+
+
+def start_moto(url: str) -> tuple[subprocess.Popen, dict[str, Any]]:
+    """moto's S3 server on a free port of 127.0.0.1 in a process of its own, with the URL's bucket; its storage_options."""
+    import boto3
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError("moto_server did not start") from None
+            time.sleep(0.1)
+    credentials = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench", "region_name": "us-east-1"}
+    bucket = url.split("://", 1)[1].split("/", 1)[0]
+    boto3.client("s3", endpoint_url=endpoint, **credentials).create_bucket(Bucket=bucket)
+    return server, {"key": "bench", "secret": "bench", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+
+
+def _in_threads(action: Callable[[str], Any], names: list[str]) -> list[Any]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(names)) as pool:
+        return list(pool.map(action, names))
+
+
+def measure_remote(group, storage, experiment: str, samples: Samples, fingerprint: dict[str, Any]) -> None:
+    """One repeat on the store: rlrunner's save and load against a plain put and get of the same objects."""
+    from rlrunner.checkpoint.handler import COMPLETE, CheckpointHandler, inspect_checkpoint
+    from rlrunner.checkpoint.manager import FSDPCheckpointManager
+
+    handler = CheckpointHandler(storage, experiment, save_interval=1, max_keep=None, fingerprint=fingerprint)
+    manager = TimedManager(FSDPCheckpointManager(group, storage_options=storage.storage_options))
+    data_state = {"dataloader": {"epoch": 0, "position": 0}, "runner": {"global_step": 1, "epoch": 0, "total_steps": 1}}
+    seconds, url = timed(lambda: handler.save(1, manager, data_state))
+    files = storage.walk(url)
+    samples.add("rlrunner CheckpointHandler.save", seconds, sum(files.values()))
+    shards = {name: size for name, size in files.items() if name.startswith("actor/") and "/huggingface/" not in name}
+    samples.add(SYNC_ROW, manager.save_seconds, sum(shards.values()))
+
+    noise = os.urandom(1 << 20)  # incompressible, like the shards
+    payloads = {name: (noise * (size // len(noise) + 1))[:size] for name, size in shards.items()}
+    plain = storage.join(experiment, "plain")
+    fs = storage.fs
+    seconds, _ = timed(lambda: _in_threads(lambda n: fs.pipe_file(fs._strip_protocol(storage.join(plain, n)), payloads[n]), list(payloads)))
+    samples.add(REMOTE_SAVE_ROWS[2], seconds, sum(len(p) for p in payloads.values()))
+    payloads.clear()
+
+    seconds, status = timed(lambda: inspect_checkpoint(storage, url, checksums=True))
+    if status.status != COMPLETE:
+        raise RuntimeError(f"{url} does not verify: {status.reasons}")
+    samples.add(REMOTE_LOAD_ROWS[0], seconds, sum(files.values()))
+    seconds, _ = timed(lambda: FSDPCheckpointManager(group, storage_options=storage.storage_options).load(storage.join(url, "actor")))
+    samples.add(REMOTE_LOAD_ROWS[1], seconds, sum(shards.values()))
+    seconds, got = timed(lambda: _in_threads(lambda n: fs.cat_file(fs._strip_protocol(storage.join(plain, n))), list(shards)))
+    samples.add(REMOTE_LOAD_ROWS[2], seconds, sum(len(g) for g in got))
+    storage.delete_tree(plain)
+    handler.delete(url)
+
+
+def remote_table(samples: Samples) -> str:
+    lines = ["| operation | bytes | seconds | MB/s | vs plain s3fs |", "|---|---:|---:|---:|---:|"]
+    for section, rows in (("save", REMOTE_SAVE_ROWS), ("load", REMOTE_LOAD_ROWS)):
+        reference = samples.nbytes[rows[-1]] / samples.median(rows[-1])
+        for name in rows:
+            seconds = samples.median(name)
+            rate = samples.nbytes[name] / seconds
+            lines.append(f"| {section}: {name.strip()} | {samples.nbytes[name]:,} | {seconds:.3f} | {rate / 1e6:.0f} | {rate / reference:.2f} |")
+    return "\n".join(lines)
+
+
 def markdown_table(samples: Samples) -> str:
     lines = ["| operation | bytes | seconds | GB/s | vs raw write |", "|---|---:|---:|---:|---:|"]
     for section, rows, reference in (("save", SAVE_ROWS, "raw write + fsync"), ("load", LOAD_ROWS, "raw read")):
@@ -583,6 +681,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpus-per-worker", type=float, default=0.5, help="Ray logical CPUs per actor rank")
     parser.add_argument("--repeat", type=int, default=3, help="repeats per measurement (the median is reported)")
     parser.add_argument("--dir", type=Path, default=None, help="disk folder to write in (a fresh subfolder is made)")
+    parser.add_argument("--output", default=None, help="measure this fsspec URL (s3://bucket/prefix) instead of the disk")
+    parser.add_argument("--moto", action="store_true", help="with --output s3://...: start a local moto S3 server first")
+    parser.add_argument("--storage-options", default="{}", help="JSON passed to the store's fsspec filesystem")
     return parser.parse_args(argv)
 
 
@@ -612,6 +713,8 @@ def main(argv: list[str] | None = None) -> int:
             f"(grad_norm {stats['grad_norm']:.3f}, {int(stats['optimizer_state_tensors_per_rank'])} AdamW state tensors on rank 0)",
             flush=True,
         )
+        if args.output:
+            return run_remote(args, group, params, started)
         full_state = gather_full_state(group)
         storage = open_storage(str(work))
         handler = CheckpointHandler(
@@ -653,6 +756,41 @@ def main(argv: list[str] | None = None) -> int:
         if ray.is_initialized():
             ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def run_remote(args: argparse.Namespace, group, params: int, started: float) -> int:
+    import json
+    import uuid
+
+    from rlrunner.storage import open_storage
+
+    server = None
+    options = json.loads(args.storage_options)
+    if args.moto:
+        server, options = start_moto(args.output)
+    try:
+        storage = open_storage(args.output, options)
+        experiment = storage.join(args.output, f"bench-{uuid.uuid4().hex[:8]}")
+        samples = Samples({}, {})
+        for repeat in range(args.repeat):
+            measure_remote(group, storage, experiment, samples, {"benchmark": "bench_checkpoint", "params": params})
+            print(f"repeat {repeat + 1}/{args.repeat} done ({time.perf_counter() - started:.0f}s elapsed)", flush=True)
+        group.shutdown()
+        print()
+        print(remote_table(samples))
+        print()
+        where = "moto's S3 server on 127.0.0.1 (its own process)" if args.moto else args.output.split("/", 3)[2]
+        print(f"Medians of {args.repeat} repeats, store: {where}; the plain put/get run from this process, one thread per shard.")
+        print(f"machine: {os.cpu_count()} CPU cores ({platform.machine()}), {memory_gib():.0f} GiB RAM, torch {torch.__version__}")
+        print("seconds per repeat:")
+        print("\n".join(f"  {n.strip()}: " + ", ".join(f"{x:.4f}" for x in samples.seconds[n]) for n in REMOTE_SAVE_ROWS + REMOTE_LOAD_ROWS))
+        print(f"command: {command_line()}")
+        print(f"total time: {time.perf_counter() - started:.0f}s")
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
     return 0
 
 

@@ -17,6 +17,7 @@ import dataclasses
 import io
 import os
 import pickle
+import tempfile
 from contextlib import contextmanager
 from typing import Any, BinaryIO, Iterator
 
@@ -93,8 +94,13 @@ class StorageFileSystem(FileSystemBase):
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
         url = os.fspath(path)
         if mode == "rb":
-            with self.storage.open_read(url) as handle:
-                yield handle
+            # Downloaded whole first, in one sequential read: DCP's torch.load of each item seeks back to the
+            # item's zip directory, which on a remote file means a new ranged GET per seek (measured 3x slower).
+            with tempfile.TemporaryDirectory(prefix="rlrunner-dcp-") as folder:
+                local = os.path.join(folder, basename(url))
+                self.storage.get_file(url, local)
+                with open(local, "rb") as handle:
+                    yield handle
         elif mode == "wb" and url.endswith(_RENAMED_SUFFIX):
             buffer = io.BytesIO()
             writer = ChecksumWriter(buffer, url)

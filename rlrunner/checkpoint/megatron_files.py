@@ -1,0 +1,372 @@
+"""Megatron-LM's legacy per-rank checkpoint files, written and read through the Storage interface.
+
+    <root>/                                   a local folder or any store's URL (s3://...)
+      iter_0000050/
+        mp_rank_00/model_optim_rng.pt         one file per tensor-parallel rank (no pipeline part in the name)
+        mp_rank_01/model_optim_rng.pt
+      latest_checkpointed_iteration.txt       "50", written last
+      huggingface/                            the HF config and tokenizer (what the converters need)
+
+Each `model_optim_rng.pt` holds what Megatron-LM's own `--ckpt-format torch` checkpoints hold
+(`generate_state_dict` in megatron/training/checkpointing.py): `args` (an argparse.Namespace with the
+model's dimensions, the padded vocabulary and the parallel sizes), `checkpoint_version` (3.0),
+`iteration`, `model` (megatron-core key names, see rlrunner.models.megatron_layout), `optimizer` and
+`opt_param_scheduler` (left out for a model-only checkpoint) and `rng_state`.
+
+`rng_state` has Megatron's shape: a list with one dict per data-parallel rank, each with
+`random_rng_state`, `np_rng_state`, `torch_rng_state`, `cuda_rng_state` (only where CUDA is) and
+`rng_tracker_states`. The one difference: numpy's MT19937 key is held as an int64 tensor instead of
+a numpy array, so that loading needs no numpy classes (`np.random.set_state`, which Megatron calls,
+accepts it as it is).
+
+Files are read with `torch.load(weights_only=True)` allowing exactly `argparse.Namespace` besides
+what weights_only always allows (tensors, containers, numbers, strings, torch dtypes); a file holding
+any other class is refused. Writes stream through `Storage.open_write`, which computes each file's size
+and CRC-32 as the bytes pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import random
+import re
+import tempfile
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from rlrunner.checkpoint.layout import ACTOR_DIR
+from rlrunner.models.megatron_layout import (
+    DEFAULT_VOCAB_DIVISIBLE_BY,
+    Qwen2Dims,
+    check_splittable,
+    hf_to_megatron_rank,
+    padded_vocab_size,
+)
+from rlrunner.storage import FileRecord, Storage
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+MODEL_FILE = "model_optim_rng.pt"
+HF_DIR = "huggingface"  # beside iter_*/: the HF config and tokenizer (no weights), as in actor/huggingface
+DISTRIB_OPTIM_FILE = "distrib_optim.pt"  # the sharded optimizer state beside it (its layout is the backend's)
+CHECKPOINT_VERSION = 3.0
+ALLOWED_GLOBALS: tuple[type, ...] = (argparse.Namespace,)  # all a model_optim_rng.pt needs beyond weights_only's own
+
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2,})$")
+_PLAIN = (str, int, float, bool, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def iteration_dir(iteration: int) -> str:
+    """`iter_0000050`: Megatron's folder name for an iteration."""
+    if iteration < 0:
+        raise ValueError(f"an iteration is a non-negative integer, got {iteration}")
+    return f"iter_{iteration:07d}"
+
+
+def rank_dir(tp_rank: int) -> str:
+    """`mp_rank_01`: Megatron's folder for a tensor-parallel rank when there is no pipeline parallelism."""
+    return f"mp_rank_{tp_rank:02d}"
+
+
+def rank_file(iteration: int, tp_rank: int) -> str:
+    """`iter_0000050/mp_rank_01/model_optim_rng.pt`, relative to the checkpoint root."""
+    return f"{iteration_dir(iteration)}/{rank_dir(tp_rank)}/{MODEL_FILE}"
+
+
+def _rope_theta(config: Any) -> int | float:
+    get = config.get if isinstance(config, Mapping) else (lambda key, default=None: getattr(config, key, default))
+    parameters = get("rope_parameters") or get("rope_scaling") or {}
+    theta = float((parameters.get("rope_theta") if isinstance(parameters, Mapping) else None) or get("rope_theta") or 10000)
+    return int(theta) if theta.is_integer() else theta  # Megatron's --rotary-base is an int
+
+
+def megatron_args(
+    config: Any,
+    tp: int,
+    dp: int = 1,
+    divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
+    dtype: torch.dtype | None = None,
+    **extra: Any,
+) -> argparse.Namespace:
+    """The `args` of a checkpoint of this HF Qwen2 config split `tp` ways, named as Megatron-LM's arguments
+    (what its `load_args_from_checkpoint` and `check_checkpoint_args` read); `extra` adds or overrides fields."""
+    dims = Qwen2Dims.from_config(config)
+    check_splittable(dims, tp)
+    get = config.get if isinstance(config, Mapping) else (lambda key, default=None: getattr(config, key, default))
+    dtype = dtype or torch.float32
+    args = argparse.Namespace(
+        num_layers=dims.num_layers,
+        hidden_size=dims.hidden_size,
+        ffn_hidden_size=dims.intermediate_size,
+        num_attention_heads=dims.num_heads,
+        group_query_attention=dims.num_kv_heads != dims.num_heads,
+        num_query_groups=dims.num_kv_heads,
+        kv_channels=dims.head_dim,
+        max_position_embeddings=int(get("max_position_embeddings") or 0),
+        position_embedding_type="rope",
+        add_position_embedding=False,
+        use_rotary_position_embeddings=True,
+        rotary_base=_rope_theta(config),
+        rotary_percent=1.0,
+        rotary_interleaved=False,
+        normalization="RMSNorm",
+        norm_epsilon=float(get("rms_norm_eps") or 1e-6),
+        apply_layernorm_1p=False,
+        swiglu=True,
+        squared_relu=False,
+        add_bias_linear=False,
+        add_qkv_bias=dims.qkv_bias,
+        untie_embeddings_and_output_weights=not dims.tie_word_embeddings,
+        attention_dropout=float(get("attention_dropout") or 0.0),
+        hidden_dropout=0.0,
+        vocab_size=dims.vocab_size,
+        padded_vocab_size=padded_vocab_size(dims.vocab_size, tp, divisible_by),
+        make_vocab_size_divisible_by=divisible_by,
+        tokenizer_type="HuggingFaceTokenizer",
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        data_parallel_size=dp,
+        world_size=tp * dp,
+        ckpt_format="torch",
+        use_dist_ckpt=False,
+        data_parallel_random_init=False,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+    )
+    for key, value in extra.items():
+        setattr(args, key, value)
+    return args
+
+
+# -- RNG ---------------------------------------------------------------------------------------------
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's RNG states as one entry of Megatron's `rng_state` list (loadable with weights_only)."""
+    import numpy as np
+
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": (kind, torch.from_numpy(key.astype("int64")), int(pos), int(has_gauss), float(gauss)),
+        "torch_rng_state": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    state["rng_tracker_states"] = {}  # megatron's named CUDA RNG streams; a backend with its own fills this in
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Put back the RNG states of one entry of `rng_state` (the CUDA one only where CUDA is)."""
+    import numpy as np
+
+    version, internal, gauss_next = state["random_rng_state"]
+    random.setstate((version, tuple(internal), gauss_next))
+    kind, key, pos, has_gauss, gauss = state["np_rng_state"]
+    np.random.set_state((kind, np.asarray(key, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch_rng_state"])
+    if "cuda_rng_state" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+
+
+# -- writing -----------------------------------------------------------------------------------------
+
+
+def check_loadable(obj: Any, where: str = "checkpoint") -> None:
+    """TypeError naming the first value under `obj` that the weights_only reader with ALLOWED_GLOBALS would refuse,
+    so that a save fails at once instead of the resume that reads it."""
+    if isinstance(obj, torch.Tensor) or isinstance(obj, _PLAIN):
+        return
+    if isinstance(obj, argparse.Namespace):
+        obj = vars(obj)
+    if isinstance(obj, (dict, collections.OrderedDict)):
+        for key, value in obj.items():
+            if not isinstance(key, _PLAIN):
+                raise TypeError(f"{where}: a key of type {type(key).__name__} cannot be loaded with weights_only")
+            check_loadable(value, f"{where}[{key!r}]")
+        return
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        for index, value in enumerate(obj):
+            check_loadable(value, f"{where}[{index}]")
+        return
+    raise TypeError(f"{where} holds a {type(obj).__module__}.{type(obj).__qualname__}, which weights_only loading refuses")
+
+
+def rank_state(
+    iteration: int,
+    model: Mapping[str, Any],
+    args: argparse.Namespace,
+    optimizer: Any = None,
+    opt_param_scheduler: Any = None,
+    rng_state: Sequence[Mapping[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The dict a `model_optim_rng.pt` holds, in Megatron's key names (optimizer parts left out when None)."""
+    state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": int(iteration)}
+    state["model"] = dict(model)
+    if optimizer is not None:
+        state["optimizer"] = optimizer
+    if opt_param_scheduler is not None:
+        state["opt_param_scheduler"] = opt_param_scheduler
+    if rng_state is not None:
+        state["rng_state"] = list(rng_state)
+    return state
+
+
+def write_rank_file(
+    storage: Storage,
+    root: str,
+    iteration: int,
+    tp_rank: int,
+    model: Mapping[str, Any],
+    args: argparse.Namespace,
+    optimizer: Any = None,
+    opt_param_scheduler: Any = None,
+    rng_state: Sequence[Mapping[str, Any]] | None = None,
+) -> dict[str, FileRecord]:
+    """Write tensor-parallel rank `tp_rank`'s `model_optim_rng.pt` under `root`; {relative name: size and CRC-32}."""
+    if not 0 <= tp_rank < args.tensor_model_parallel_size:
+        raise ValueError(f"tensor-parallel rank {tp_rank} is outside 0..{args.tensor_model_parallel_size - 1}")
+    state = rank_state(iteration, model, args, optimizer, opt_param_scheduler, rng_state)
+    check_loadable(state, rank_file(iteration, tp_rank))
+    name = rank_file(iteration, tp_rank)
+    with storage.open_write(storage.join(root, name)) as writer:
+        torch.save(state, writer)
+    return {name: writer.record()}
+
+
+def write_tracker(storage: Storage, root: str, iteration: int) -> dict[str, FileRecord]:
+    """Write `latest_checkpointed_iteration.txt` (after every rank file: it must never name a partial iteration)."""
+    iteration_dir(iteration)  # validates
+    return {TRACKER_FILE: storage.write_bytes(storage.join(root, TRACKER_FILE), str(int(iteration)).encode())}
+
+
+def write_model_checkpoint(
+    storage: Storage,
+    root: str,
+    state: Mapping[str, torch.Tensor],
+    config: Any,
+    tp: int,
+    iteration: int = 0,
+    divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
+) -> dict[str, FileRecord]:
+    """A model-only Megatron checkpoint of an HF Qwen2 state dict, split `tp` ways: each rank's file, then the
+    tracker. One rank's shard is in memory at a time besides `state`."""
+    dtype = state["model.embed_tokens.weight"].dtype
+    args = megatron_args(config, tp, divisible_by=divisible_by, dtype=dtype)
+    records: dict[str, FileRecord] = {}
+    for tp_rank in range(tp):
+        shard = hf_to_megatron_rank(state, config, tp, tp_rank, divisible_by)
+        records.update(write_rank_file(storage, root, iteration, tp_rank, shard, args))
+        del shard
+    records.update(write_tracker(storage, root, iteration))
+    return records
+
+
+# -- reading -----------------------------------------------------------------------------------------
+
+
+def load_file(source: Any, mmap: bool = False) -> dict[str, Any]:
+    """torch.load(weights_only=True) of a path or binary stream, with exactly ALLOWED_GLOBALS added.
+
+    An UnpicklingError (naming the class) for a file that holds anything else."""
+    with torch.serialization.safe_globals(list(ALLOWED_GLOBALS)):
+        return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+@contextlib.contextmanager
+def _local_copy(storage: Storage, url: str) -> Iterator[str]:
+    """A local path for `url`: itself on a local disk, else a downloaded temporary file (removed afterwards)."""
+    if storage.is_local:
+        from rlrunner.storage.local import local_path
+
+        yield local_path(url)
+        return
+    handle, path = tempfile.mkstemp(prefix="rlrunner-megatron-", suffix=".pt")
+    os.close(handle)
+    try:
+        storage.get_file(url, path)
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a memory map made from it stays valid
+
+
+def read_rank_file(storage: Storage, url: str, mmap: bool = False) -> dict[str, Any]:
+    """One `model_optim_rng.pt` (a full URL), checked to be a Megatron checkpoint of version 3.0.
+
+    With `mmap` the tensors are memory-mapped from a local file (a remote file is downloaded to a temporary
+    file first), so they take page cache rather than process memory."""
+    if mmap:
+        with _local_copy(storage, url) as path:
+            state = load_file(path, mmap=True)
+    else:
+        with storage.open_read(url) as handle:
+            state = load_file(handle)
+    if not isinstance(state, dict) or "model" not in state or "args" not in state:
+        raise ValueError(f"{url} is not a Megatron checkpoint file (no 'model' and 'args')")
+    version = state.get("checkpoint_version")
+    if version != CHECKPOINT_VERSION:
+        raise ValueError(f"{url} has checkpoint_version {version!r}; this reader knows {CHECKPOINT_VERSION}")
+    return state
+
+
+def read_tracker(storage: Storage, root: str) -> int:
+    """The iteration named by `root`/latest_checkpointed_iteration.txt."""
+    url = storage.join(root, TRACKER_FILE)
+    text = storage.read_bytes(url).decode("utf-8", "replace").strip()
+    if not text.isdigit():
+        raise ValueError(f"{url} holds {text[:40]!r}, not an iteration number")
+    return int(text)
+
+
+def rank_dirs(storage: Storage, root: str, iteration: int) -> list[str]:
+    """The `mp_rank_XX` folder names of an iteration, checked to be 00..tp-1 with nothing else (no pipeline parts)."""
+    folder = storage.join(root, iteration_dir(iteration))
+    names = storage.list(folder, dirs_only=True)
+    if not names:
+        raise FileNotFoundError(f"no {iteration_dir(iteration)}/mp_rank_* folders under {root}")
+    ranks = []
+    for name in names:
+        match = _RANK_DIR.match(name)
+        if match is None:
+            raise ValueError(f"{folder}/{name} is not an mp_rank_XX folder (pipeline parallel checkpoints are not read)")
+        ranks.append(int(match.group(1)))
+    if sorted(ranks) != list(range(len(ranks))):
+        raise ValueError(f"{folder} has tensor-parallel ranks {sorted(ranks)}, not 0..{len(ranks) - 1}")
+    return [rank_dir(rank) for rank in range(len(ranks))]
+
+
+def read_rank_states(
+    storage: Storage, root: str, iteration: int | None = None, mmap: bool = False
+) -> tuple[int, list[dict[str, Any]]]:
+    """(iteration, every tensor-parallel rank's file content in rank order) of the iteration the tracker names
+    (or `iteration`), checked against each file's own `iteration` and `args.tensor_model_parallel_size`."""
+    if iteration is None:
+        iteration = read_tracker(storage, root)
+    names = rank_dirs(storage, root, iteration)
+    states = []
+    for tp_rank, name in enumerate(names):
+        url = storage.join(root, iteration_dir(iteration), name, MODEL_FILE)
+        if not storage.exists(url):
+            raise FileNotFoundError(f"{url} is missing")
+        state = read_rank_file(storage, url, mmap=mmap)
+        saved_tp = getattr(state["args"], "tensor_model_parallel_size", None)
+        if saved_tp != len(names):
+            raise ValueError(f"{url} was saved with tensor_model_parallel_size={saved_tp} but {len(names)} mp_rank folders exist")
+        if state.get("iteration") != iteration:
+            raise ValueError(f"{url} holds iteration {state.get('iteration')}, its folder says {iteration}")
+        states.append(state)
+    return iteration, states
+
+
+def find_root(storage: Storage, url: str) -> str:
+    """The folder holding latest_checkpointed_iteration.txt: `url` itself, or its `actor/` (a global_step_N folder)."""
+    for candidate in (url, storage.join(url, ACTOR_DIR)):
+        if storage.exists(storage.join(candidate, TRACKER_FILE)):
+            return candidate
+    raise FileNotFoundError(f"no {TRACKER_FILE} in {url} or {storage.join(url, ACTOR_DIR)}")

@@ -1,0 +1,383 @@
+"""Qwen2 weights in Hugging Face layout <-> megatron-core's tensor-parallel layout (one state dict per TP rank).
+
+Pure tensor functions: no files, no process groups. The names and the splits are megatron-core's
+`GPTModel` with the *local* layer spec (`get_gpt_layer_local_spec`), so each rank's dict loads into
+that model with `load_state_dict(strict=True)`:
+
+    embedding.word_embeddings.weight                      vocab-parallel rows (padded vocabulary, pad rows zero)
+    decoder.layers.N.input_layernorm.weight               replicated
+    decoder.layers.N.self_attention.linear_qkv.weight|bias  column-parallel, fused QKV by query group
+    decoder.layers.N.self_attention.linear_proj.weight    row-parallel (input columns split)
+    decoder.layers.N.pre_mlp_layernorm.weight             replicated
+    decoder.layers.N.mlp.linear_fc1.weight                column-parallel, [gate_r; up_r] on rank r
+    decoder.layers.N.mlp.linear_fc2.weight                row-parallel
+    decoder.final_layernorm.weight                        replicated
+    output_layer.weight                                   vocab-parallel rows, absent when embeddings are tied
+    <every linear>._extra_state                           None, as in megatron-core's own state dicts (the
+                                                          output layer's too when tied): its linears declare
+                                                          extra state; this reader accepts them missing
+
+Fused QKV: the KV heads are megatron's query groups. The rows of `linear_qkv` are, group after group,
+the group's query heads, then its key head, then its value head (megatron-core's
+`SelfAttention.get_query_key_value_tensors` views them as [groups, (heads/groups + 2) * head_dim]).
+Tensor parallelism gives each rank a contiguous run of whole groups, so rank r's QKV rows are the
+fused layout of its own groups. Rotary embeddings need no permutation: both sides rotate halves.
+(The Transformer Engine spec would instead fold the norms into `linear_qkv.layer_norm_weight` and
+`linear_fc1.layer_norm_weight`; this module does not write that spec.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("qwen2",)
+DEFAULT_VOCAB_DIVISIBLE_BY = 128  # megatron's --make-vocab-size-divisible-by default
+EXTRA_STATE = "_extra_state"
+
+# HF keys that carry no weights of their own (buffers some older checkpoints saved).
+_IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class Qwen2Dims:
+    """The dimensions the split depends on, read from an HF Qwen2 config."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = True  # Qwen2 always has biases on q, k and v (and none elsewhere)
+
+    @classmethod
+    def from_config(cls, config: Any) -> "Qwen2Dims":
+        """From a transformers config object or its dict; ValueError for a model family this layout does not cover."""
+        get = (lambda key, default=None: config.get(key, default)) if isinstance(config, Mapping) else (
+            lambda key, default=None: getattr(config, key, default)
+        )
+        model_type = get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"the Megatron layout covers model types {SUPPORTED_MODEL_TYPES}, not {model_type!r}")
+        heads = int(get("num_attention_heads"))
+        hidden = int(get("hidden_size"))
+        head_dim = get("head_dim") or hidden // heads
+        return cls(
+            num_layers=int(get("num_hidden_layers")),
+            hidden_size=hidden,
+            intermediate_size=int(get("intermediate_size")),
+            num_heads=heads,
+            num_kv_heads=int(get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            vocab_size=int(get("vocab_size")),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        )
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY) -> int:
+    """Megatron's padded vocabulary: the smallest multiple of `divisible_by * tp` that holds `vocab_size`."""
+    if vocab_size < 1 or tp < 1 or divisible_by < 1:
+        raise ValueError(f"vocab_size, tp and divisible_by must be positive, got {vocab_size}, {tp}, {divisible_by}")
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def check_splittable(dims: Qwen2Dims, tp: int) -> None:
+    """ValueError (one line, with the numbers) unless every split of this model by `tp` is whole."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_model_parallel_size must be a positive integer, got {tp!r}")
+    if dims.num_heads % dims.num_kv_heads:
+        raise ValueError(
+            f"num_attention_heads={dims.num_heads} is not a multiple of num_key_value_heads={dims.num_kv_heads}"
+        )
+    for name, value in (
+        ("num_attention_heads", dims.num_heads),
+        ("num_key_value_heads (query groups)", dims.num_kv_heads),
+        ("intermediate_size", dims.intermediate_size),
+    ):
+        if value % tp:
+            raise ValueError(f"cannot split {name}={value} over tensor_model_parallel_size={tp}: not divisible")
+
+
+def _layer_keys(layer: int) -> dict[str, str]:
+    hf, mc = f"model.layers.{layer}.", f"decoder.layers.{layer}."
+    return {
+        "hf": hf,
+        "mc": mc,
+        "input_norm": mc + "input_layernorm.weight",
+        "qkv": mc + "self_attention.linear_qkv.",
+        "proj": mc + "self_attention.linear_proj.",
+        "mlp_norm": mc + "pre_mlp_layernorm.weight",
+        "fc1": mc + "mlp.linear_fc1.",
+        "fc2": mc + "mlp.linear_fc2.",
+    }
+
+
+def expected_hf_keys(dims: Qwen2Dims) -> list[str]:
+    """Every HF key the model has (lm_head.weight only when untied)."""
+    keys = ["model.embed_tokens.weight"]
+    for layer in range(dims.num_layers):
+        p = f"model.layers.{layer}."
+        keys += [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
+        if dims.qkv_bias:
+            keys += [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
+        keys += [p + "self_attn.o_proj.weight"]
+        keys += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+        keys += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+    keys.append("model.norm.weight")
+    if not dims.tie_word_embeddings:
+        keys.append("lm_head.weight")
+    return keys
+
+
+def expected_megatron_keys(dims: Qwen2Dims) -> list[str]:
+    """Every key of one rank's dict, `_extra_state` entries included, in megatron-core's state_dict order."""
+    keys = ["embedding.word_embeddings.weight"]
+    for layer in range(dims.num_layers):
+        k = _layer_keys(layer)
+        keys += [k["input_norm"], k["proj"] + "weight", k["proj"] + EXTRA_STATE, k["qkv"] + "weight"]
+        if dims.qkv_bias:
+            keys.append(k["qkv"] + "bias")
+        keys += [k["qkv"] + EXTRA_STATE, k["mlp_norm"], k["fc1"] + "weight", k["fc1"] + EXTRA_STATE]
+        keys += [k["fc2"] + "weight", k["fc2"] + EXTRA_STATE]
+    keys.append("decoder.final_layernorm.weight")
+    if not dims.tie_word_embeddings:
+        keys.append("output_layer.weight")
+    keys.append("output_layer." + EXTRA_STATE)  # megatron-core keeps the (weightless) output layer when tied
+    return keys
+
+
+def _check_hf_state(state: Mapping[str, torch.Tensor], dims: Qwen2Dims) -> None:
+    expected = set(expected_hf_keys(dims))
+    present = {k for k in state if not k.endswith(_IGNORED_HF_SUFFIXES)}
+    if dims.tie_word_embeddings:
+        present.discard("lm_head.weight")  # a tied model's state dict lists the shared tensor twice
+    missing, unexpected = sorted(expected - present), sorted(present - expected)
+    if missing:
+        raise ValueError(f"the HF state dict lacks {len(missing)} key(s) of a Qwen2 model, e.g. {missing[:3]}")
+    if unexpected:
+        raise ValueError(f"the HF state dict has {len(unexpected)} key(s) this layout does not map, e.g. {unexpected[:3]}")
+    vocab_rows = state["model.embed_tokens.weight"].shape[0]
+    if vocab_rows != dims.vocab_size:
+        raise ValueError(f"model.embed_tokens.weight has {vocab_rows} rows but the config's vocab_size is {dims.vocab_size}")
+
+
+def _piece(tensor: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
+    """Rank `rank`'s contiguous 1/parts of `tensor` along `dim`, as its own storage (torch.save of a view would
+    save the whole tensor)."""
+    return tensor.chunk(parts, dim=dim)[rank].clone(memory_format=torch.contiguous_format)
+
+
+def _vocab_piece(weight: torch.Tensor, padded: int, rank: int, tp: int) -> torch.Tensor:
+    rows = padded // tp
+    start = rank * rows
+    out = weight.new_zeros((rows, weight.shape[1]))
+    stop = min(start + rows, weight.shape[0])
+    if stop > start:
+        out[: stop - start] = weight[start:stop]
+    return out
+
+
+def _fused_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: Qwen2Dims, rank: int, tp: int) -> torch.Tensor:
+    """Rank `rank`'s fused QKV rows (weight [out, in] or bias [out]): per group, its query heads, key head, value head."""
+    groups = dims.num_kv_heads // tp
+    first = rank * groups
+    tail = q.shape[1:]
+    q = q.reshape(dims.num_kv_heads, dims.heads_per_group * dims.head_dim, *tail)[first : first + groups]
+    k = k.reshape(dims.num_kv_heads, dims.head_dim, *tail)[first : first + groups]
+    v = v.reshape(dims.num_kv_heads, dims.head_dim, *tail)[first : first + groups]
+    return torch.cat([q, k, v], dim=1).reshape(-1, *tail).contiguous()
+
+
+def hf_to_megatron_rank(
+    state: Mapping[str, torch.Tensor],
+    config: Any,
+    tp: int,
+    rank: int,
+    divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
+) -> dict[str, torch.Tensor | None]:
+    """Tensor-parallel rank `rank`'s megatron-core model dict from a full HF Qwen2 state dict (the HF tensors are
+    only read; every returned tensor has its own storage)."""
+    dims = Qwen2Dims.from_config(config)
+    check_splittable(dims, tp)
+    if not 0 <= rank < tp:
+        raise ValueError(f"tensor-parallel rank {rank} is outside 0..{tp - 1}")
+    _check_hf_state(state, dims)
+    padded = padded_vocab_size(dims.vocab_size, tp, divisible_by)
+    out: dict[str, torch.Tensor | None] = {
+        "embedding.word_embeddings.weight": _vocab_piece(state["model.embed_tokens.weight"], padded, rank, tp)
+    }
+    for layer in range(dims.num_layers):
+        k = _layer_keys(layer)
+        attn, mlp = k["hf"] + "self_attn.", k["hf"] + "mlp."
+        out[k["input_norm"]] = state[k["hf"] + "input_layernorm.weight"].clone()
+        out[k["proj"] + "weight"] = _piece(state[attn + "o_proj.weight"], 1, rank, tp)
+        out[k["proj"] + EXTRA_STATE] = None
+        out[k["qkv"] + "weight"] = _fused_qkv(*(state[attn + f"{n}_proj.weight"] for n in "qkv"), dims, rank, tp)
+        if dims.qkv_bias:
+            out[k["qkv"] + "bias"] = _fused_qkv(*(state[attn + f"{n}_proj.bias"] for n in "qkv"), dims, rank, tp)
+        out[k["qkv"] + EXTRA_STATE] = None
+        out[k["mlp_norm"]] = state[k["hf"] + "post_attention_layernorm.weight"].clone()
+        gate = state[mlp + "gate_proj.weight"].chunk(tp, dim=0)[rank]
+        up = state[mlp + "up_proj.weight"].chunk(tp, dim=0)[rank]
+        out[k["fc1"] + "weight"] = torch.cat([gate, up], dim=0)
+        out[k["fc1"] + EXTRA_STATE] = None
+        out[k["fc2"] + "weight"] = _piece(state[mlp + "down_proj.weight"], 1, rank, tp)
+        out[k["fc2"] + EXTRA_STATE] = None
+    out["decoder.final_layernorm.weight"] = state["model.norm.weight"].clone()
+    if not dims.tie_word_embeddings:
+        out["output_layer.weight"] = _vocab_piece(state["lm_head.weight"], padded, rank, tp)
+    out["output_layer." + EXTRA_STATE] = None
+    return out
+
+
+def hf_to_megatron(
+    state: Mapping[str, torch.Tensor], config: Any, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY
+) -> list[dict[str, torch.Tensor | None]]:
+    """One megatron-core model dict per tensor-parallel rank (see the module docstring for the layout)."""
+    return [hf_to_megatron_rank(state, config, tp, rank, divisible_by) for rank in range(tp)]
+
+
+def rank_shapes(dims: Qwen2Dims, tp: int) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of one rank's dict, except the vocabulary-parallel ones (their rows depend on
+    the padding): {key: shape}."""
+    hidden, head_dim = dims.hidden_size, dims.head_dim
+    qkv_rows = (dims.num_heads + 2 * dims.num_kv_heads) * head_dim // tp
+    shapes: dict[str, tuple[int, ...]] = {}
+    for layer in range(dims.num_layers):
+        k = _layer_keys(layer)
+        shapes[k["input_norm"]] = (hidden,)
+        shapes[k["proj"] + "weight"] = (hidden, dims.num_heads * head_dim // tp)
+        shapes[k["qkv"] + "weight"] = (qkv_rows, hidden)
+        if dims.qkv_bias:
+            shapes[k["qkv"] + "bias"] = (qkv_rows,)
+        shapes[k["mlp_norm"]] = (hidden,)
+        shapes[k["fc1"] + "weight"] = (2 * dims.intermediate_size // tp, hidden)
+        shapes[k["fc2"] + "weight"] = (hidden, dims.intermediate_size // tp)
+    shapes["decoder.final_layernorm.weight"] = (hidden,)
+    return shapes
+
+
+def _check_shards(shards: Sequence[Mapping[str, Any]], dims: Qwen2Dims) -> None:
+    if not shards:
+        raise ValueError("no tensor-parallel shards given")
+    tp = len(shards)
+    check_splittable(dims, tp)
+    expected = expected_megatron_keys(dims)
+    tensors = {key for key in expected if not key.endswith(EXTRA_STATE)}
+    shapes = rank_shapes(dims, tp)
+    for rank, shard in enumerate(shards):
+        missing = sorted(tensors - set(shard))
+        unexpected = sorted(set(shard) - set(expected))
+        if missing:
+            raise ValueError(f"tensor-parallel rank {rank} lacks {len(missing)} key(s), e.g. {missing[:3]}")
+        if unexpected:
+            raise ValueError(f"tensor-parallel rank {rank} has {len(unexpected)} unexpected key(s), e.g. {unexpected[:3]}")
+        for key, shape in shapes.items():
+            if tuple(shard[key].shape) != shape:
+                raise ValueError(
+                    f"tensor-parallel rank {rank}: {key} has shape {tuple(shard[key].shape)}, expected {shape} "
+                    f"for this config split {tp} ways"
+                )
+        for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            if key not in shard:
+                continue
+            rows = shards[0][key].shape[0]
+            if tuple(shard[key].shape) != (rows, dims.hidden_size):
+                raise ValueError(f"tensor-parallel rank {rank}: {key} has shape {tuple(shard[key].shape)}, "
+                                 f"expected ({rows}, {dims.hidden_size}) like rank 0")
+
+
+def _replicated(shards: Sequence[Mapping[str, torch.Tensor]], key: str) -> torch.Tensor:
+    first = shards[0][key]
+    for rank, shard in enumerate(shards[1:], start=1):
+        if not first.is_meta and not torch.equal(shard[key], first):
+            raise ValueError(f"{key} is replicated but tensor-parallel rank {rank} differs from rank 0")
+    return first.clone()
+
+
+def _cat(shards: Sequence[Mapping[str, torch.Tensor]], key: str, dim: int) -> torch.Tensor:
+    return torch.cat([shard[key] for shard in shards], dim=dim)
+
+
+def _vocab_rows(shards: Sequence[Mapping[str, torch.Tensor]], key: str, vocab_size: int) -> torch.Tensor:
+    """The first `vocab_size` rows of a vocabulary-parallel weight (the padding left behind, never copied)."""
+    rows = shards[0][key].shape[0]
+    if rows * len(shards) < vocab_size:
+        raise ValueError(f"the shards hold {rows * len(shards)} rows of {key} for a vocabulary of {vocab_size}")
+    pieces = [shard[key][: max(0, min(rows, vocab_size - rank * rows))] for rank, shard in enumerate(shards)]
+    return torch.cat([piece for piece in pieces if piece.shape[0]], dim=0)
+
+
+def _unfuse_qkv(pieces: Sequence[torch.Tensor], dims: Qwen2Dims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v (HF rows) from the ranks' fused QKV weights or biases, in rank order."""
+    tail = pieces[0].shape[1:]
+    per_group = (dims.heads_per_group + 2) * dims.head_dim
+    grouped = torch.cat([p.reshape(-1, per_group, *tail) for p in pieces], dim=0)  # [groups, per_group, ...]
+    q_rows = dims.heads_per_group * dims.head_dim
+    q, k, v = grouped.split([q_rows, dims.head_dim, dims.head_dim], dim=1)
+    return q.reshape(-1, *tail).contiguous(), k.reshape(-1, *tail).contiguous(), v.reshape(-1, *tail).contiguous()
+
+
+def iter_megatron_to_hf(
+    shards: Sequence[Mapping[str, Any]], config: Any, consume: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF key, full tensor) pairs, one at a time, merged from every tensor-parallel rank's dict (in rank order).
+
+    The shards are checked before the first pair comes. With `consume`, each megatron tensor is removed from the
+    (mutable) shard dicts once merged, so a caller that writes each pair away holds about one copy of the
+    weights in all. Meta tensors in, meta tensors out: the shapes and dtypes of the output for free."""
+    dims = Qwen2Dims.from_config(config)
+    _check_shards(shards, dims)
+
+    def done(*keys: str) -> None:
+        if consume:
+            for shard in shards:
+                for key in keys:
+                    shard.pop(key, None)  # type: ignore[attr-defined]
+
+    yield "model.embed_tokens.weight", _vocab_rows(shards, "embedding.word_embeddings.weight", dims.vocab_size)
+    done("embedding.word_embeddings.weight")
+    for layer in range(dims.num_layers):
+        k = _layer_keys(layer)
+        attn, mlp = k["hf"] + "self_attn.", k["hf"] + "mlp."
+        for suffix in ("weight", "bias") if dims.qkv_bias else ("weight",):
+            q, key, v = _unfuse_qkv([shard[k["qkv"] + suffix] for shard in shards], dims)
+            done(k["qkv"] + suffix)
+            yield attn + f"q_proj.{suffix}", q
+            yield attn + f"k_proj.{suffix}", key
+            del q, key
+            yield attn + f"v_proj.{suffix}", v
+            del v
+        yield attn + "o_proj.weight", _cat(shards, k["proj"] + "weight", 1)
+        done(k["proj"] + "weight")
+        gates, ups = zip(*(shard[k["fc1"] + "weight"].chunk(2, dim=0) for shard in shards))
+        yield mlp + "gate_proj.weight", torch.cat(gates, dim=0)
+        yield mlp + "up_proj.weight", torch.cat(ups, dim=0)
+        del gates, ups
+        done(k["fc1"] + "weight")
+        yield mlp + "down_proj.weight", _cat(shards, k["fc2"] + "weight", 1)
+        done(k["fc2"] + "weight")
+        yield k["hf"] + "input_layernorm.weight", _replicated(shards, k["input_norm"])
+        yield k["hf"] + "post_attention_layernorm.weight", _replicated(shards, k["mlp_norm"])
+        done(k["input_norm"], k["mlp_norm"])
+    yield "model.norm.weight", _replicated(shards, "decoder.final_layernorm.weight")
+    done("decoder.final_layernorm.weight")
+    if not dims.tie_word_embeddings:
+        yield "lm_head.weight", _vocab_rows(shards, "output_layer.weight", dims.vocab_size)
+        done("output_layer.weight")
+
+
+def megatron_to_hf(shards: Sequence[Mapping[str, Any]], config: Any) -> dict[str, torch.Tensor]:
+    """The full HF Qwen2 state dict from every tensor-parallel rank's dict, in rank order (the exact inverse of
+    `hf_to_megatron`: vocabulary padding stripped, no `lm_head.weight` when the embeddings are tied)."""
+    return dict(iter_megatron_to_hf(shards, config))
