@@ -490,8 +490,9 @@ class GRPORunner:
         the error that arrives first often comes from a surviving peer whose collective broke.
         """
         cause = failure_cause(exc)
-        if cluster_lost(force=True) is not None:
-            return cause or f"cluster lost after {describe(exc)}"
+        lost = cluster_lost(force=True)
+        if lost is not None:  # the root cause: every worker error that follows comes from it
+            return f"cluster lost: {lost} (then {cause or describe(exc)})"
         dead = [f"{g.name} rank {r}" for g in self.groups() for r in g.dead_ranks(timeout_s=1.0)]
         if cause is None and not dead:
             return None
