@@ -168,6 +168,24 @@ def test_a_stale_lease_is_taken_over_and_the_old_holder_learns_it(s3_store):
     newcomer.release()
 
 
+def test_a_lease_whose_holder_stopped_beating_is_waited_for_not_refused(s3_store, caplog):
+    """A driver killed on another machine and relaunched here (a rescheduled pod): the new run waits for the dead
+    holder's lease to lapse instead of failing with 'in use', which the launch script would not retry."""
+    storage, experiment = remote(s3_store)
+    frozen = ExperimentLock(storage, experiment, **FAST)
+    frozen.acquire()
+    freeze(frozen)
+    time.sleep(2 * FAST["heartbeat_s"] + 2.2)  # two beats missed by the store's clock, not yet stale
+    newcomer = ExperimentLock(storage, experiment, **FAST)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="rlrunner.checkpoint.lock"):
+        newcomer.acquire()  # one call: it waits, then takes the lease over
+    assert time.monotonic() - started > 0.1
+    assert "has missed its heartbeats: waiting" in caplog.text
+    assert sorted(generations(storage, experiment)) == [1, 2]
+    newcomer.release()
+
+
 def test_exactly_one_of_two_racers_takes_over_a_stale_lease(s3_store):
     storage, experiment = remote(s3_store)
     frozen = ExperimentLock(storage, experiment, **FAST)

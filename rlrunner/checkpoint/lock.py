@@ -199,12 +199,25 @@ class _Lease:
     # acquire / release
 
     def acquire(self) -> None:
-        current = _current(self.storage, self.lock_dir)
-        free_because = None
-        if current is not None:
-            free_because, age = self._assess(current)
-            if free_because is None:
-                raise ExperimentLockedError(self._held_message(current, age))
+        waited_for: int | None = None  # the generation whose lapse we are waiting for
+        while True:
+            current = _current(self.storage, self.lock_dir)
+            free_because = None
+            if current is None:
+                break
+            free_because, age_text, age = self._assess(current)
+            if free_because is not None:
+                break
+            lapse_in = self._lapse_in(current, age)
+            if lapse_in is None or (waited_for is not None and waited_for != current.generation):
+                raise ExperimentLockedError(self._held_message(current, age_text))
+            if waited_for is None:
+                logger.warning(
+                    "the experiment lock is held by %s, which has missed its heartbeats: waiting %.0f s for its lease to lapse",
+                    current.describe(age_text), lapse_in,
+                )
+                waited_for = current.generation
+            time.sleep(min(max(lapse_in, 0.2), 5.0))
         generation = current.generation + 1 if current else 1
         url = _generation_url(self.storage, self.lock_dir, generation)
         now = time.time()
@@ -329,13 +342,13 @@ class _Lease:
 
     # what the current lease is worth
 
-    def _assess(self, current: _Current) -> tuple[str | None, str | None]:
-        """(why the current lease may be taken, or None; its age as text)."""
+    def _assess(self, current: _Current) -> tuple[str | None, str | None, float | None]:
+        """(why the current lease may be taken, or None; its age as text; its age in seconds where known)."""
         record = current.record
         if record is not None and record.get("released"):
-            return "released", None
+            return "released", None, None
         if record is not None and _holder_exited(record):
-            return f"pid {record.get('pid')} on this machine has exited without releasing it", None
+            return f"pid {record.get('pid')} on this machine has exited without releasing it", None, None
         stale_after = float((record or {}).get("stale_after_s", self.stale_after_s))
         written = _modified_unix(self.storage, current.url)
         if written is not None and (now := _store_now(self.storage, self.lock_dir)) is not None:
@@ -343,11 +356,25 @@ class _Lease:
         elif record is not None:  # a store that keeps no modification times: this host's clock against the holder's
             age, clock, slack = time.time() - float(record.get("heartbeat_unix", 0)), "this host's clock", 0.0
         else:
-            return None, None
+            return None, None, None
         text = f"{age:.0f} s ago by {clock}"
         if age > stale_after + slack:
-            return f"its last heartbeat was {text} (stale after {stale_after:.0f} s)", text
-        return None, text
+            return f"its last heartbeat was {text} (stale after {stale_after:.0f} s)", text, age
+        return None, text, age
+
+    def _lapse_in(self, current: _Current, age: float | None) -> float | None:
+        """Seconds until a lease that has stopped beating lapses; None while its holder still beats (or unknown).
+
+        A holder beats every heartbeat_s: one that missed two beats is most likely dead (a driver killed on
+        another machine, which the launch script or a scheduler relaunches here). Waiting for its lease to lapse
+        beats refusing a relaunch that would succeed minutes later."""
+        record = current.record
+        if record is None or age is None:
+            return None
+        heartbeat = float(record.get("heartbeat_s", self.heartbeat_s))
+        if age <= 2 * heartbeat + CLOCK_SLACK_S:
+            return None
+        return max(0.0, float(record.get("stale_after_s", self.stale_after_s)) + CLOCK_SLACK_S - age)
 
     def _held_message(self, current: _Current, age: str | None) -> str:
         lapse = float((current.record or {}).get("stale_after_s", self.stale_after_s))
