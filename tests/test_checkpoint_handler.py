@@ -447,3 +447,23 @@ def test_unfinished_folders_on_an_object_store_are_removed_at_start(s3_store):
 def test_schedule_description_mentions_disabled_periodic_saves(tmp_path):
     assert "periodic checkpoints are off (the last step is still saved)" in make_handler(tmp_path, interval=0).describe_schedule()
     assert "every 50 steps" in make_handler(tmp_path, interval=50, keep=3).describe_schedule()
+
+
+def test_the_inspector_lists_and_verifies_checkpoints_on_a_store(s3_store, capsys):
+    import json
+
+    from rlrunner.checkpoint.__main__ import main as checkpoint_cli
+
+    url, options = s3_store
+    store = Store(open_storage(url, options), url + "/exp")
+    handler = store.handler()
+    save_steps(handler, [2, 4])
+    store.delete(store.url(handler, "global_step_4", "manifest.json"))
+    flags = ["--storage_options", json.dumps(options)]
+    assert checkpoint_cli(["list", store.experiment, *flags]) == 0
+    out = capsys.readouterr().out
+    assert "experiment lock: free" in out
+    assert f"complete    {store.url(handler, 'global_step_2')}" in out and "incomplete" in out
+    assert checkpoint_cli(["verify", store.url(handler, "global_step_2"), *flags]) == 0
+    assert checkpoint_cli(["verify", store.url(handler, "global_step_4"), *flags]) == 1
+    assert "incomplete: no manifest.json" in capsys.readouterr().out

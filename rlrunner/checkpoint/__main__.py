@@ -4,7 +4,7 @@
 corrupt: sizes checked; add --checksums to read every file). `verify` checks one checkpoint's
 sizes and CRC-32s against its manifest and exits 0 when it is complete, 1 otherwise. Both take
 local paths or fsspec URLs (s3://bucket/runs/exp); credentials come from the usual places (AWS_*
-variables, ~/.aws), anything else from --storage-options '<json>'.
+variables, ~/.aws), anything else from --storage_options '<json>'.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     verify = commands.add_parser("verify", help="verify one checkpoint against its manifest")
     verify.add_argument("path", help="a global_step_N folder (a path or a URL)")
     for command in (listing, verify):
-        command.add_argument("--storage-options", default="{}", help="JSON passed to the fsspec filesystem of a URL")
+        command.add_argument("--storage_options", "--storage-options", dest="storage_options", default="{}",
+                             help="JSON passed to the fsspec filesystem of a URL (as the converters take it)")
     args = parser.parse_args(argv)
     try:
         options = json.loads(args.storage_options)
