@@ -1,0 +1,97 @@
+"""The tensor-parallel Qwen2 model is the HF model's math: same logits, and a training step through the shards
+gives the HF gradients split by the Megatron layout (real gloo process groups, one process per TP rank)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from rlrunner.models.megatron_layout import hf_to_megatron_rank
+from rlrunner.models.tensor_parallel import TPQwen2ForCausalLM
+from test_megatron_layout import SHAPES, _build, _free_port
+
+# left padding on the first row: its padding queries see no key at all (HF and we must agree there too)
+IDS = torch.tensor([[0, 0, 0, 12, 40, 98, 7, 3], [5, 17, 42, 61, 2, 9, 0, 0]])
+MASK = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0, 0]])
+
+
+def _loss(logits: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the real (unpadded) targets."""
+    keep = (MASK[:, :-1] * MASK[:, 1:]).bool()
+    return F.cross_entropy(logits[:, :-1][keep], IDS[:, 1:][keep])
+
+
+def _worker(rank: int, world: int, port: int, shape: str) -> None:
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        _check_rank(rank, world, shape)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_rank(rank: int, world: int, shape: str) -> None:
+    hf, _ = _build(SHAPES[shape])  # the same seed on every rank: the same model
+    hf.train()
+    config = hf.config
+    tp_model = TPQwen2ForCausalLM(config, dist.group.WORLD)
+    shard = hf_to_megatron_rank(hf.state_dict(), config, world, rank)
+    assert set(tp_model.state_dict()) == {k for k in shard if not k.endswith("_extra_state")}
+    tp_model.load_megatron_shard(shard)
+
+    # forward: the real vocabulary only, equal to HF's everywhere (padding positions included)
+    hf_logits = hf(input_ids=IDS, attention_mask=MASK, use_cache=False).logits
+    logits = tp_model(IDS, attention_mask=MASK)
+    assert logits.shape == hf_logits.shape == (2, 8, 99)
+    assert torch.allclose(logits, hf_logits, atol=1e-5), (logits - hf_logits).abs().max()
+    # no mask = causal over every token, as HF's; explicit positions (the rollout's, counted from the first real
+    # token) are used as HF uses them
+    assert torch.allclose(tp_model(IDS), hf(input_ids=IDS, use_cache=False).logits, atol=1e-5)
+    positions = (MASK.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        shifted = hf(input_ids=IDS, attention_mask=MASK, position_ids=positions, use_cache=False).logits
+        assert torch.allclose(tp_model(IDS, MASK, positions), shifted, atol=1e-5)
+        assert not torch.allclose(shifted, hf_logits, atol=1e-3)
+
+    # backward: every shard's gradient is the HF gradient split by the layout
+    _loss(hf_logits).backward()
+    loss = _loss(logits)
+    loss.backward()
+    hf_grads = {name: p.grad for name, p in hf.named_parameters()}
+    expected = hf_to_megatron_rank(hf_grads, config, world, rank)
+    grads = {name: p.grad for name, p in tp_model.named_parameters()}
+    assert set(grads) == {k for k in expected if not k.endswith("_extra_state")}
+    for name, grad in grads.items():
+        vocab_parallel = name in ("embedding.word_embeddings.weight", "output_layer.weight")  # rank 1: all padding
+        assert vocab_parallel or grad.abs().sum() > 0, name
+        assert torch.allclose(grad, expected[name], atol=1e-5), (name, (grad - expected[name]).abs().max())
+
+    # one SGD step on both: the shards stay the HF weights split by the layout, and the logits agree again
+    for model in (hf, tp_model):
+        torch.optim.SGD(model.parameters(), lr=0.5).step()
+    stepped = hf_to_megatron_rank(hf.state_dict(), config, world, rank)
+    for name, tensor in tp_model.state_dict().items():
+        assert torch.allclose(tensor, stepped[name], atol=1e-5), name
+    assert not torch.allclose(stepped["decoder.final_layernorm.weight"], shard["decoder.final_layernorm.weight"])
+    with torch.no_grad():
+        assert torch.allclose(tp_model(IDS, MASK), hf(input_ids=IDS, attention_mask=MASK).logits, atol=1e-5)
+
+    # a shard of another split or an incomplete one is named, not half-loaded
+    other = hf_to_megatron_rank(hf.state_dict(), config, 2 if world == 1 else 1, 0)
+    with pytest.raises(ValueError, match="has shape .* expected .* tensor-parallel size"):
+        tp_model.load_megatron_shard(other)
+    with pytest.raises(ValueError, match="lacks 1 key"):
+        tp_model.load_megatron_shard({k: v for k, v in stepped.items() if k != "decoder.final_layernorm.weight"})
+
+
+@pytest.mark.parametrize("tp, shape", [(2, "gqa"), (2, "tied"), (1, "tied")])
+def test_tp_model_matches_hf_forward_gradients_and_sgd_step(tp: int, shape: str) -> None:
+    mp.spawn(_worker, args=(tp, _free_port(), shape), nprocs=tp)  # raises with the rank's traceback if it fails
