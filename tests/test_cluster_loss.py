@@ -74,7 +74,8 @@ def test_the_embedded_ray_losing_its_node_is_restarted_in_job(tmp_path):
 
     def kill_raylet() -> None:
         deadline = time.monotonic() + 120
-        while metrics_lines(out) < 4 and time.monotonic() < deadline:
+        committed = out / "test" / "checkpoints" / "global_step_3" / "manifest.json"  # a background save commits later
+        while not (metrics_lines(out) >= 4 and committed.exists()) and time.monotonic() < deadline:
             time.sleep(0.01)
         node = ray._private.worker._global_node
         raylet = node.all_processes["raylet"][0].process
