@@ -675,6 +675,8 @@ def command_line() -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from rlrunner.storage import add_storage_options_argument
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, default=100.0, help="target model size in millions of parameters")
     parser.add_argument("--workers", type=int, default=2, help="actor (FSDP) ranks")
@@ -683,7 +685,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dir", type=Path, default=None, help="disk folder to write in (a fresh subfolder is made)")
     parser.add_argument("--output", default=None, help="measure this fsspec URL (s3://bucket/prefix) instead of the disk")
     parser.add_argument("--moto", action="store_true", help="with --output s3://...: start a local moto S3 server first")
-    parser.add_argument("--storage-options", default="{}", help="JSON passed to the store's fsspec filesystem")
+    add_storage_options_argument(parser, "--storage-options", "--storage_options")
     return parser.parse_args(argv)
 
 
@@ -760,13 +762,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_remote(args: argparse.Namespace, group, params: int, started: float) -> int:
-    import json
     import uuid
 
     from rlrunner.storage import open_storage
 
     server = None
-    options = json.loads(args.storage_options)
+    options = args.storage_options
     if args.moto:
         server, options = start_moto(args.output)
     try:

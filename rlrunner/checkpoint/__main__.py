@@ -10,14 +10,13 @@ variables, ~/.aws), anything else from --storage_options '<json>'.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from rlrunner.checkpoint import layout
 from rlrunner.checkpoint.handler import COMPLETE, inspect_checkpoint, scan_checkpoints
 from rlrunner.checkpoint.lock import describe_holder
 from rlrunner.errors import ConfigError
-from rlrunner.storage import Storage, open_storage
+from rlrunner.storage import Storage, add_storage_options_argument, open_storage
 
 
 def _root(storage: Storage, url: str) -> str:
@@ -64,15 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     verify = commands.add_parser("verify", help="verify one checkpoint against its manifest")
     verify.add_argument("path", help="a global_step_N folder (a path or a URL)")
     for command in (listing, verify):
-        command.add_argument("--storage_options", "--storage-options", dest="storage_options", default="{}",
-                             help="JSON passed to the fsspec filesystem of a URL (as the converters take it)")
+        add_storage_options_argument(command, "--storage_options", "--storage-options")
     args = parser.parse_args(argv)
     try:
-        options = json.loads(args.storage_options)
-        if not isinstance(options, dict):
-            raise ValueError("not a JSON object")
-        storage = open_storage(args.path, options)
-    except (ConfigError, ValueError) as exc:
+        storage = open_storage(args.path, args.storage_options)
+    except ConfigError as exc:
         print(f"python -m rlrunner.checkpoint: error: {exc}", file=sys.stderr)
         return 2
     url = storage.url if storage.is_local else args.path.rstrip("/")

@@ -8,7 +8,6 @@ read from a local folder or straight from any store's URL (s3://, gs://, ...); t
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import tempfile
 import warnings
@@ -24,17 +23,6 @@ from rlrunner.checkpoint.safe_dcp import METADATA_FILE, SafeFileSystemReader, Sa
 from rlrunner.storage import Storage, is_url, open_storage
 
 MODEL_PREFIX = "model."
-
-
-def parse_storage_options(text: str) -> dict[str, Any]:
-    """A `--storage_options` argument: a JSON object for the fsspec filesystem; ValueError naming the problem."""
-    try:
-        options = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not valid JSON ({exc})") from None
-    if not isinstance(options, dict):
-        raise ValueError(f"must be a JSON object, got {type(options).__name__}")
-    return options
 
 
 def find_dcp_dir(url: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> str:

@@ -71,12 +71,13 @@ class CheckpointStatus:
 
 def inspect_checkpoint(storage: Storage, url: str, checksums: bool) -> CheckpointStatus:
     """Verify one folder against its manifest (sizes always, CRC-32s when `checksums`)."""
-    size = sum(storage.walk(url).values())
+    present = storage.walk(url)  # one listing for the size and the verification (a request per call on a store)
+    size = sum(present.values())
     try:
         manifest = read_manifest(storage, url)
     except ManifestError as exc:
         return CheckpointStatus(url, INCOMPLETE, layout.step_from_name(basename(url)), size, [str(exc)])
-    problems = verify_files(storage, url, manifest, checksums)
+    problems = verify_files(storage, url, manifest, checksums, present)
     status = CORRUPT if problems else COMPLETE
     return CheckpointStatus(url, status, int(manifest["step"]), size, [str(p) for p in problems], manifest)
 

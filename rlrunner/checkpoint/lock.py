@@ -350,7 +350,7 @@ class _Lease:
         if record is not None and _holder_exited(record):
             return f"pid {record.get('pid')} on this machine has exited without releasing it", None, None
         stale_after = float((record or {}).get("stale_after_s", self.stale_after_s))
-        written = _modified_unix(self.storage, current.url)
+        written = self.storage.modified(current.url)  # by the store's clock (S3: LastModified)
         if written is not None and (now := _store_now(self.storage, self.lock_dir)) is not None:
             age, clock, slack = now - written, "the store's clock", CLOCK_SLACK_S
         elif record is not None:  # a store that keeps no modification times: this host's clock against the holder's
@@ -440,17 +440,12 @@ def _decode(data: bytes) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def _modified_unix(storage: Storage, url: str) -> float | None:
-    """Last-modified time of `url` by the store's clock, where the store keeps one (S3's LastModified)."""
-    return storage.modified(url)
-
-
 def _store_now(storage: Storage, lock_dir: str) -> float | None:
     """The store's clock now: the modification time of a probe object written for the purpose."""
     probe = storage.join(lock_dir, f"clock-{uuid.uuid4().hex}.probe")
     storage.write_bytes(probe, b"")
     try:
-        return _modified_unix(storage, probe)
+        return storage.modified(probe)
     finally:
         storage.delete(probe)
 

@@ -144,10 +144,13 @@ class Problem:
         return f"{self.file}: {self.what}"
 
 
-def verify_files(storage: Storage, folder: str, manifest: dict[str, Any], checksums: bool) -> list[Problem]:
-    """Problems found (empty when the folder matches its manifest). Sizes come from one listing of the folder."""
+def verify_files(
+    storage: Storage, folder: str, manifest: dict[str, Any], checksums: bool, present: dict[str, int] | None = None
+) -> list[Problem]:
+    """Problems found (empty when the folder matches its manifest). Sizes come from one listing of the folder
+    (`present`, {relative path: size}, when the caller has listed it already)."""
     problems = []
-    present = storage.walk(folder)
+    present = storage.walk(folder) if present is None else present
     for name, expected in manifest["files"].items():
         if name not in present:
             problems.append(Problem(name, "missing"))

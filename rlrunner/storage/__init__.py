@@ -11,7 +11,9 @@ Knows nothing of checkpoints: the checkpoint handler and managers sit on top of 
 
 from __future__ import annotations
 
+import argparse
 import inspect
+import json
 import logging
 import os
 import re
@@ -23,7 +25,9 @@ from rlrunner.storage.local import LocalStorage, local_path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["open_storage", "Storage", "FileRecord", "ChecksumWriter", "join", "parent", "basename", "is_url"]
+__all__ = [
+    "open_storage", "Storage", "FileRecord", "ChecksumWriter", "join", "parent", "basename", "is_url", "add_storage_options_argument",
+]
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://(.*)$", re.S)
 _COLLAPSED = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+:/(?!/)")  # `s3:/bucket`: what pathlib makes of `s3://bucket`
@@ -109,3 +113,23 @@ def _without_caches(cls: type, options: dict[str, Any]) -> dict[str, Any]:
         options["use_listings_cache"] = False
     options["skip_instance_cache"] = True
     return options
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+    if not isinstance(options, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(options).__name__}")
+    return options
+
+
+def add_storage_options_argument(parser: argparse.ArgumentParser, *names: str) -> None:
+    """`--storage_options '<json>'` for a CLI that takes URLs: `args.storage_options` is a dict ({} by default);
+    argparse reports bad JSON as a usage error (exit 2)."""
+    parser.add_argument(
+        *(names or ("--storage_options",)), dest="storage_options", type=_json_object, default={}, metavar="JSON",
+        help='options for the fsspec filesystem of a URL, e.g. \'{"client_kwargs": {"endpoint_url": "..."}}\' '
+        "(credentials otherwise come from the usual places: AWS_* variables, ~/.aws)",
+    )

@@ -20,8 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from rlrunner.checkpoint.convert import export_hf, parse_storage_options  # noqa: E402
+from rlrunner.checkpoint.convert import export_hf  # noqa: E402
 from rlrunner.errors import ConfigError  # noqa: E402
+from rlrunner.storage import add_storage_options_argument  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,13 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt_path", required=True, help="a global_step_N folder: a local path or a URL (s3://...)")
     parser.add_argument("--output_path", required=True, help="local folder to write the HF model into")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="cast the weights")
-    parser.add_argument("--storage_options", default=None, metavar="JSON",
-                        help='options for the fsspec filesystem of a URL, e.g. \'{"client_kwargs": {"endpoint_url": "..."}}\'')
+    add_storage_options_argument(parser)
     args = parser.parse_args(argv)
-    try:
-        options = parse_storage_options(args.storage_options) if args.storage_options else None
-    except ValueError as exc:
-        parser.error(f"--storage_options: {exc}")
+    options = args.storage_options
     try:
         dtype = getattr(torch, args.dtype) if args.dtype else None
         out = export_hf(args.ckpt_path, args.output_path, dtype, options)

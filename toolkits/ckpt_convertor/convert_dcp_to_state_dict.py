@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from rlrunner.checkpoint.convert import load_model_weights, parse_storage_options  # noqa: E402
+from rlrunner.checkpoint.convert import load_model_weights  # noqa: E402
 from rlrunner.errors import ConfigError  # noqa: E402
-from rlrunner.storage import is_url  # noqa: E402
+from rlrunner.storage import add_storage_options_argument, is_url  # noqa: E402
 
 
 
@@ -33,13 +33,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="DCP folder (global_step_N/actor) or global_step_N: a local path or a URL (s3://...)")
     parser.add_argument("--output_path", required=True, help="local file to write (torch.save format)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="cast the weights")
-    parser.add_argument("--storage_options", default=None, metavar="JSON",
-                        help='options for the fsspec filesystem of a URL, e.g. \'{"client_kwargs": {"endpoint_url": "..."}}\'')
+    add_storage_options_argument(parser)
     args = parser.parse_args(argv)
-    try:
-        options = parse_storage_options(args.storage_options) if args.storage_options else None
-    except ValueError as exc:
-        parser.error(f"--storage_options: {exc}")
+    options = args.storage_options
     if is_url(args.output_path):
         parser.error(f"--output_path must be a local file, got {args.output_path}")
     try:

@@ -25,12 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from rlrunner.checkpoint.convert import parse_storage_options  # noqa: E402
 from rlrunner.checkpoint.megatron_files import HF_DIR, TRACKER_FILE, write_model_checkpoint  # noqa: E402
 from rlrunner.errors import ConfigError  # noqa: E402
 from rlrunner.models.loading import check_model_path  # noqa: E402
 from rlrunner.models.megatron_layout import DEFAULT_VOCAB_DIVISIBLE_BY, Qwen2Dims, check_splittable  # noqa: E402
-from rlrunner.storage import Storage, open_storage  # noqa: E402
+from rlrunner.storage import Storage, add_storage_options_argument, open_storage  # noqa: E402
 
 # Files of an HF folder that are weights (or their indexes), not copied beside the shards.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
@@ -91,13 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor_model_parallel_size", type=int, required=True, help="number of tensor-parallel ranks")
     parser.add_argument("--make_vocab_size_divisible_by", type=int, default=DEFAULT_VOCAB_DIVISIBLE_BY,
                         help="pad the vocabulary to a multiple of this times the tensor-parallel size (Megatron's)")
-    parser.add_argument("--storage_options", default=None, metavar="JSON",
-                        help='options for the fsspec filesystem of a URL, e.g. \'{"client_kwargs": {"endpoint_url": "..."}}\'')
+    add_storage_options_argument(parser)
     args = parser.parse_args(argv)
-    try:
-        options = parse_storage_options(args.storage_options) if args.storage_options else None
-    except ValueError as exc:
-        parser.error(f"--storage_options: {exc}")
+    options = args.storage_options
     try:
         records = convert(args.hf_path, args.output_path, args.tensor_model_parallel_size,
                           args.make_vocab_size_divisible_by, options)

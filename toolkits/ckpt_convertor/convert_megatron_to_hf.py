@@ -30,11 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from rlrunner.checkpoint.convert import parse_storage_options  # noqa: E402
 from rlrunner.checkpoint.megatron_files import HF_DIR, find_root, read_rank_states  # noqa: E402
 from rlrunner.errors import ConfigError  # noqa: E402
 from rlrunner.models.megatron_layout import iter_megatron_to_hf  # noqa: E402
-from rlrunner.storage import FileRecord, Storage, is_url, open_storage  # noqa: E402
+from rlrunner.storage import FileRecord, Storage, add_storage_options_argument, is_url, open_storage  # noqa: E402
 
 WEIGHTS_FILE = "model.safetensors"
 _SAFETENSORS_DTYPES = {
@@ -133,13 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt_path", required=True,
                         help="folder with latest_checkpointed_iteration.txt, or global_step_N: a local path or a URL")
     parser.add_argument("--output_path", required=True, help="local folder to write the HF model into")
-    parser.add_argument("--storage_options", default=None, metavar="JSON",
-                        help='options for the fsspec filesystem of a URL, e.g. \'{"client_kwargs": {"endpoint_url": "..."}}\'')
+    add_storage_options_argument(parser)
     args = parser.parse_args(argv)
-    try:
-        options = parse_storage_options(args.storage_options) if args.storage_options else None
-    except ValueError as exc:
-        parser.error(f"--storage_options: {exc}")
+    options = args.storage_options
     try:
         out = convert(args.ckpt_path, args.output_path, options)
     except (ConfigError, OSError, ValueError, pickle.UnpicklingError) as exc:
