@@ -118,12 +118,14 @@ class OptimConfig:
 
 @dataclass
 class ActorConfig:
-    num_workers: int = 2
+    training_backend: str = "fsdp"  # fsdp (FSDP2, DCP checkpoints) | megatron (tensor parallel, Megatron-LM layout)
+    num_workers: int = 2  # actor ranks: data-parallel x tensor-parallel
+    tensor_model_parallel_size: int = 1  # megatron backend: ranks each layer is split over (never across nodes)
     mini_batch_size: Optional[int] = None  # prompts per optimizer step; null: data.batch_size
     micro_batch_size: int = 32  # sequences per forward/backward on one rank
     ppo_epochs: int = 1
     grad_clip: float = 1.0
-    param_dtype: str = "float32"  # FSDP2 mixed precision: dtype of gathered params
+    param_dtype: str = "float32"  # compute dtype (FSDP2 mixed precision; autocast with megatron); master weights stay float32
     reduce_dtype: str = "float32"
     optim: OptimConfig = field(default_factory=OptimConfig)
 
@@ -248,6 +250,19 @@ def mini_batch_prompts(cfg: DictConfig) -> int:
     return cfg.actor.mini_batch_size or cfg.data.batch_size
 
 
+TRAINING_BACKENDS = ("fsdp", "megatron")
+
+
+def tensor_parallel_size(cfg: DictConfig) -> int:
+    """The actor's tensor-parallel size: `actor.tensor_model_parallel_size` with megatron, 1 with fsdp."""
+    return cfg.actor.tensor_model_parallel_size if cfg.actor.training_backend == "megatron" else 1
+
+
+def data_parallel_size(cfg: DictConfig) -> int:
+    """Actor ranks that see different data: every rank with fsdp, `num_workers / tp` with megatron."""
+    return cfg.actor.num_workers // tensor_parallel_size(cfg)
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Raise ConfigError naming the first key whose value cannot work."""
     positive = {
@@ -292,6 +307,7 @@ def validate_config(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value not in _DTYPES:
             raise ConfigError(f"{key} must be one of {', '.join(_DTYPES)}, got '{value}'")
+    _validate_parallel_sizes(cfg)
     if cfg.actor.optim.lr_schedule not in ("constant", "cosine"):
         raise ConfigError(f"actor.optim.lr_schedule must be 'constant' or 'cosine', got '{cfg.actor.optim.lr_schedule}'")
     if len(cfg.actor.optim.betas) != 2:
@@ -310,12 +326,34 @@ def validate_config(cfg: DictConfig) -> None:
     _validate_batch_divisibility(cfg)
 
 
+def _validate_parallel_sizes(cfg: DictConfig) -> None:
+    actor = cfg.actor
+    if actor.training_backend not in TRAINING_BACKENDS:
+        raise ConfigError(f"actor.training_backend must be one of {', '.join(TRAINING_BACKENDS)}, got '{actor.training_backend}'")
+    tp = actor.tensor_model_parallel_size
+    if tp < 1:
+        raise ConfigError(f"actor.tensor_model_parallel_size must be positive, got {tp}")
+    if tp > 1 and actor.training_backend != "megatron":
+        raise ConfigError(
+            f"actor.tensor_model_parallel_size={tp} needs actor.training_backend=megatron (fsdp shards, it does not split layers)"
+        )
+    if actor.num_workers % tp:
+        raise ConfigError(
+            f"actor.num_workers ({actor.num_workers}) must be a multiple of actor.tensor_model_parallel_size ({tp}): "
+            "ranks = data-parallel x tensor-parallel"
+        )
+    if actor.training_backend == "megatron" and actor.reduce_dtype != "float32":
+        raise ConfigError(f"actor.reduce_dtype must be float32 with actor.training_backend=megatron (gradients are reduced in float32), got '{actor.reduce_dtype}'")
+
+
 def _validate_batch_divisibility(cfg: DictConfig) -> None:
-    """Every actor rank must get the same number of micro-batches, or the FSDP collectives would hang."""
+    """Every data-parallel rank must get the same number of micro-batches, or the collectives would hang."""
     batch = cfg.data.batch_size
     mini = mini_batch_prompts(cfg)
     group = cfg.algorithm.group_size
-    workers = cfg.actor.num_workers
+    workers = data_parallel_size(cfg)
+    tp = tensor_parallel_size(cfg)
+    ranks_key = "actor.num_workers" if tp == 1 else "data-parallel ranks (actor.num_workers / actor.tensor_model_parallel_size)"
     micro = cfg.actor.micro_batch_size
     # With actor.mini_batch_size null, the whole step's batch is one mini-batch: name the key the user set.
     mini_key = "actor.mini_batch_size" if cfg.actor.mini_batch_size else "data.batch_size"
@@ -325,13 +363,13 @@ def _validate_batch_divisibility(cfg: DictConfig) -> None:
     if sequences % workers:
         raise ConfigError(
             f"sequences per mini-batch ({mini_key} {mini} x algorithm.group_size {group} = {sequences}) "
-            f"must be divisible by actor.num_workers ({workers})"
+            f"must be divisible by {ranks_key} ({workers})"
         )
     per_rank = sequences // workers
     if per_rank % micro:
         raise ConfigError(
             f"sequences per rank per mini-batch ({mini_key} {mini} x algorithm.group_size {group} / "
-            f"actor.num_workers {workers} = {per_rank}) must be a multiple of actor.micro_batch_size ({micro})"
+            f"{ranks_key} {workers} = {per_rank}) must be a multiple of actor.micro_batch_size ({micro})"
         )
 
 

@@ -84,6 +84,19 @@ def _check_rank(rank: int, world: int, shape: str) -> None:
     with torch.no_grad():
         assert torch.allclose(tp_model(IDS, MASK), hf(input_ids=IDS, attention_mask=MASK).logits, atol=1e-5)
 
+    # the padding token as an input inside the loss: its embedding row gets no gradient, as with HF's padding_idx
+    pad = config.pad_token_id
+    ids = IDS.masked_fill(IDS == 0, pad)
+    for model in (hf, tp_model):
+        model.zero_grad()
+    hf(input_ids=ids, use_cache=False).logits.logsumexp(-1).sum().backward()
+    tp_model(ids).logsumexp(-1).sum().backward()
+    expected = hf_to_megatron_rank({n: p.grad for n, p in hf.named_parameters()}, config, world, rank)
+    grad = tp_model.embedding.word_embeddings.weight.grad
+    assert torch.allclose(grad, expected["embedding.word_embeddings.weight"], atol=1e-5)
+    if not config.tie_word_embeddings:  # tied, the row also gets the output layer's gradient
+        assert hf.model.embed_tokens.weight.grad[pad].abs().sum() == 0
+
     # a shard of another split or an incomplete one is named, not half-loaded
     other = hf_to_megatron_rank(hf.state_dict(), config, 2 if world == 1 else 1, 0)
     with pytest.raises(ValueError, match="has shape .* expected .* tensor-parallel size"):

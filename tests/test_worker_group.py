@@ -123,3 +123,17 @@ def test_a_group_that_fails_to_start_releases_its_resources(ray_session):
     while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
+
+
+def test_workers_per_bundle_keeps_consecutive_ranks_in_one_bundle(ray_session):
+    from ray.util.placement_group import placement_group_table
+
+    with pytest.raises(ValueError, match="tp: 3 workers do not fill bundles of 2"):
+        WorkerGroup("tp", SumWorker, 3, cpus_per_worker=0.25, workers_per_bundle=2)
+    group = WorkerGroup("tp", SumWorker, 4, cpus_per_worker=0.25, workers_per_bundle=2)
+    try:
+        bundles = placement_group_table(group.placement_group)["bundles"]
+        assert list(bundles.values()) == [{"CPU": 0.5}, {"CPU": 0.5}]  # one bundle (one node) per pair of ranks
+        assert group.call_all("rank_plus", 1) == [1, 2, 3, 4]  # all four ranks placed and running
+    finally:
+        group.shutdown()

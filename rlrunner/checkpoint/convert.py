@@ -1,4 +1,7 @@
-"""Offline conversion of a DCP actor checkpoint: the model's weights alone, as a plain state dict or an HF folder.
+"""Offline conversion of an actor checkpoint: the model's weights alone, as a plain state dict or an HF folder.
+
+Both backends' checkpoints are read: DCP shards (FSDP) and Megatron tensor-parallel files (merged through the
+HF layout, the vocabulary padding stripped).
 
 Only the `model.*` entries are requested from DCP, so the optimizer's shards are never read into
 memory: peak memory is about the size of the weights. No process group is needed. Checkpoints are
@@ -19,7 +22,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from rlrunner.checkpoint import layout
+from rlrunner.checkpoint.megatron_files import HF_DIR, find_root, read_rank_states
 from rlrunner.checkpoint.safe_dcp import METADATA_FILE, SafeFileSystemReader, SafeLoadPlanner
+from rlrunner.models.megatron_layout import megatron_to_hf
 from rlrunner.storage import Storage, is_url, open_storage
 
 MODEL_PREFIX = "model."
@@ -48,6 +53,9 @@ def load_model_weights(
 
 
 def _model_weights(storage: Storage, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    megatron_root = _find_megatron_root(storage)
+    if megatron_root is not None:
+        return _megatron_weights(storage, megatron_root, dtype)
     folder = _find_dcp_dir(storage)
     reader = SafeFileSystemReader(folder, storage=storage)  # one connection for the metadata and the shards
     weights: dict[str, torch.Tensor] = {}
@@ -63,6 +71,26 @@ def _model_weights(storage: Storage, dtype: torch.dtype | None) -> dict[str, tor
     if dtype is not None:
         state = {key: tensor.to(dtype) for key, tensor in state.items()}
     return state
+
+
+def _find_megatron_root(storage: Storage) -> str | None:
+    """The folder holding a Megatron backend's tracker (the URL itself or its `actor/`), or None for a DCP checkpoint."""
+    try:
+        return find_root(storage, storage.url)
+    except FileNotFoundError:
+        return None
+
+
+def _megatron_weights(storage: Storage, root: str, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The HF weights merged from the tensor-parallel shards of the iteration the tracker names."""
+    _, states = read_rank_states(storage, root)
+    hf_dir = storage.join(root, HF_DIR)
+    with _local_folder(storage, hf_dir) as local:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(local)
+    state = megatron_to_hf([s["model"] for s in states], config)
+    return {key: tensor.to(dtype) for key, tensor in state.items()} if dtype is not None else state
 
 
 @contextlib.contextmanager

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from rlrunner.checkpoint.megatron_files import write_tracker
+from rlrunner.storage import open_storage
+
 
 class CheckpointManager(Protocol):
     backend: str  # recorded in the manifest; a checkpoint is only loaded by the backend that wrote it
@@ -80,3 +83,26 @@ class FSDPCheckpointManager:
 
     def load(self, url: str) -> None:
         self.actor_group.call_all("load_checkpoint", str(url), self.storage_options, timeout_s=self.timeout_s)
+
+
+class MegatronCheckpointManager(FSDPCheckpointManager):
+    """The Megatron backend's files (`iter_XXXXXXX/mp_rank_XX/{model_optim_rng,distrib_optim}.pt`), written by data-parallel
+    rank 0 of each tensor-parallel rank, straight to the store; the driver writes `latest_checkpointed_iteration.txt`
+    once every rank's files are written, so the tracker never names a partial iteration (and the manifest, written
+    after it, commits the whole)."""
+
+    backend = "megatron-tp"
+
+    def start_save(self, url: str, step: int) -> None:
+        self._url, self._step = str(url), step
+        self.actor_group.call_all(
+            "start_checkpoint", self._url, self.background, self.storage_options, step, timeout_s=self.timeout_s
+        )
+
+    def finish_save(self, wait: bool) -> dict[str, dict[str, Any]] | None:
+        files = super().finish_save(wait)
+        if files is None:
+            return None
+        storage = open_storage(self._url, self.storage_options)
+        files.update({name: record.as_dict() for name, record in write_tracker(storage, self._url, self._step).items()})
+        return files

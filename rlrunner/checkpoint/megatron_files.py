@@ -232,11 +232,50 @@ def write_rank_file(
     if not 0 <= tp_rank < args.tensor_model_parallel_size:
         raise ValueError(f"tensor-parallel rank {tp_rank} is outside 0..{args.tensor_model_parallel_size - 1}")
     state = rank_state(iteration, model, args, optimizer, opt_param_scheduler, rng_state)
-    check_loadable(state, rank_file(iteration, tp_rank))
-    name = rank_file(iteration, tp_rank)
+    return write_state_file(storage, root, rank_file(iteration, tp_rank), state)
+
+
+def distrib_optim_file(iteration: int, tp_rank: int) -> str:
+    """`iter_0000050/mp_rank_01/distrib_optim.pt`, relative to the checkpoint root."""
+    return f"{iteration_dir(iteration)}/{rank_dir(tp_rank)}/{DISTRIB_OPTIM_FILE}"
+
+
+DISTRIB_OPTIM_FORMAT = "rlrunner.distrib_optim/1"
+
+
+def distrib_optim_state(
+    iteration: int, tp: int, dp: int, step: int, exp_avg: Mapping[str, torch.Tensor], exp_avg_sq: Mapping[str, torch.Tensor]
+) -> dict[str, Any]:
+    """What a `distrib_optim.pt` holds (our layout): the Adam moments of one tensor-parallel rank, gathered from every
+    data-parallel rank, per megatron-core parameter name and shaped like the parameter (so the moments reshard over
+    tensor-parallel sizes exactly as the weights do), and the optimizer's step count."""
+    return {
+        "format": DISTRIB_OPTIM_FORMAT,
+        "iteration": int(iteration),
+        "tensor_model_parallel_size": int(tp),
+        "data_parallel_size": int(dp),
+        "step": int(step),
+        "exp_avg": dict(exp_avg),
+        "exp_avg_sq": dict(exp_avg_sq),
+    }
+
+
+def write_state_file(storage: Storage, root: str, name: str, state: Mapping[str, Any]) -> dict[str, FileRecord]:
+    """torch.save `state` to `root`/`name` (checked loadable with weights_only first); {name: size and CRC-32}."""
+    check_loadable(state, name)
     with storage.open_write(storage.join(root, name)) as writer:
-        torch.save(state, writer)
+        torch.save(dict(state), writer)
     return {name: writer.record()}
+
+
+def read_distrib_optim(storage: Storage, url: str) -> dict[str, Any]:
+    """One `distrib_optim.pt`, checked to be in our format."""
+    with storage.open_read(url) as handle:
+        state = load_file(handle)
+    if not isinstance(state, dict) or state.get("format") != DISTRIB_OPTIM_FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{url} is not a distributed-optimizer file of format {DISTRIB_OPTIM_FORMAT} (found {found!r})")
+    return state
 
 
 def write_tracker(storage: Storage, root: str, iteration: int) -> dict[str, FileRecord]:

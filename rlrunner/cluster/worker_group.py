@@ -63,15 +63,25 @@ class WorkerGroup:
         dist_timeout_s: float = 1800.0,
         abandon: Callable[[], bool] | None = None,
         wait: bool = True,
+        workers_per_bundle: int = 1,
     ):
-        """Place the group and start its actors; with `wait`, also wait until they are ready (see `wait_ready`)."""
+        """Place the group and start its actors; with `wait`, also wait until they are ready (see `wait_ready`).
+
+        `workers_per_bundle` consecutive ranks share one placement bundle, and a bundle is never split across
+        nodes: a tensor-parallel group placed this way always runs on one node.
+        """
+        if workers_per_bundle < 1 or num_workers % workers_per_bundle:
+            raise ValueError(f"{name}: {num_workers} workers do not fill bundles of {workers_per_bundle}")
         self.name = name
         self.num_workers = num_workers
         self.call_timeout_s = call_timeout_s
         bundle = {"CPU": cpus_per_worker}
         if gpus_per_worker:
             bundle["GPU"] = gpus_per_worker
-        self.placement_group = placement_group([dict(bundle) for _ in range(num_workers)], strategy=placement_strategy)
+        per_bundle = {key: value * workers_per_bundle for key, value in bundle.items()}
+        self.placement_group = placement_group(
+            [dict(per_bundle) for _ in range(num_workers // workers_per_bundle)], strategy=placement_strategy
+        )
         self.placement_wait_s = self._wait_for_placement(bundle, placement_timeout_s, abandon)
         self.distributed = distributed
         self.start_timeout_s = start_timeout_s
@@ -86,7 +96,7 @@ class WorkerGroup:
                 max_restarts=0,
                 max_concurrency=1,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.placement_group, placement_group_bundle_index=rank
+                    placement_group=self.placement_group, placement_group_bundle_index=rank // workers_per_bundle
                 ),
             ).remote(rank=rank, world_size=self.num_workers, **(worker_kwargs or {}))
             for rank in range(self.num_workers)

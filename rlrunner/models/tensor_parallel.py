@@ -121,18 +121,25 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Each rank holds a contiguous run of (padded) vocabulary rows, looks up the ids inside it, zero elsewhere;
-    the all-reduce sums the one non-zero contribution of each token."""
+    the all-reduce sums the one non-zero contribution of each token.
 
-    def __init__(self, rows_local: int, hidden: int, group: dist.ProcessGroup, **factory: Any):
+    The padding token's row gets no gradient, as in HF's `nn.Embedding(..., padding_idx=pad_token_id)`."""
+
+    def __init__(self, rows_local: int, hidden: int, group: dist.ProcessGroup, padding_idx: int | None = None, **factory: Any):
         super().__init__()
         self.group = group
+        self.padding_idx = padding_idx
         self.weight = nn.Parameter(torch.zeros(rows_local, hidden, **factory))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.weight.shape[0]
-        local = ids - dist.get_rank(self.group) * rows
+        first = dist.get_rank(self.group) * rows
+        local = ids - first
         outside = (local < 0) | (local >= rows)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        padding = None
+        if self.padding_idx is not None and first <= self.padding_idx < first + rows:
+            padding = self.padding_idx - first
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=padding)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return _reduce_from_tp(out, self.group)
 
@@ -197,9 +204,9 @@ class _Decoder(nn.Module):
 
 
 class _Embedding(nn.Module):
-    def __init__(self, rows_local: int, hidden: int, group: dist.ProcessGroup, **factory: Any):
+    def __init__(self, rows_local: int, hidden: int, group: dist.ProcessGroup, padding_idx: int | None, **factory: Any):
         super().__init__()
-        self.word_embeddings = VocabParallelEmbedding(rows_local, hidden, group, **factory)
+        self.word_embeddings = VocabParallelEmbedding(rows_local, hidden, group, padding_idx, **factory)
 
 
 def _hf_config(config: Any) -> Qwen2Config:
@@ -238,7 +245,7 @@ class TPQwen2ForCausalLM(nn.Module):
         factory = {"dtype": dtype, "device": device}
         rows_local = self.padded_vocab_size // self.tp
         eps = float(config.rms_norm_eps)
-        self.embedding = _Embedding(rows_local, dims.hidden_size, tp_group, **factory)
+        self.embedding = _Embedding(rows_local, dims.hidden_size, tp_group, config.pad_token_id, **factory)
         self.decoder = _Decoder(dims, eps, self.tp, tp_group, **factory)
         if not dims.tie_word_embeddings:
             self.output_layer = ColumnParallelLinear(dims.hidden_size, rows_local, False, tp_group, **factory)

@@ -24,17 +24,18 @@ from rlrunner.algorithms.grpo import group_advantages
 from rlrunner.checkpoint import layout
 from rlrunner.checkpoint.handler import Checkpoint, CheckpointHandler, PendingSave
 from rlrunner.checkpoint.lock import ExperimentLock
-from rlrunner.checkpoint.manager import FSDPCheckpointManager
+from rlrunner.checkpoint.manager import FSDPCheckpointManager, MegatronCheckpointManager
 from rlrunner.checkpoint.policy import flatten
 from rlrunner.cluster.ray_setup import cluster_lost, is_embedded, restart_embedded
 from rlrunner.cluster.shared_storage import check_shared_folder
 from rlrunner.cluster.worker_group import CallAbandoned, WorkerGroup, WorkerRaised
-from rlrunner.config import mini_batch_prompts
+from rlrunner.config import data_parallel_size, mini_batch_prompts, tensor_parallel_size
 from rlrunner.data.datasets import build_dataset
 from rlrunner.data.loader import PromptLoader
 from rlrunner.errors import (
     CheckpointError,
     ClusterLostError,
+    ConfigError,
     ExperimentLockedError,
     RecoveryExhaustedError,
     StoppedEarly,
@@ -43,7 +44,8 @@ from rlrunner.errors import (
     user_error,
 )
 from rlrunner.models.loading import build_hf_config, build_tokenizer, token_ids
-from rlrunner.runner.batching import build_actor_batch, chunk, shard_actor_batch, split_evenly
+from rlrunner.models.megatron_layout import Qwen2Dims, check_splittable
+from rlrunner.runner.batching import build_actor_batch, chunk, per_rank_shards, shard_actor_batch, split_evenly
 from rlrunner.runner.experiment_logs import ExperimentLogs
 from rlrunner.runner.metrics_logger import MetricsLogger, Progress
 from rlrunner.runner.recovery import RecoveryLog, RestartBudget, describe, failure_cause, same_failure
@@ -53,6 +55,7 @@ from rlrunner.runner.weight_sync import sync_weights as push_weights
 from rlrunner.storage import basename
 from rlrunner.utils.seeding import derive_seed
 from rlrunner.workers.actor import ActorWorker
+from rlrunner.workers.megatron_actor import MegatronActorWorker
 from rlrunner.workers.rollout import RolloutWorker
 
 logger = logging.getLogger(__name__)
@@ -69,6 +72,14 @@ def reward_verifier(cfg: DictConfig) -> str:
 
 # HF config keys that do not shape the weights (or are bookkeeping) and may differ between saves.
 _VOLATILE_HF_KEYS = {"transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache", "_commit_hash"}
+
+
+def check_megatron_model(hf_config: Any, tp: int) -> None:
+    """ConfigError (one line) unless the Megatron backend can split this model `tp` ways: found before any worker starts."""
+    try:
+        check_splittable(Qwen2Dims.from_config(hf_config), tp)
+    except ValueError as exc:
+        raise ConfigError(f"actor.training_backend=megatron with actor.tensor_model_parallel_size={tp}: {exc}") from None
 
 
 def model_optimizer_fingerprint(cfg: DictConfig, hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -90,6 +101,8 @@ class GRPORunner:
         self.loader = self._new_loader()
         self.total_steps = min(cfg.runner.max_steps, cfg.runner.max_epochs * self.loader.steps_per_epoch)
         self.num_minibatches = cfg.data.batch_size // mini_batch_prompts(cfg)
+        self.megatron = cfg.actor.training_backend == "megatron"
+        self.tp, self.dp = tensor_parallel_size(cfg), data_parallel_size(cfg)
         self.global_step = 0
         self.last_saved_step: int | None = None  # the newest committed checkpoint's step
         self.pending_save: PendingSave | None = None  # a save whose files are still being written
@@ -97,6 +110,8 @@ class GRPORunner:
         self.rollout_group: WorkerGroup | None = None
         self.storage, self.experiment = layout.experiment_url(cfg.runner.output_dir, cfg.runner.experiment_name, self.storage_options)
         self.hf_config = build_hf_config(cfg.model, self.tokenizer)
+        if self.megatron:
+            check_megatron_model(self.hf_config, self.tp)
         self.handler = CheckpointHandler(
             self.storage,
             self.experiment,
@@ -135,7 +150,7 @@ class GRPORunner:
         optimizer_steps = self.total_steps * self.num_minibatches * self.cfg.actor.ppo_epochs
         self.actor_group = WorkerGroup(
             "actor",
-            ActorWorker,
+            MegatronActorWorker if self.megatron else ActorWorker,
             self.cfg.actor.num_workers,
             worker_kwargs={
                 "model_cfg": plain(self.cfg.model),
@@ -147,6 +162,7 @@ class GRPORunner:
             },
             cpus_per_worker=cfg.cpus_per_actor_worker,
             distributed=True,
+            workers_per_bundle=self.tp,  # a tensor-parallel group is one bundle: never split across nodes
             **placement,
         )
         self.rollout_group = WorkerGroup(
@@ -217,8 +233,9 @@ class GRPORunner:
         rewards = torch.tensor([s["reward"] for s in samples], dtype=torch.float32)
         advantages = group_advantages(rewards, cfg.algorithm.group_size, cfg.algorithm.norm_adv_by_std)
         batch = build_actor_batch(samples, advantages, self.token_ids.pad)
-        shards = shard_actor_batch(batch, self.actor_group.num_workers, self.num_minibatches)
-        actor_stats = self.actor_group.call_each("update", [(shard,) for shard in shards])
+        shards = shard_actor_batch(batch, self.dp, self.num_minibatches)
+        per_rank = self.actor_group.call_each("update", [(shard,) for shard in per_rank_shards(shards, self.tp)])
+        actor_stats = per_rank[:: self.tp]  # tensor-parallel rank 0 of each data-parallel rank: each counted once
         update_done = time.perf_counter()
 
         self.sync_weights()
@@ -271,7 +288,8 @@ class GRPORunner:
 
     def checkpoint_manager(self) -> FSDPCheckpointManager:
         recovery = self.cfg.runner.recovery
-        return FSDPCheckpointManager(
+        manager = MegatronCheckpointManager if self.megatron else FSDPCheckpointManager
+        return manager(
             self.actor_group, recovery.checkpoint_timeout_s, background=self.cfg.runner.async_save, storage_options=self.storage_options
         )
 

@@ -124,7 +124,7 @@ class ActorWorker(Worker):
                 rows_mb = range(mb * rows_per_minibatch, (mb + 1) * rows_per_minibatch)
                 micro_batches = list(self._micro_batches(shard, rows_mb))
                 for i, (index, width) in enumerate(micro_batches):
-                    self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+                    self._set_gradient_sync(i == len(micro_batches) - 1)
                     logits = self._logits(self.model, shard["input_ids"][index], width)
                     targets = shard["input_ids"][index, 1:width].to(self.device)
                     mask = shard["loss_mask"][index, : width - 1].to(self.device)
@@ -144,20 +144,19 @@ class ActorWorker(Worker):
                     else:
                         with torch.no_grad():
                             entropy = token_entropy(logits)
-                    # FSDP averages gradients over ranks; scaling by world size makes the result the global token mean.
-                    loss = masked_sum(per_token, mask) * (self.world_size / global_tokens)
+                    # Gradients are averaged over the data-parallel ranks; scaling by their number makes the result the
+                    # global token mean.
+                    loss = masked_sum(per_token, mask) * (self.data_parallel_size / global_tokens)
                     loss.backward()
                     sums["pg_loss"] += masked_sum(terms.loss.detach(), mask).item()
                     sums["entropy"] += masked_sum(entropy.detach(), mask).item()
                     sums["clipped"] += masked_sum(terms.clipped, mask).item()
                     sums["ppo_kl"] += masked_sum(terms.approx_kl, mask).item()
                     sums["tokens"] += mask.sum().item()
-                grad_norm = self._clip_gradients()
-                if math.isfinite(grad_norm):
-                    self.optimizer.step()
-                else:
-                    skipped += 1  # a non-finite gradient would poison the weights: drop this step
-                self.optimizer.zero_grad(set_to_none=True)
+                grad_norm = self._clip_and_step()
+                if not math.isfinite(grad_norm):
+                    skipped += 1  # a non-finite gradient would poison the weights: the step was dropped
+                self.optimizer.zero_grad()
                 self.scheduler.step()
                 grad_norms.append(grad_norm)
         return {
@@ -167,12 +166,28 @@ class ActorWorker(Worker):
             "skipped_steps": float(skipped),
         }
 
-    def _clip_gradients(self) -> float:
-        max_norm = self.actor_cfg["grad_clip"] if self.actor_cfg["grad_clip"] > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+    # -- what the backends do differently (FSDP2 here; see MegatronActorWorker) -----------------
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size
+
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        """FSDP reduces gradients in backward: only on the last micro-batch of a mini-batch."""
+        self.model.set_requires_gradient_sync(enabled)
+
+    def _max_grad_norm(self) -> float:
+        return self.actor_cfg["grad_clip"] if self.actor_cfg["grad_clip"] > 0 else float("inf")
+
+    def _clip_and_step(self) -> float:
+        """Clip the gradients and step the optimizer unless their norm is not finite; returns the norm."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self._max_grad_norm())
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        return float(norm)
+        norm = float(norm)
+        if math.isfinite(norm):
+            self.optimizer.step()
+        return norm
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -230,7 +245,7 @@ class ActorWorker(Worker):
         self._drop_weight_sync_channels()
         store = connect_store(host, port, timeout_s)
         self.weight_sync = ActorSync(
-            store, self.rank, num_actor_ranks, num_rollout_workers, self.model.state_dict(), self.device, timeout_s, node_ip()
+            store, self.rank, num_actor_ranks, num_rollout_workers, self._weight_sync_state(), self.device, timeout_s, node_ip()
         )
         return self.weight_sync.backend
 
@@ -238,7 +253,11 @@ class ActorWorker(Worker):
         """Collective with every rollout worker's `receive_weights`: broadcast this rank's shards in the rollout dtype."""
         if getattr(self, "weight_sync", None) is None:
             raise RuntimeError("send_weights before join_weight_sync")
-        return self.weight_sync.send(self.model.state_dict(), bucket_bytes)
+        return self.weight_sync.send(self._weight_sync_state(), bucket_bytes)
+
+    def _weight_sync_state(self) -> dict[str, torch.Tensor]:
+        """The tensors this rank sends from (its FSDP2 shards: the sync sends each rank's own rows)."""
+        return self.model.state_dict()
 
     def _drop_weight_sync_channels(self) -> None:
         sync, self.weight_sync = getattr(self, "weight_sync", None), None

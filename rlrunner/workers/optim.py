@@ -39,8 +39,13 @@ def build_optimizer(
         betas=tuple(optim_cfg["betas"]),
         weight_decay=optim_cfg["weight_decay"],
     )
+    return optimizer, build_schedule(optimizer, optim_cfg, total_steps)
+
+
+def build_schedule(optimizer: torch.optim.Optimizer, optim_cfg: dict[str, Any], total_steps: int) -> "ConfiguredLambdaLR":
+    """The LR schedule of `actor.optim` over `total_steps` optimizer steps."""
     schedule = LRSchedule(optim_cfg["warmup_steps"], total_steps, optim_cfg["lr_schedule"], optim_cfg["min_lr_ratio"])
-    return optimizer, ConfiguredLambdaLR(optimizer, schedule)
+    return ConfiguredLambdaLR(optimizer, schedule)
 
 
 class ConfiguredLambdaLR(torch.optim.lr_scheduler.LambdaLR):

@@ -1,0 +1,187 @@
+"""Rank-side save and load of the Megatron (tensor-parallel) backend's training state, in Megatron-LM's layout.
+
+    <actor folder>/iter_0000050/mp_rank_XX/model_optim_rng.pt   model shard, optimizer settings, LR schedule, RNG
+    <actor folder>/iter_0000050/mp_rank_XX/distrib_optim.pt     Adam moments of that shard (all data-parallel slices)
+    <actor folder>/latest_checkpointed_iteration.txt            written by the driver once every file is written
+
+Data-parallel rank 0 of each tensor-parallel rank writes that rank's two files; `rng_state` holds one entry per
+data-parallel rank (Megatron's list-of-dicts), gathered before the write. The state is copied off the training
+tensors on the training thread (`MegatronRankState`); the files are written, or uploaded, in a thread
+(`BackgroundWrite`), so a save blocks training only for the copy.
+
+A load reads this rank's files when the tensor-parallel size is the saved one; with another size it merges every
+saved rank's model and Adam moments into the HF layout and splits them again for this size (the converters'
+functions), so tp=2 resumes at tp=1 and back. RNG states are restored only when both sizes match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from rlrunner.checkpoint.megatron_files import (
+    MODEL_FILE,
+    DISTRIB_OPTIM_FILE,
+    distrib_optim_file,
+    distrib_optim_state,
+    iteration_dir,
+    rank_dirs,
+    rank_file,
+    rank_state,
+    read_distrib_optim,
+    read_rank_file,
+    read_tracker,
+    write_state_file,
+)
+from rlrunner.models.megatron_layout import EXTRA_STATE, hf_to_megatron_rank, megatron_to_hf
+from rlrunner.storage import FileRecord, open_storage
+
+
+@dataclass
+class MegatronRankState:
+    """What one tensor-parallel rank's files hold, copied off the live tensors (CPU tensors of its own)."""
+
+    iteration: int
+    tp_rank: int
+    args: argparse.Namespace
+    model: dict[str, torch.Tensor | None]  # megatron-core names, `_extra_state` entries None as Megatron's
+    optimizer: dict[str, Any]  # settings and where the moments are (our `optimizer` entry)
+    scheduler: dict[str, Any]
+    rng_state: list[dict[str, Any]]  # one entry per data-parallel rank
+    step: int  # the optimizer's step count
+    exp_avg: dict[str, torch.Tensor]
+    exp_avg_sq: dict[str, torch.Tensor]
+
+    def write(self, url: str, storage_options: Mapping[str, Any] | None) -> dict[str, FileRecord]:
+        """Write both files under `url` (the checkpoint's actor folder); {relative name: size and CRC-32}."""
+        storage = open_storage(url, storage_options)
+        state = rank_state(self.iteration, self.model, self.args, self.optimizer, self.scheduler, self.rng_state)
+        records = write_state_file(storage, url, rank_file(self.iteration, self.tp_rank), state)
+        moments = distrib_optim_state(
+            self.iteration, self.args.tensor_model_parallel_size, self.args.data_parallel_size, self.step,
+            self.exp_avg, self.exp_avg_sq,
+        )
+        records.update(write_state_file(storage, url, distrib_optim_file(self.iteration, self.tp_rank), moments))
+        return records
+
+
+class BackgroundWrite:
+    """One rank's save in flight (at most one): started, then finished (waited for, or polled)."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlrunner-ckpt")
+        self._future: Future | None = None
+        self._started = 0.0
+        self._write_s: float | None = None
+
+    @property
+    def written(self) -> bool:
+        if self._future is None:
+            raise RuntimeError("no checkpoint save in flight on this rank")
+        return self._future.done()
+
+    def start(self, write: Callable[[], dict[str, FileRecord]], background: bool) -> None:
+        """Run `write` in the thread (`background`) or here; its error is raised by `finish`."""
+        if self._future is not None:
+            raise RuntimeError("a checkpoint save is already in flight on this rank")
+        self._started, self._write_s = time.monotonic(), None
+
+        def timed() -> dict[str, FileRecord]:
+            try:
+                return write()
+            finally:
+                self._write_s = time.monotonic() - self._started
+
+        if background:
+            self._future = self._pool.submit(timed)
+            return
+        future: Future = Future()
+        try:
+            future.set_result(timed())
+        except BaseException as exc:
+            future.set_exception(exc)
+        self._future = future
+
+    def finish(self) -> dict[str, Any]:
+        """Wait for the save in flight: {"files": {name: {size, crc32}}, "write_s": seconds}, or its error."""
+        if self._future is None:
+            raise RuntimeError("no checkpoint save in flight on this rank")
+        future, self._future = self._future, None
+        records = future.result()
+        return {"files": {name: record.as_dict() for name, record in sorted(records.items())}, "write_s": self._write_s}
+
+
+# -- loading -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedRank:
+    """This rank's training state read from a checkpoint (resharded to this rank's tensor-parallel size)."""
+
+    model: dict[str, torch.Tensor]
+    step: int
+    exp_avg: dict[str, torch.Tensor]
+    exp_avg_sq: dict[str, torch.Tensor]
+    scheduler: dict[str, Any]
+    rng_state: dict[str, Any] | None  # None when the parallel sizes changed (a rank's RNG has no meaning then)
+
+
+def _tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    return {key: value for key, value in state.items() if not key.endswith(EXTRA_STATE)}
+
+
+def _reshard(shards: list[dict[str, torch.Tensor]], config: Any, tp: int, tp_rank: int, divisible_by: int) -> dict[str, torch.Tensor]:
+    """Tensor-parallel rank `tp_rank` of `tp` from the saved ranks' dicts, through the HF layout (exact)."""
+    merged = megatron_to_hf(shards, config)
+    return _tensors(hf_to_megatron_rank(merged, config, tp, tp_rank, divisible_by))
+
+
+def load_rank(
+    url: str,
+    storage_options: Mapping[str, Any] | None,
+    config: Any,
+    tp: int,
+    tp_rank: int,
+    dp: int,
+    dp_rank: int,
+    divisible_by: int,
+) -> LoadedRank:
+    """Read the state of rank (dp_rank, tp_rank) from the checkpoint's actor folder `url` (the iteration its tracker
+    names), resharding over tensor-parallel sizes as needed."""
+    storage = open_storage(url, storage_options)
+    iteration = read_tracker(storage, url)
+    saved_tp = len(rank_dirs(storage, url, iteration))
+
+    def read(rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        folder = storage.join(url, iteration_dir(iteration), f"mp_rank_{rank:02d}")
+        state = read_rank_file(storage, storage.join(folder, MODEL_FILE))
+        if state["args"].tensor_model_parallel_size != saved_tp:
+            raise ValueError(f"{folder} was saved with tensor_model_parallel_size={state['args'].tensor_model_parallel_size}, "
+                             f"but {saved_tp} mp_rank folders exist")
+        if state.get("iteration") != iteration:
+            raise ValueError(f"{folder}/{MODEL_FILE} holds iteration {state.get('iteration')}, the tracker names {iteration}")
+        for key in ("optimizer", "opt_param_scheduler", "rng_state"):
+            if key not in state:
+                raise ValueError(f"{folder}/{MODEL_FILE} has no '{key}': a model-only checkpoint cannot be resumed "
+                                 "(start from it with model.path instead)")
+        moments = read_distrib_optim(storage, storage.join(folder, DISTRIB_OPTIM_FILE))
+        return state, moments
+
+    if saved_tp == tp:
+        state, moments = read(tp_rank)
+        model, exp_avg, exp_avg_sq = _tensors(state["model"]), moments["exp_avg"], moments["exp_avg_sq"]
+        saved_dp = getattr(state["args"], "data_parallel_size", None)
+        rng = state["rng_state"][dp_rank] if saved_dp == dp and len(state["rng_state"]) == dp else None
+    else:
+        states = [read(rank) for rank in range(saved_tp)]
+        model = _reshard([_tensors(s["model"]) for s, _ in states], config, tp, tp_rank, divisible_by)
+        exp_avg = _reshard([dict(m["exp_avg"]) for _, m in states], config, tp, tp_rank, divisible_by)
+        exp_avg_sq = _reshard([dict(m["exp_avg_sq"]) for _, m in states], config, tp, tp_rank, divisible_by)
+        state, moments = states[0]
+        rng = None
+    return LoadedRank(model, int(moments["step"]), exp_avg, exp_avg_sq, state["opt_param_scheduler"], rng)

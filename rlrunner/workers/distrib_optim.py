@@ -1,0 +1,261 @@
+"""AdamW with its state sharded over the data-parallel group (Megatron's "distributed optimizer", ZeRO stage 1).
+
+Each rank of a tensor-parallel (TP) x data-parallel (DP) layout holds its TP shard of the model. The DP replicas
+of one TP rank hold the same parameters, so they split the optimizer's work between them:
+
+* the local parameters are flattened (in the given order) into one fp32 index space of N elements, padded to a
+  multiple of the DP size D; DP rank d owns elements [d*N/D, (d+1)*N/D);
+* a fp32 "main" copy of the owned slice is the single parameter of an inner `torch.optim.AdamW`, so the moments
+  cost 1/D of the unsharded optimizer on each replica;
+* after a step each replica writes its updated slice and one all_gather over DP gives every replica the whole,
+  identical update.
+
+The gradient norm is the whole model's: TP-sharded parameters' squares are summed over the TP group, replicated
+ones (layer norms, identical on every TP rank) are counted once. `full_state` returns the moments per parameter
+name, shaped like the parameter, so a checkpoint can be resharded over TP by the converter that reshapes weights
+and loaded at any DP size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class DistributedAdamW:
+    """AdamW over this rank's parameters whose state lives sharded across `dp_group` (see the module docstring)."""
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        dp_group: dist.ProcessGroup | None,
+        tp_group: dist.ProcessGroup | None,
+        replicated: set[str],
+        lr: float,
+        betas: tuple[float, float],
+        weight_decay: float,
+        eps: float = 1e-8,
+    ):
+        self.names = [name for name, _ in named_params]
+        self.params = [param for _, param in named_params]
+        _check_names(self.names, replicated)
+        self.replicated = [name in replicated for name in self.names]
+        self.dp_group, self.tp_group = dp_group, tp_group
+        self.dp_size = dist.get_world_size(dp_group)
+        self.dp_rank = dist.get_rank(dp_group)
+        self.tp_size = dist.get_world_size(tp_group)
+        self.device = self.params[0].device
+
+        self.offsets = _offsets(self.params)
+        self.numel = self.offsets[-1]
+        self.slice_size = -(-self.numel // self.dp_size)  # ceil: the padding sits at the end of the last slice
+        start = self.dp_rank * self.slice_size
+        self.owned = slice(start, start + self.slice_size)
+
+        with torch.no_grad():
+            self.main = torch.nn.Parameter(self._flat_params()[self.owned].clone())
+        # what the model held after our last write, to notice weights loaded into the model from outside
+        self._written = self.main.detach().clone()
+        # foreach=False: the plain per-element AdamW, the same bits whatever slice an element falls in
+        self.optimizer = torch.optim.AdamW(
+            [self.main], lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, foreach=False
+        )
+
+    # --- gradients ---------------------------------------------------------------------------------------------
+
+    def reduce_gradients(self) -> None:
+        """Average every parameter's `.grad` over the DP group (one flat fp32 all_reduce)."""
+        flat = self._flat_grads()
+        if self.dp_size > 1:
+            dist.all_reduce(flat, group=self.dp_group)
+            flat.div_(self.dp_size)
+        for param, view in zip(self.params, self._views(flat)):
+            if param.grad is None:
+                param.grad = view.to(param.dtype).clone()
+            else:
+                param.grad.copy_(view)
+
+    def grad_norm(self) -> float:
+        """L2 norm of the whole model's gradient; the same value on every rank (after `reduce_gradients`)."""
+        return self._norm(self._flat_grads())
+
+    def clip_and_step(self, max_norm: float) -> float:
+        """Clip the gradient to `max_norm` (clip_grad_norm_'s rule) and take one AdamW step; returns the norm.
+
+        A non-finite norm skips the step (nothing changes, the step count included) on every rank alike.
+        """
+        flat = self._flat_grads()
+        norm = self._norm(flat)
+        if not math.isfinite(norm):
+            return norm
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        self._adopt_loaded_weights()
+        self.main.grad = flat[self.owned].mul_(coef) if coef < 1.0 else flat[self.owned]
+        self.optimizer.step()
+        self.main.grad = None
+        self._write_params(self._gather(self.main.detach()))
+        return norm
+
+    def zero_grad(self) -> None:
+        """Drop every parameter's gradient (set_to_none)."""
+        for param in self.params:
+            param.grad = None
+
+    # --- state ---------------------------------------------------------------------------------------------
+
+    def full_state(self) -> dict[str, Any]:
+        """The whole (every DP slice) state of this TP rank, per parameter name, as CPU fp32 clones.
+
+        A collective over the DP group: every DP rank must call it, and every one gets the result.
+        """
+        state = self.optimizer.state.get(self.main, {})
+        result: dict[str, Any] = {"step": _step_of(state)}
+        for key in _MOMENTS:
+            owned = state[key] if key in state else torch.zeros_like(self.main)
+            full = self._gather(owned.detach().float())
+            result[key] = {name: view.cpu().clone() for name, view in zip(self.names, self._views(full))}
+        return result
+
+    def load_full_state(self, state: dict[str, Any]) -> None:
+        """Load what `full_state` returned (at any DP size): each DP rank keeps its own slice."""
+        step = self._check_state(state)
+        # cloned: a view would keep the whole padded flat tensor alive in the optimizer's state
+        slices = {key: self._flatten_named(state[key])[self.owned].clone() for key in _MOMENTS}
+        saved = self.optimizer.state_dict()
+        # the public loader: it moves the moments to the main copy's device and dtype
+        saved["state"] = {0: {"step": torch.tensor(float(step), dtype=torch.float32), **slices}}
+        self.optimizer.load_state_dict(saved)
+
+    def param_groups_state(self) -> dict[str, Any]:
+        """The hyperparameters and step count as plain Python values (the checkpoint's `optimizer` entry)."""
+        group = self.optimizer.param_groups[0]
+        return {
+            "lr": float(group["lr"]),
+            "betas": tuple(float(b) for b in group["betas"]),
+            "eps": float(group["eps"]),
+            "weight_decay": float(group["weight_decay"]),
+            "step": _step_of(self.optimizer.state.get(self.main, {})),
+        }
+
+    # --- flat index space ------------------------------------------------------------------------------------
+
+    def _padded(self) -> torch.Tensor:
+        return torch.zeros(self.slice_size * self.dp_size, dtype=torch.float32, device=self.device)
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views of a flat (padded) fp32 tensor, shaped like the parameters."""
+        return [flat[lo:hi].view(p.shape) for p, lo, hi in zip(self.params, self.offsets, self.offsets[1:])]
+
+    def _flatten(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
+        flat = self._padded()
+        for view, tensor in zip(self._views(flat), tensors):
+            if tensor is not None:  # a parameter the loss did not reach has a zero gradient
+                view.copy_(tensor.detach())
+        return flat
+
+    def _flat_params(self) -> torch.Tensor:
+        return self._flatten(list(self.params))
+
+    def _flat_grads(self) -> torch.Tensor:
+        return self._flatten([param.grad for param in self.params])
+
+    def _flatten_named(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._flatten([tensors[name] for name in self.names])
+
+    def _gather(self, owned: torch.Tensor) -> torch.Tensor:
+        """The whole flat tensor from every DP rank's slice (`all_gather` with a list: gloo has no `_into_tensor`)."""
+        if self.dp_size == 1:
+            return owned.clone()
+        parts = [torch.empty_like(owned) for _ in range(self.dp_size)]
+        dist.all_gather(parts, owned.contiguous(), group=self.dp_group)
+        return torch.cat(parts)
+
+    # --- step helpers ----------------------------------------------------------------------------------------
+
+    def _norm(self, flat: torch.Tensor) -> float:
+        """Whole-model L2 norm of a flat gradient, accumulated in fp64."""
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [TP-sharded, replicated] squares
+        for view, is_replicated in zip(self._views(flat), self.replicated):
+            sums[int(is_replicated)] += view.double().square().sum()
+        if self.tp_size > 1:
+            # gathered, not all_reduced: summed in rank order, the same bits on every rank run after run
+            parts = [torch.empty_like(sums) for _ in range(self.tp_size)]
+            dist.all_gather(parts, sums, group=self.tp_group)
+            gathered = torch.stack(parts)
+            # replicated squares are the same on every TP rank; max (nan-propagating) makes an inf or nan in
+            # one rank's copy skip the step on all of them rather than on that rank alone
+            sums = torch.stack([gathered[:, 0].sum(), gathered[:, 1].max()])
+        return math.sqrt(sums.sum().item())
+
+    @torch.no_grad()
+    def _adopt_loaded_weights(self) -> None:
+        """Take into the main copy the owned elements the model's weights changed since our last write.
+
+        A checkpoint's weights loaded into the model must not be overwritten by a stale main copy; elements left
+        alone keep the main copy's fp32 bits (a bf16 model would otherwise lose them at every step).
+        """
+        current = self._flat_params()[self.owned]
+        if not torch.equal(current, self._written):
+            changed = current != self._written
+            self.main[changed] = current[changed]
+
+    @torch.no_grad()
+    def _write_params(self, flat: torch.Tensor) -> None:
+        """Copy the gathered update into the model; the main copy already holds its own slice, in fp32."""
+        for param, view in zip(self.params, self._views(flat)):
+            param.copy_(view)
+        self._written = self._flat_params()[self.owned]
+
+    def _check_state(self, state: dict[str, Any]) -> int:
+        """The state's step count; ValueError naming the first key that does not fit this optimizer."""
+        for key in ("step", *_MOMENTS):
+            if key not in state:
+                raise ValueError(f"optimizer state lacks {key!r}")
+        step = state["step"]
+        if isinstance(step, torch.Tensor):
+            step = step.item()
+        if isinstance(step, bool) or not float(step).is_integer() or step < 0:
+            raise ValueError(f"optimizer state step {state['step']!r} is not a count of steps")
+        for key in _MOMENTS:
+            tensors = state[key]
+            for name, param in zip(self.names, self.params):
+                if name not in tensors:
+                    raise ValueError(f"optimizer state {key} lacks parameter {name!r}")
+                if tuple(tensors[name].shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"optimizer state {key}[{name!r}] has shape {tuple(tensors[name].shape)}, "
+                        f"expected {tuple(param.shape)}"
+                    )
+            extra = sorted(set(tensors) - set(self.names))
+            if extra:
+                raise ValueError(f"optimizer state {key} has unknown parameter {extra[0]!r}")
+        return int(step)
+
+
+def _check_names(names: list[str], replicated: set[str]) -> None:
+    if not names:
+        raise ValueError("DistributedAdamW needs at least one parameter")
+    if len(set(names)) != len(names):
+        twice = sorted(n for n in names if names.count(n) > 1)[0]
+        raise ValueError(f"DistributedAdamW got the parameter name {twice!r} twice")
+    unknown = sorted(set(replicated) - set(names))
+    if unknown:
+        raise ValueError(f"replicated parameter {unknown[0]!r} is not among the optimizer's parameters")
+
+
+def _offsets(params: list[torch.nn.Parameter]) -> list[int]:
+    """Start of each parameter in the flat index space, and the total at the end."""
+    offsets = [0]
+    for param in params:
+        offsets.append(offsets[-1] + param.numel())
+    return offsets
+
+
+def _step_of(state: dict[str, Any]) -> int:
+    step = state.get("step", 0)
+    return int(step.item() if isinstance(step, torch.Tensor) else step)

@@ -1,0 +1,208 @@
+"""The actor worker of the Megatron backend: one (data-parallel, tensor-parallel) rank of the policy.
+
+Ranks are laid out Megatron's way, tensor-parallel innermost: rank = dp_rank * tp + tp_rank, so a
+tensor-parallel group is `tp` consecutive ranks (placed on one node by the WorkerGroup). Each rank holds
+its tensor-parallel shard of the model (`TPQwen2ForCausalLM`, megatron-core's layout and names) in float32;
+the ranks of a tensor-parallel group get the same rows of the batch and compute the same loss; gradients are
+averaged over the data-parallel group, and AdamW's state is sharded over it (`DistributedAdamW`).
+
+The update loop is the FSDP actor's (`ActorWorker.update`); this class supplies the model, the gradient
+reduction and step, the checkpoint files (`rlrunner.checkpoint.megatron_state`) and the weights the rollout
+workers get, gathered into the HF layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlrunner.checkpoint.megatron_files import capture_rng_state, megatron_args, restore_rng_state
+from rlrunner.checkpoint.megatron_state import BackgroundWrite, MegatronRankState, load_rank
+from rlrunner.models.loading import build_hf_config, build_model, build_tokenizer, torch_dtype
+from rlrunner.models.megatron_layout import DEFAULT_VOCAB_DIVISIBLE_BY, EXTRA_STATE, hf_to_megatron_rank, megatron_to_hf
+from rlrunner.models.tensor_parallel import TPQwen2ForCausalLM
+from rlrunner.workers.actor import ActorWorker
+from rlrunner.workers.distrib_optim import DistributedAdamW
+from rlrunner.workers.optim import apply_schedule, build_schedule
+
+
+def parallel_groups(world_size: int, tp: int, rank: int, timeout) -> tuple[Any, Any]:
+    """(this rank's tensor-parallel group, its data-parallel group). Every rank creates every group, in the same
+    order, as torch.distributed requires."""
+    tp_group = dp_group = None
+    for first in range(0, world_size, tp):
+        ranks = list(range(first, first + tp))
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            tp_group = group
+    for tp_rank in range(tp):
+        ranks = list(range(tp_rank, world_size, tp))
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            dp_group = group
+    return tp_group, dp_group
+
+
+def replicated_names(model: TPQwen2ForCausalLM) -> set[str]:
+    """Parameters every tensor-parallel rank holds whole (the norms): counted once in the gradient norm."""
+    return {name for name, _ in model.named_parameters() if name.endswith("layernorm.weight")}
+
+
+class MegatronActorWorker(ActorWorker):
+    def setup(self) -> None:
+        """Build this rank's shard of the policy (and of the frozen reference when KL is on). Needs the process group."""
+        self.tp = int(self.actor_cfg["tensor_model_parallel_size"])
+        if self.world_size % self.tp:
+            raise ValueError(f"{self.world_size} actor ranks do not split into tensor-parallel groups of {self.tp}")
+        self.tp_rank, self.dp_rank = self.rank % self.tp, self.rank // self.tp
+        self.tp_group, self.dp_group = parallel_groups(self.world_size, self.tp, self.rank, self.dist_timeout)
+        self.divisible_by = DEFAULT_VOCAB_DIVISIBLE_BY
+        tokenizer = build_tokenizer(self.model_cfg)
+        self.hf_config = build_hf_config(self.model_cfg, tokenizer)
+        self.model = self._build_shard(tokenizer)
+        self.model.train()
+        optim = self.actor_cfg["optim"]
+        self.optimizer = DistributedAdamW(
+            list(self.model.named_parameters()), self.dp_group, self.tp_group, replicated_names(self.model),
+            lr=optim["lr"], betas=tuple(optim["betas"]), weight_decay=optim["weight_decay"],
+        )
+        self.scheduler = build_schedule(self.optimizer.optimizer, optim, self.total_optimizer_steps)
+        self.saver = BackgroundWrite()
+        self.ref_model = None
+        if self.algorithm_cfg["use_kl_loss"]:
+            self.ref_model = self._build_shard(tokenizer).requires_grad_(False)
+            self.ref_model.eval()
+
+    def _build_shard(self, tokenizer) -> TPQwen2ForCausalLM:
+        # Every rank builds the same full HF model (the seeded init or model.path) and keeps its own shard of it.
+        hf = build_model(self.model_cfg, tokenizer, self.init_seed, dtype="float32")
+        shard = hf_to_megatron_rank(hf.state_dict(), hf.config, self.tp, self.tp_rank, self.divisible_by)
+        del hf
+        model = TPQwen2ForCausalLM(self.hf_config, self.tp_group, self.divisible_by, device=self.device)
+        model.load_megatron_shard(shard)
+        return model
+
+    # -- the update's backend parts ------------------------------------------------------------
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.tp
+
+    def _logits(self, model: torch.nn.Module, input_ids: torch.Tensor, width: int) -> torch.Tensor:
+        compute = torch_dtype(self.actor_cfg["param_dtype"])
+        autocast = (
+            torch.autocast(self.device.type, dtype=compute) if compute != torch.float32 else contextlib.nullcontext()
+        )
+        with autocast:
+            return model(input_ids[:, :width].to(self.device))[:, :-1]
+
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        """Gradients accumulate locally; they are reduced once per mini-batch, before the step."""
+
+    def _clip_and_step(self) -> float:
+        self.optimizer.reduce_gradients()
+        return self.optimizer.clip_and_step(self._max_grad_norm())
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def start_checkpoint(
+        self, path: str, background: bool, storage_options: dict[str, Any] | None = None, step: int = 0
+    ) -> None:
+        """Collective: copy this rank's state; data-parallel rank 0 of each tensor-parallel rank writes its files
+        under `path` (the checkpoint's actor folder), in a thread with `background`."""
+        moments = self.optimizer.full_state()  # collective over the data-parallel group
+        rng = [None] * self.data_parallel_size
+        dist.all_gather_object(rng, capture_rng_state(), group=self.dp_group)
+        if self.dp_rank != 0:
+            self.saver.start(dict, background=False)  # nothing to write; finish reports no files
+            return
+        state = MegatronRankState(
+            iteration=step,
+            tp_rank=self.tp_rank,
+            args=megatron_args(
+                self.hf_config, self.tp, self.data_parallel_size, self.divisible_by, torch.float32,
+                iteration=step, train_iters=self.total_optimizer_steps, lr=self.actor_cfg["optim"]["lr"],
+                use_distributed_optimizer=True,
+            ),
+            model={**{k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()},
+                   **{k: None for k in _extra_state_keys(self)}},
+            optimizer={**self.optimizer.param_groups_state(), "distributed_optimizer": True, "state_file": "distrib_optim.pt"},
+            scheduler=self.scheduler.state_dict(),
+            rng_state=rng,
+            step=moments["step"],
+            exp_avg=moments["exp_avg"],
+            exp_avg_sq=moments["exp_avg_sq"],
+        )
+        self.saver.start(lambda: state.write(path, storage_options), background)
+
+    def checkpoint_written(self) -> bool:
+        return self.saver.written
+
+    def finish_checkpoint(self) -> dict[str, Any]:
+        return self.saver.finish()
+
+    def load_checkpoint(self, path: str, storage_options: dict[str, Any] | None = None) -> bool:
+        """Load this rank's state from the checkpoint's actor folder `path`, resharding over tensor-parallel sizes;
+        returns whether RNG was restored (only when the parallel sizes are the saved ones)."""
+        loaded = load_rank(
+            path, storage_options, self.hf_config, self.tp, self.tp_rank, self.data_parallel_size, self.dp_rank,
+            self.divisible_by,
+        )
+        self.model.load_megatron_shard(loaded.model)
+        self.optimizer.load_full_state({"step": loaded.step, "exp_avg": loaded.exp_avg, "exp_avg_sq": loaded.exp_avg_sq})
+        self.scheduler.load_state_dict(loaded.scheduler)
+        apply_schedule(self.optimizer.optimizer, self.scheduler)  # this run's schedule, not the saved run's
+        if loaded.rng_state is not None:
+            restore_rng_state(loaded.rng_state)
+        return loaded.rng_state is not None
+
+    # -- weights out ---------------------------------------------------------------------------
+
+    def _gather_hf_state(self) -> dict[str, torch.Tensor]:
+        """Collective over this rank's tensor-parallel group: the full weights in the HF layout (tied output included
+        under its HF name, as the rollout model's state dict lists it)."""
+        own = {k: v.detach() for k, v in self.model.state_dict().items()}
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
+        for key, tensor in own.items():
+            if self.tp == 1:
+                shards[0][key] = tensor
+                continue
+            pieces = [torch.empty_like(tensor) for _ in range(self.tp)]
+            dist.all_gather(pieces, tensor.contiguous(), group=self.tp_group)
+            for rank, piece in enumerate(pieces):
+                shards[rank][key] = piece
+        state = megatron_to_hf(shards, self.hf_config)
+        if self.hf_config.tie_word_embeddings:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        return state
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The unsharded weights with HF key names on rank 0 (None elsewhere). Every rank must call it."""
+        state = self._gather_hf_state()
+        return {k: v.cpu() for k, v in state.items()} if self.rank == 0 else None
+
+    def _weight_sync_state(self) -> dict[str, torch.Tensor]:
+        """What this rank offers the weight sync: actor rank 0 sends the gathered HF weights whole; every other rank
+        sends nothing and offers only their shapes (meta tensors), the sync's layout check needs no more."""
+        if self.dp_rank == 0:
+            state = self._gather_hf_state()  # collective over the tensor-parallel group of data-parallel rank 0
+            if self.rank == 0:
+                return state
+            self._weight_sync_meta = {k: torch.empty_like(v, device="meta") for k, v in state.items()}
+        if getattr(self, "_weight_sync_meta", None) is None:
+            with torch.device("meta"):
+                from transformers import AutoModelForCausalLM
+
+                self._weight_sync_meta = dict(AutoModelForCausalLM.from_config(self.hf_config).state_dict())
+        return self._weight_sync_meta
+
+
+def _extra_state_keys(worker: MegatronActorWorker) -> list[str]:
+    """megatron-core's `_extra_state` entries of the layers (None in its legacy checkpoints): our model has no such
+    state, the files carry the keys so that megatron-core's strict load accepts them."""
+    from rlrunner.models.megatron_layout import expected_megatron_keys, Qwen2Dims
+
+    return [key for key in expected_megatron_keys(Qwen2Dims.from_config(worker.hf_config)) if key.endswith(EXTRA_STATE)]

@@ -1,0 +1,270 @@
+"""The Megatron (tensor-parallel) training backend end to end on real Ray: layout, bitwise resume, data x tensor
+parallel dispatch, resharding over tensor-parallel sizes, corrupt shards, retention, converters.
+
+One uninterrupted reference run (tp=2 x dp=1, 8 steps, saves at 3, 6 and 8) is shared by the module, with the
+same data as tests/test_checkpoint_e2e.py (6 steps per epoch).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from conftest import LOCAL, read_metrics, run_config, without_time
+from rlrunner.checkpoint.convert import load_model_weights
+from rlrunner.checkpoint.handler import COMPLETE, scan_checkpoints
+from rlrunner.checkpoint.manifest import read_manifest
+from rlrunner.checkpoint.megatron_files import read_distrib_optim, read_rank_states, read_tracker
+from rlrunner.errors import CheckpointError, ConfigError
+from rlrunner.models.megatron_layout import expected_megatron_keys, Qwen2Dims
+from rlrunner.runner.grpo_runner import GRPORunner
+
+RUN = ["data.synthetic.num_problems=26", "runner.max_steps=8", "runner.save_interval=3", "rollout.max_new_tokens=2"]
+# two query groups, so that tp=2 splits them; megatron backend
+MEGATRON = ["model.override_config.num_key_value_heads=2", "actor.training_backend=megatron"]
+
+
+def megatron_config(out: Path, tp: int, workers: int, *overrides: str):
+    return run_config(out, *RUN, *MEGATRON, f"actor.tensor_model_parallel_size={tp}", f"actor.num_workers={workers}", *overrides)
+
+
+@dataclass
+class Reference:
+    experiment: Path
+    metrics: list[dict]
+    weights: dict[str, torch.Tensor]
+    rng: list[torch.Tensor]
+
+    def checkpoint(self, step: int) -> Path:
+        return self.experiment / "checkpoints" / f"global_step_{step}"
+
+
+def actor_rng_states(runner: GRPORunner) -> list[torch.Tensor]:
+    return ray.get([w.__ray_call__.remote(lambda self: torch.get_rng_state()) for w in runner.actor_group.workers])
+
+
+@pytest.fixture(scope="module")
+def reference(ray_session, tmp_path_factory) -> Reference:
+    out = tmp_path_factory.mktemp("reference")
+    with GRPORunner(megatron_config(out, 2, 2)) as runner:
+        ray.get([w.__ray_call__.remote(lambda self: torch.manual_seed(1000 + self.rank)) for w in runner.actor_group.workers])
+        runner.train()
+        weights = runner.policy_weights()
+        rng = actor_rng_states(runner)
+    experiment = out / "test"
+    return Reference(experiment, read_metrics(experiment / "metrics.jsonl"), weights, rng)
+
+
+def resume(tmp_path: Path, resume_dir, tp: int = 2, workers: int = 2, *overrides: str) -> Path:
+    GRPORunner(megatron_config(tmp_path, tp, workers, f"runner.resume_dir={resume_dir}", *overrides)).run()
+    return tmp_path / "test"
+
+
+def test_checkpoints_are_in_megatrons_layout_and_read_with_weights_only(reference):
+    root = reference.experiment / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["global_step_3", "global_step_6", "global_step_8"]
+    assert [s.status for s in scan_checkpoints(LOCAL, str(root), checksums=True)] == [COMPLETE] * 3
+    actor = reference.checkpoint(6) / "actor"
+    assert sorted(p.name for p in actor.iterdir()) == ["huggingface", "iter_0000006", "latest_checkpointed_iteration.txt"]
+    assert sorted(p.name for p in (actor / "iter_0000006").iterdir()) == ["mp_rank_00", "mp_rank_01"]
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        assert sorted(p.name for p in (actor / "iter_0000006" / rank).iterdir()) == ["distrib_optim.pt", "model_optim_rng.pt"]
+    assert read_tracker(LOCAL, str(actor)) == 6
+    manifest = read_manifest(LOCAL, str(reference.checkpoint(6)))
+    assert manifest["backend"] == "megatron-tp" and manifest["world_size"] == 2
+    assert "actor/latest_checkpointed_iteration.txt" in manifest["files"]
+
+    iteration, states = read_rank_states(LOCAL, str(actor))  # torch.load(weights_only=True), Namespace allowed
+    assert iteration == 6 and len(states) == 2
+    dims = Qwen2Dims.from_config(json_config(actor / "huggingface" / "config.json"))
+    for tp_rank, state in enumerate(states):
+        args = state["args"]
+        assert (args.tensor_model_parallel_size, args.data_parallel_size, args.padded_vocab_size) == (2, 1, 256)
+        assert args.vocab_size == 99 and args.use_distributed_optimizer
+        assert set(state["model"]) == set(expected_megatron_keys(dims))  # what megatron-core's strict load expects
+        assert state["checkpoint_version"] == 3.0 and state["iteration"] == 6
+        assert len(state["rng_state"]) == 1 and {"random_rng_state", "np_rng_state", "torch_rng_state"} <= set(state["rng_state"][0])
+        assert state["opt_param_scheduler"]["last_epoch"] == 6
+        moments = read_distrib_optim(LOCAL, str(actor / "iter_0000006" / f"mp_rank_{tp_rank:02d}" / "distrib_optim.pt"))
+        assert moments["step"] == 6 and moments["exp_avg"].keys() == moments["exp_avg_sq"].keys()
+        weights = {k: v for k, v in state["model"].items() if v is not None}
+        assert moments["exp_avg"].keys() == weights.keys()
+        assert all(moments["exp_avg"][k].shape == weights[k].shape for k in weights)
+        # the padding rows of the vocabulary (99..255: rank 0's rows 99..127, all of rank 1's) are zero and never
+        # get a gradient, so their moments stay zero
+        padding = slice(max(0, 99 - 128 * tp_rank), 128)
+        for table in (weights, moments["exp_avg"], moments["exp_avg_sq"]):
+            assert torch.count_nonzero(table["embedding.word_embeddings.weight"][padding]) == 0
+            assert torch.count_nonzero(table["output_layer.weight"][padding]) == 0
+    assert torch.count_nonzero(read_distrib_optim(LOCAL, str(actor / "iter_0000006" / "mp_rank_00" / "distrib_optim.pt"))
+                               ["exp_avg_sq"]["output_layer.weight"]) > 0
+    # the replicated norms are the same on both ranks
+    assert torch.equal(states[0]["model"]["decoder.final_layernorm.weight"], states[1]["model"]["decoder.final_layernorm.weight"])
+
+
+def json_config(path: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path.parent))
+
+
+def test_training_learns_and_the_converter_gives_the_live_policy(reference, tmp_path, repo_root, subprocess_env):
+    from transformers import AutoModelForCausalLM
+
+    first, last = reference.metrics[0], reference.metrics[-1]
+    assert last["actor/lr"] == pytest.approx(3e-4) and all(m["actor/skipped_steps"] == 0 for m in reference.metrics)
+    assert any(m["actor/grad_norm"] > 0 for m in reference.metrics)
+    assert first != last
+    out = tmp_path / "hf"
+    subprocess.run(
+        [sys.executable, str(repo_root / "toolkits/ckpt_convertor/convert_megatron_to_hf.py"),
+         "--ckpt_path", str(reference.checkpoint(8)), "--output_path", str(out)],
+        check=True, env=subprocess_env, capture_output=True,
+    )
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert set(model.state_dict()) == set(reference.weights)
+    assert all(torch.equal(model.state_dict()[k], reference.weights[k]) for k in reference.weights)
+    assert all(torch.equal(v, reference.weights[k]) for k, v in load_model_weights(reference.checkpoint(8)).items())
+
+
+def test_it_trains_like_the_fsdp_backend(reference, tmp_path):
+    """The same model, data and seeds with FSDP (2 data-parallel ranks): the same run up to float reduction order."""
+    GRPORunner(run_config(tmp_path, *RUN, "model.override_config.num_key_value_heads=2", "runner.max_steps=4")).run()
+    fsdp = read_metrics(tmp_path / "test" / "metrics.jsonl")
+    assert fsdp[0]["rollout/reward_mean"] == reference.metrics[0]["rollout/reward_mean"]
+    for got, want in zip(fsdp, reference.metrics[:4]):
+        for key in ("actor/grad_norm", "actor/entropy", "actor/loss"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (got["step"], key)
+
+
+@pytest.mark.parametrize("resume_step", [3, 6])
+def test_resume_is_bitwise_identical_to_the_uninterrupted_run(reference, tmp_path, resume_step):
+    experiment = resume(tmp_path, reference.checkpoint(resume_step))
+    resumed = read_metrics(experiment / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(resume_step + 1, 9))
+    assert without_time(resumed) == without_time(reference.metrics[resume_step:])
+    final = load_model_weights(experiment / "checkpoints" / "global_step_8")
+    assert final.keys() == reference.weights.keys()
+    assert all(torch.equal(final[k], reference.weights[k]) for k in final)
+
+
+def test_every_rank_gets_its_own_rng_state_back(reference, tmp_path):
+    assert not torch.equal(reference.rng[0], reference.rng[1])
+    with GRPORunner(megatron_config(tmp_path, 2, 2, f"runner.resume_dir={reference.checkpoint(8)}")) as runner:
+        restored = actor_rng_states(runner)
+    assert all(torch.equal(a, b) for a, b in zip(restored, reference.rng))
+
+
+@pytest.mark.parametrize("tp, workers", [(1, 1), (1, 2), (2, 4)], ids=["tp1", "tp1_dp2", "tp2_dp2"])
+def test_a_tp2_checkpoint_loads_at_other_parallel_sizes_exactly(reference, tmp_path, caplog, tp, workers):
+    """Resharding through the HF layout: the live weights after the load are the checkpoint's, bit for bit."""
+    with caplog.at_level(logging.WARNING, logger="rlrunner.checkpoint.handler"):
+        with GRPORunner(megatron_config(tmp_path, tp, workers, f"runner.resume_dir={reference.checkpoint(6)}")) as runner:
+            loaded = runner.policy_weights()
+            assert runner.global_step == 6
+    saved = load_model_weights(reference.checkpoint(6))
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+    if workers != 2:
+        assert f"resharding global_step_6 from 2 to {workers} actor ranks" in caplog.text
+
+
+def test_resharding_tp2_to_tp1_and_back_goes_on_training_like_the_reference(reference, tmp_path):
+    # tp=2 -> tp=1: steps 7, 8 from global_step_6 (the update reduces in another order: close, not bitwise)
+    one = resume(tmp_path / "tp1", reference.checkpoint(6), 1, 1)
+    resumed = read_metrics(one / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [7, 8]
+    for key in ("rollout/reward_mean", "rollout/response_length_mean"):
+        assert resumed[0][key] == reference.metrics[6][key]  # step 7 generates with the restored weights
+    for got, want in zip(resumed, reference.metrics[6:]):
+        assert got["actor/entropy"] == pytest.approx(want["actor/entropy"], rel=1e-4)
+        assert got["actor/loss"] == pytest.approx(want["actor/loss"], abs=1e-4)
+    final = load_model_weights(one / "checkpoints" / "global_step_8")
+    assert all(torch.allclose(final[k], reference.weights[k], atol=1e-4) for k in final)
+    # and the tp=1 checkpoint back at tp=2: loads exactly
+    with GRPORunner(megatron_config(tmp_path / "back", 2, 2, f"runner.resume_dir={one / 'checkpoints' / 'global_step_8'}")) as runner:
+        loaded = runner.policy_weights()
+    assert all(torch.equal(loaded[k], final[k]) for k in final)
+
+
+def test_data_parallel_with_a_sharded_optimizer_matches_and_resumes_bitwise(reference, tmp_path):
+    """dp=2 x tp=2: each data-parallel rank gets half the rows, metrics are counted once per data-parallel rank, the
+    optimizer state is split over the data-parallel ranks and saved whole in distrib_optim.pt."""
+    GRPORunner(megatron_config(tmp_path / "full", 2, 4, "runner.max_steps=4", "runner.save_interval=2")).run()
+    full = read_metrics(tmp_path / "full" / "test" / "metrics.jsonl")
+    assert [m["step"] for m in full] == [1, 2, 3, 4]
+    assert full[0]["rollout/reward_mean"] == reference.metrics[0]["rollout/reward_mean"]
+    for got, want in zip(full, reference.metrics[:4]):  # the same training as dp=1, up to the reduction order
+        assert got["actor/entropy"] == pytest.approx(want["actor/entropy"], rel=1e-4)
+        assert got["actor/grad_norm"] == pytest.approx(want["actor/grad_norm"], rel=1e-3)
+    actor = tmp_path / "full" / "test" / "checkpoints" / "global_step_2" / "actor"
+    _, states = read_rank_states(LOCAL, str(actor))
+    assert [len(s["rng_state"]) for s in states] == [2, 2] and states[0]["args"].data_parallel_size == 2
+    moments = read_distrib_optim(LOCAL, str(actor / "iter_0000002" / "mp_rank_00" / "distrib_optim.pt"))
+    assert moments["data_parallel_size"] == 2
+    assert all(t.shape == states[0]["model"][k].shape for k, t in moments["exp_avg"].items())
+
+    GRPORunner(megatron_config(tmp_path / "resumed", 2, 4, "runner.max_steps=4", "runner.save_interval=2",
+                               f"runner.resume_dir={actor.parent}")).run()
+    resumed = read_metrics(tmp_path / "resumed" / "test" / "metrics.jsonl")
+    assert without_time(resumed) == without_time(full[2:])
+    a = load_model_weights(tmp_path / "full" / "test" / "checkpoints" / "global_step_4")
+    b = load_model_weights(tmp_path / "resumed" / "test" / "checkpoints" / "global_step_4")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_auto_skips_a_corrupt_shard_and_still_ends_bitwise(reference, tmp_path, caplog):
+    copy = tmp_path / "test"
+    shutil.copytree(reference.experiment, copy)
+    shard = copy / "checkpoints" / "global_step_8" / "actor" / "iter_0000008" / "mp_rank_01" / "model_optim_rng.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, another CRC-32
+    shard.write_bytes(bytes(data))
+    with caplog.at_level(logging.INFO, logger="rlrunner.checkpoint.handler"):
+        GRPORunner(megatron_config(tmp_path, 2, 2, "runner.resume_dir=auto")).run()
+    assert "skipping global_step_8: corrupt (actor/iter_0000008/mp_rank_01/model_optim_rng.pt: checksum" in caplog.text
+    final = load_model_weights(copy / "checkpoints" / "global_step_8")
+    assert all(torch.equal(final[k], reference.weights[k]) for k in final)
+
+
+def test_retention_keeps_the_newest(ray_session, tmp_path):
+    GRPORunner(megatron_config(tmp_path, 2, 2, "runner.max_steps=4", "runner.save_interval=1", "runner.max_ckpt_to_keep=2")).run()
+    root = tmp_path / "test" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["global_step_3", "global_step_4"]
+    assert [s.status for s in scan_checkpoints(LOCAL, str(root), checksums=True)] == [COMPLETE] * 2
+
+
+def test_a_checkpoint_of_the_other_backend_is_refused(reference, tmp_path):
+    with pytest.raises(CheckpointError, match="was written by the megatron-tp backend, this run uses fsdp2-dcp"):
+        GRPORunner(run_config(tmp_path, *RUN, "model.override_config.num_key_value_heads=2",
+                              f"runner.resume_dir={reference.checkpoint(3)}")).run()
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["actor.tensor_model_parallel_size=2"], "actor.tensor_model_parallel_size=2 needs actor.training_backend=megatron"),
+        (["actor.training_backend=megatron", "actor.tensor_model_parallel_size=2", "actor.num_workers=3"],
+         "actor.num_workers (3) must be a multiple of actor.tensor_model_parallel_size (2)"),
+        (["actor.training_backend=deepspeed"], "actor.training_backend must be one of fsdp, megatron, got 'deepspeed'"),
+    ],
+    ids=["tp_without_megatron", "workers_not_a_multiple", "unknown_backend"],
+)
+def test_parallel_config_errors_are_one_line(tmp_path, overrides, expected):
+    with pytest.raises(ConfigError) as error:
+        run_config(tmp_path, *overrides)
+    assert str(error.value).startswith(expected)
+
+
+def test_a_model_that_does_not_split_is_refused_before_workers_start(tmp_path):
+    # the test model has one query group: it cannot be split over two tensor-parallel ranks
+    cfg = run_config(tmp_path, "actor.training_backend=megatron", "actor.tensor_model_parallel_size=2")
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=2: cannot split num_key_value_heads \(query groups\)=1"):
+        GRPORunner(cfg)
