@@ -84,33 +84,43 @@ class ModelShape:
         return [f"+model.override_config.{name}={value}" for name, value in vars(self).items()]
 
 
-def shape_for_hidden(hidden: int, layers: int) -> ModelShape:
-    """A Qwen2-like block: 64-wide heads, 4 query heads per KV head (at most), MLP 4x hidden."""
+def shape_for_hidden(hidden: int, layers: int, tp: int = 1) -> ModelShape | None:
+    """A Qwen2-like block: 64-wide heads, 4 query heads per KV head (at most), MLP 4x hidden; None when the
+    heads cannot be split `tp` ways. With tp > 1 the KV heads are a multiple of tp (Megatron splits the query groups)."""
     heads = hidden // 64
-    kv_heads = max(d for d in range(1, max(1, heads // 4) + 1) if heads % d == 0)
+    if heads % tp or (4 * hidden) % tp:
+        return None
+    limit = max(tp, heads // 4)
+    kv_heads = max(d for d in range(tp, limit + 1, tp) if heads % d == 0)  # tp itself divides heads
     return ModelShape(hidden, 4 * hidden, layers, heads, kv_heads)
 
 
-def approx_params(hidden: int, layers: int, vocab: int) -> float:
-    shape = shape_for_hidden(hidden, layers)
+def approx_params(shape: ModelShape, vocab: int) -> float:
+    hidden, layers = shape.hidden_size, shape.num_hidden_layers
     kv = shape.num_key_value_heads * 64
     attention = 2 * hidden * hidden + 2 * hidden * kv + hidden + 2 * kv  # q, o, k, v (+ qkv biases)
     mlp = 3 * hidden * shape.intermediate_size
     return layers * (attention + mlp + 2 * hidden) + 2 * vocab * hidden + hidden  # untied embeddings
 
 
-def choose_shape(target_params: float, vocab: int) -> ModelShape:
-    """Hidden size and depth landing near `target_params`, with depth close to hidden/64 (GPT-2-like aspect)."""
+def choose_shape(target_params: float, vocab: int, tp: int = 1) -> ModelShape:
+    """Hidden size and depth landing near `target_params`, with depth close to hidden/64 (GPT-2-like aspect), and
+    heads, KV heads and MLP width divisible by `tp`, so that the FSDP and the Megatron (tp) backends build one model."""
     best: tuple[float, ModelShape] | None = None
     for hidden in range(128, 8192 + 1, 64):
-        per_layer = approx_params(hidden, 1, vocab) - approx_params(hidden, 0, vocab)
-        layers_exact = (target_params - approx_params(hidden, 0, vocab)) / per_layer
+        base = shape_for_hidden(hidden, 0, tp)
+        if base is None:
+            continue
+        per_layer = approx_params(shape_for_hidden(hidden, 1, tp), vocab) - approx_params(base, vocab)
+        layers_exact = (target_params - approx_params(base, vocab)) / per_layer
         if layers_exact < 0.5:
             continue
         score = abs(math.log(layers_exact / (hidden / 64)))
         if best is None or score < best[0]:
-            best = (score, shape_for_hidden(hidden, max(1, round(layers_exact))))
-    return best[1] if best else shape_for_hidden(128, 1)
+            best = (score, shape_for_hidden(hidden, max(1, round(layers_exact)), tp))
+    if best is None:  # a target below one layer of the smallest splittable width
+        return next(shape for h in range(128, 8192 + 1, 64) if (shape := shape_for_hidden(h, 1, tp)) is not None)
+    return best[1]
 
 
 def exact_param_count(model_cfg: dict[str, Any]) -> int:
@@ -134,22 +144,35 @@ def tokenizer_vocab_size() -> int:
 # -- the actor group -------------------------------------------------------------------------------
 
 
-def build_config(shape: ModelShape, workers: int, cpus_per_worker: float, output_dir: Path):
-    """A valid run config (tests/conftest.py style) whose model is `shape` and whose actor has `workers` ranks."""
+def build_config(
+    shape: ModelShape, workers: int, cpus_per_worker: float, output_dir: Path, tp: int = 0, batch_size: int | None = None
+):
+    """A valid run config (tests/conftest.py style) whose model is `shape` and whose actor has `workers` ranks:
+    FSDP ranks, or with `tp` > 0 the Megatron backend's (workers / tp data-parallel x tp tensor-parallel)."""
     from rlrunner.config import load_config
 
+    backend = ["actor.training_backend=megatron", f"actor.tensor_model_parallel_size={tp}"] if tp else []
     return load_config(
         [
             f"runner.output_dir={output_dir}",
             "runner.experiment_name=bench",
             f"actor.num_workers={workers}",
-            f"data.batch_size={workers}",
+            f"data.batch_size={batch_size or workers}",
             "algorithm.group_size=2",
             "actor.micro_batch_size=2",
             f"cluster.cpus_per_actor_worker={cpus_per_worker}",
+            *backend,
             *shape.overrides(),
         ]
     )
+
+
+def check_megatron_shape(cfg, tp: int) -> None:
+    """The one-line ConfigError GRPORunner raises when the Megatron backend cannot split this model `tp` ways."""
+    from rlrunner.models.loading import build_hf_config, build_tokenizer
+    from rlrunner.runner.grpo_runner import check_megatron_model
+
+    check_megatron_model(build_hf_config(cfg.model, build_tokenizer(cfg.model)), tp)
 
 
 def start_ray(workers: int, cpus_per_worker: float) -> None:
@@ -169,13 +192,16 @@ def build_actor_group(cfg):
     from omegaconf import OmegaConf
 
     from rlrunner.cluster.worker_group import WorkerGroup
+    from rlrunner.config import tensor_parallel_size
     from rlrunner.utils.seeding import derive_seed
     from rlrunner.workers.actor import ActorWorker
+    from rlrunner.workers.megatron_actor import MegatronActorWorker
 
     plain = lambda node: OmegaConf.to_container(node, resolve=True)  # noqa: E731
+    megatron = cfg.actor.training_backend == "megatron"
     group = WorkerGroup(
         "actor",
-        ActorWorker,
+        MegatronActorWorker if megatron else ActorWorker,
         cfg.actor.num_workers,
         worker_kwargs={
             "model_cfg": plain(cfg.model),
@@ -188,6 +214,7 @@ def build_actor_group(cfg):
         },
         cpus_per_worker=cfg.cluster.cpus_per_actor_worker,
         distributed=True,
+        workers_per_bundle=tensor_parallel_size(cfg),  # a tensor-parallel group is one bundle, as in the runner
     )
     group.call_all("setup")
     return group
@@ -196,8 +223,9 @@ def build_actor_group(cfg):
 def update_shards(cfg) -> list[dict[str, torch.Tensor]]:
     """One step's actor batch, built and sharded like GRPORunner.train_step does (synthetic samples)."""
     from rlrunner.algorithms.grpo import group_advantages
+    from rlrunner.config import data_parallel_size, tensor_parallel_size
     from rlrunner.models.loading import build_tokenizer, token_ids
-    from rlrunner.runner.batching import build_actor_batch, shard_actor_batch
+    from rlrunner.runner.batching import build_actor_batch, per_rank_shards, shard_actor_batch
 
     tokenizer = build_tokenizer(cfg.model)
     ids = token_ids(cfg.model, tokenizer)
@@ -215,12 +243,13 @@ def update_shards(cfg) -> list[dict[str, torch.Tensor]]:
         rewards.append(1.0 if i % 2 == 0 else 0.0)
     advantages = group_advantages(torch.tensor(rewards), group_size, cfg.algorithm.norm_adv_by_std)
     batch = build_actor_batch(samples, advantages, ids.pad)
-    return shard_actor_batch(batch, cfg.actor.num_workers, 1)
+    return per_rank_shards(shard_actor_batch(batch, data_parallel_size(cfg), 1), tensor_parallel_size(cfg))
 
 
 def _optimizer_state_tensors(worker) -> int:
     """Runs in an actor: how many tensors AdamW holds in its state (0 before the first step)."""
-    return sum(torch.is_tensor(v) for state in worker.optimizer.state.values() for v in state.values())
+    optimizer = getattr(worker.optimizer, "optimizer", worker.optimizer)  # DistributedAdamW wraps a torch AdamW
+    return sum(torch.is_tensor(v) for state in optimizer.state.values() for v in state.values())
 
 
 def create_optimizer_state(group, cfg) -> dict[str, float]:

@@ -7,6 +7,7 @@ same data as tests/test_checkpoint_e2e.py (6 steps per epoch).
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import subprocess
@@ -268,3 +269,49 @@ def test_a_model_that_does_not_split_is_refused_before_workers_start(tmp_path):
     cfg = run_config(tmp_path, "actor.training_backend=megatron", "actor.tensor_model_parallel_size=2")
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=2: cannot split num_key_value_heads \(query groups\)=1"):
         GRPORunner(cfg)
+
+
+def test_a_run_on_s3_saves_and_resumes_from_the_store_bitwise(reference, s3_store, tmp_path):
+    from rlrunner.storage import open_storage
+    from test_s3_runs import s3_overrides
+
+    url, options = s3_store
+    remote = s3_overrides(url, options, tmp_path / "cache-a")
+    GRPORunner(megatron_config(tmp_path, 2, 2, *remote, "runner.max_steps=4", "runner.save_interval=2")).run()
+    storage = open_storage(url, options)
+    actor = f"{url}/test/checkpoints/global_step_4/actor"
+    assert read_tracker(storage, actor) == 4
+    assert storage.exists(f"{actor}/iter_0000004/mp_rank_01/distrib_optim.pt")
+    # another machine (an empty log cache) resumes from the store and ends where the local run ended
+    remote = s3_overrides(url, options, tmp_path / "cache-b")
+    GRPORunner(megatron_config(tmp_path, 2, 2, *remote, "runner.resume_dir=auto")).run()
+    metrics = [json.loads(line) for line in storage.read_bytes(f"{url}/test/metrics.jsonl").decode().splitlines()]
+    assert without_time(metrics) == without_time(reference.metrics)
+    final = load_model_weights(f"{url}/test/checkpoints/global_step_8", storage_options=options)
+    assert all(torch.equal(final[k], reference.weights[k]) for k in reference.weights)
+    assert not (tmp_path / "test").exists()
+
+
+@pytest.mark.parametrize("backend", ["megatron", "fsdp"])
+def test_a_run_starts_from_a_converted_megatron_folder(ray_session, tmp_path, repo_root, subprocess_env, backend):
+    """model.path may point at convert_hf_to_megatron.py's output: both backends start from its weights exactly."""
+    from rlrunner.models.loading import check_model_path
+    from test_megatron_layout import TIED, _hf_folder
+
+    hf_dir, hf_model = _hf_folder(tmp_path / "hf", TIED)  # tied embeddings: lm_head is the embedding
+    megatron_dir = tmp_path / "megatron"
+    subprocess.run(
+        [sys.executable, str(repo_root / "toolkits/ckpt_convertor/convert_hf_to_megatron.py"), "--hf_path", str(hf_dir),
+         "--output_path", str(megatron_dir), "--tensor_model_parallel_size", "2"],
+        check=True, env=subprocess_env, capture_output=True,
+    )
+    check_model_path(str(megatron_dir))
+    # the test config's model overrides, made to agree with the folder's shape
+    overrides = [f"model.path={megatron_dir}", f"actor.training_backend={backend}",
+                 "model.override_config.num_attention_heads=4", "model.override_config.num_key_value_heads=4"]
+    if backend == "megatron":
+        overrides.append("actor.tensor_model_parallel_size=2")
+    with GRPORunner(run_config(tmp_path / "run", *overrides)) as runner:
+        weights = runner.policy_weights()
+    expected = hf_model.state_dict()
+    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)

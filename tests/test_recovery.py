@@ -359,3 +359,50 @@ def test_a_save_slower_than_a_step_bound_is_not_a_hang(cluster, tmp_path):
     assert recovery_events(tmp_path, "failure") == []
     blocked = {m["step"]: m["time/save_s"] for m in read_metrics(tmp_path / "test" / "metrics.jsonl") if "time/save_s" in m}
     assert blocked[2] > 3 and blocked[4] > 3  # each save outlasted the step bound and was not taken for a hang
+
+
+# -- the same failures with the Megatron (tensor-parallel) backend: tp=2 on the actor node's 2 CPUs ---------------
+
+MEGATRON = ["model.override_config.num_key_value_heads=2", "actor.training_backend=megatron",
+            "actor.tensor_model_parallel_size=2"]
+
+
+@pytest.fixture(scope="module")
+def megatron_reference(cluster, tmp_path_factory) -> Reference:
+    out = tmp_path_factory.mktemp("megatron_reference")
+    GRPORunner(run_config(out, *RUN, *MEGATRON)).run()
+    return Reference(read_metrics(out / "test" / "metrics.jsonl"), load_model_weights(final_checkpoint(out)))
+
+
+def test_megatron_tensor_parallel_rank_killed_mid_step(cluster, megatron_reference, tmp_path):
+    runner = GRPORunner(run_config(tmp_path, *RUN, *MEGATRON))
+    once(lambda: metrics_lines(tmp_path) >= 4, lambda: kill(runner.actor_group.hosts[1]["pid"]))
+    runner.run()
+    failures = recovery_events(tmp_path, "failure")
+    assert len(failures) == 1 and failures[0]["lost_steps"] <= 3
+    assert [e["step"] for e in recovery_events(tmp_path, "resumed")] == [3]
+    assert_matches_reference(tmp_path, megatron_reference)
+
+
+def test_megatron_rank_killed_mid_save(cluster, megatron_reference, tmp_path):
+    runner = GRPORunner(run_config(tmp_path, *RUN, *MEGATRON))
+    root = tmp_path / "test" / "checkpoints"
+    staged = lambda: root.is_dir() and any(p.name.startswith(layout.STAGING_PREFIX) for p in root.iterdir())  # noqa: E731
+    once(staged, lambda: kill(runner.actor_group.hosts[0]["pid"]))
+    runner.run()
+    assert len(recovery_events(tmp_path, "failure")) == 1
+    assert_matches_reference(tmp_path, megatron_reference)
+
+
+def test_megatron_sigterm_writes_an_emergency_checkpoint_then_auto_resumes(cluster, megatron_reference, tmp_path, subprocess_env):
+    driver = subprocess.Popen([sys.executable, "-m", "rlrunner.main_grpo", *driver_command(cluster, tmp_path, *MEGATRON)],
+                              env=subprocess_env, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: metrics_lines(tmp_path) >= 4)
+    driver.send_signal(signal.SIGTERM)
+    _, err = driver.communicate(timeout=60)
+    assert driver.returncode == 3, err
+    stopped_at = int(err.strip().splitlines()[-1].split("at step ")[1].split(";")[0])
+    actor = tmp_path / "test" / "checkpoints" / f"global_step_{stopped_at}" / "actor"
+    assert (actor / "latest_checkpointed_iteration.txt").read_text() == str(stopped_at)
+    GRPORunner(run_config(tmp_path, *RUN, *MEGATRON, "runner.resume_dir=auto")).run()
+    assert_matches_reference(tmp_path, megatron_reference)

@@ -29,16 +29,42 @@ def torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def megatron_root(path: str) -> Path | None:
+    """The folder holding a Megatron checkpoint's latest_checkpointed_iteration.txt (`path` itself, or its `actor/` for a
+    global_step_N folder), or None when `path` is not a Megatron checkpoint."""
+    from rlrunner.checkpoint.megatron_files import TRACKER_FILE
+
+    folder = Path(path).expanduser()
+    for candidate in (folder, folder / "actor"):
+        if (candidate / TRACKER_FILE).is_file():
+            return candidate
+    return None
+
+
+def hf_folder(path: str) -> Path:
+    """Where the HF config and tokenizer of `model.path` are: the folder itself, or a Megatron checkpoint's `huggingface/`."""
+    from rlrunner.checkpoint.megatron_files import HF_DIR
+
+    root = megatron_root(path)
+    return root / HF_DIR if root is not None else Path(path).expanduser()
+
+
 def check_model_path(path: str) -> None:
-    """Raise ConfigError unless `path` is a local HF causal-LM folder with config, weights and tokenizer."""
+    """Raise ConfigError unless `path` is a local HF causal-LM folder with config, weights and tokenizer, or a Megatron
+    checkpoint (toolkits/ckpt_convertor/convert_hf_to_megatron.py's output, or a megatron backend's global_step_N)
+    with its `huggingface/` config and tokenizer."""
     folder = Path(path).expanduser()
     if not folder.exists():
         raise ConfigError(f"model.path does not exist: {path}")
     if not folder.is_dir():
         raise ConfigError(f"model.path is not a directory: {path}")
-    if not (folder / "config.json").is_file():
+    if megatron_root(path) is not None:
+        folder = hf_folder(path)
+        if not (folder / "config.json").is_file():
+            raise ConfigError(f"model.path is a Megatron checkpoint without {folder.name}/config.json (its HF config): {path}")
+    elif not (folder / "config.json").is_file():
         raise ConfigError(f"model.path is not a Hugging Face model folder (no config.json): {path}")
-    if not any(any(folder.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
+    if megatron_root(path) is None and not any(any(folder.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
         raise ConfigError(f"model.path has no weights (*.safetensors or pytorch_model*.bin): {path}")
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         raise ConfigError(f"model.path has no tokenizer (tokenizer.json, tokenizer.model or vocab.json): {path}")
@@ -58,7 +84,7 @@ def build_tokenizer(model_cfg: Mapping[str, Any]):
         return build_char_tokenizer()
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(Path(model_cfg["path"]).expanduser()))
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_folder(model_cfg["path"])))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -68,7 +94,7 @@ def token_ids(model_cfg: Mapping[str, Any], tokenizer) -> TokenIds:
     """Pad id and stop ids: the tokenizer's eos plus any listed in the folder's generation_config.json."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if model_cfg["path"] is not None:
-        generation_config = Path(model_cfg["path"]).expanduser() / "generation_config.json"
+        generation_config = hf_folder(model_cfg["path"]) / "generation_config.json"
         if generation_config.is_file():
             listed = json.loads(generation_config.read_text()).get("eos_token_id")
             eos += listed if isinstance(listed, list) else [listed] if listed is not None else []
@@ -90,7 +116,7 @@ def build_hf_config(model_cfg: Mapping[str, Any], tokenizer):
         settings.update(overrides)
         config = Qwen2Config(**settings)
     else:
-        config = AutoConfig.from_pretrained(str(Path(model_cfg["path"]).expanduser()), **overrides)
+        config = AutoConfig.from_pretrained(str(hf_folder(model_cfg["path"])), **overrides)
     return config
 
 
@@ -108,9 +134,30 @@ def build_model(model_cfg: Mapping[str, Any], tokenizer, seed: int, dtype: str |
         with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch_type)
+    elif megatron_root(model_cfg["path"]) is not None:
+        model = _from_megatron(megatron_root(model_cfg["path"]), config, attn, torch_type)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             str(Path(model_cfg["path"]).expanduser()), config=config, attn_implementation=attn, dtype=torch_type
         )
     model.config.use_cache = False
+    return model
+
+
+def _from_megatron(root: Path, config, attn: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The HF model with the weights merged from a Megatron checkpoint's tensor-parallel shards (any split)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlrunner.checkpoint.megatron_files import read_rank_states
+    from rlrunner.models.megatron_layout import megatron_to_hf
+    from rlrunner.storage import open_storage
+
+    _, states = read_rank_states(open_storage(str(root)), str(root), mmap=True)
+    state = megatron_to_hf([s["model"] for s in states], config)
+    del states
+    with torch.random.fork_rng(devices=[]):  # the init is overwritten; it must not move the caller's RNG
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
     return model
