@@ -387,20 +387,19 @@ def measure_saves(group, handler, work: Path, full_state: dict[str, Any], sample
     from rlrunner.checkpoint.manager import FSDPCheckpointManager
 
     manager = TimedManager(FSDPCheckpointManager(group))
-    data_state = {"dataloader": {"epoch": 0, "position": 0}, "runner": {"global_step": 1, "epoch": 0, "total_steps": 1}}
-    seconds, url = timed(lambda: handler.save(1, manager, data_state))
+    seconds, url = timed(lambda: handler.save(1, manager, bench_data_state()))
     checkpoint = Path(url)
     checkpoint_bytes = folder_bytes(checkpoint)
-    samples.add("rlrunner CheckpointHandler.save", seconds, checkpoint_bytes)
-    samples.add(SYNC_ROW, manager.save_seconds, folder_bytes(checkpoint / "actor"))
+    samples.add(FSDP_ROWS.save, seconds, checkpoint_bytes)
+    samples.add(FSDP_ROWS.sync, manager.save_seconds, folder_bytes(checkpoint / "actor"))
 
     torch_file = work / "full_state.pt"
     seconds, _ = timed(lambda: torch_save_durably(full_state, torch_file))
-    samples.add("torch.save + fsync (one file)", seconds, torch_file.stat().st_size)
+    samples.add(TORCH_SAVE_ROW, seconds, torch_file.stat().st_size)
 
     raw_file = work / "raw.bin"
     seconds, _ = timed(lambda: raw_write(raw_file, checkpoint_bytes, block))
-    samples.add("raw write + fsync", seconds, checkpoint_bytes)
+    samples.add(RAW_WRITE_ROW, seconds, checkpoint_bytes)
     return checkpoint
 
 
@@ -414,22 +413,22 @@ def measure_loads(group, storage, checkpoint: Path, work: Path, samples: Samples
     seconds, status = timed(lambda: inspect_checkpoint(storage, str(checkpoint), checksums=True))
     if status.status != COMPLETE:
         raise RuntimeError(f"{checkpoint} does not verify: {status.reasons}")
-    samples.add("rlrunner inspect_checkpoint(checksums=True)", seconds, checkpoint_bytes)
+    samples.add(FSDP_ROWS.verify, seconds, checkpoint_bytes)
 
     drop_page_cache(drop)
     seconds, _ = timed(lambda: FSDPCheckpointManager(group).load(str(checkpoint / "actor")))
-    samples.add("rlrunner FSDPCheckpointManager.load", seconds, folder_bytes(checkpoint / "actor"))
+    samples.add(FSDP_ROWS.load, seconds, folder_bytes(checkpoint / "actor"))
 
     torch_file = work / "full_state.pt"
     drop_page_cache(drop)
     seconds, loaded = timed(lambda: torch.load(torch_file, weights_only=True))
     del loaded
-    samples.add("torch.load(weights_only=True)", seconds, torch_file.stat().st_size)
+    samples.add(TORCH_LOAD_ROW, seconds, torch_file.stat().st_size)
 
     raw_file = work / "raw.bin"
     drop_page_cache(drop)
     seconds, nbytes = timed(lambda: raw_read(raw_file, block))
-    samples.add("raw read", seconds, nbytes)
+    samples.add(RAW_READ_ROW, seconds, nbytes)
 
 
 # -- the async save and its floor ------------------------------------------------------------------
@@ -526,6 +525,113 @@ def measure_async(group, work: Path, samples: Samples) -> None:
     samples.add(RANK_START_DRIVER_ROW, driver_s, written)
 
 
+# -- the Megatron layout ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BackendRows:
+    """The row names of one backend's checkpoint measurements (save, verify, load; async save when measured)."""
+
+    save: str  # CheckpointHandler.save: the whole commit
+    sync: str  # the manager alone: start_save + finish_save (background=False)
+    verify: str  # inspect_checkpoint(checksums=True)
+    load: str  # the manager's load into the live group
+    blocked: str = ""  # async save: start_save (background=True)
+    wait: str = ""  # async save: finish_save(wait=True) right after
+    write_s: str = ""  # async save: the manager's write_s
+
+
+def megatron_rows(tp: int) -> BackendRows:
+    layout_name = f"megatron layout (tp={tp})"
+    return BackendRows(
+        save=f"{layout_name}: CheckpointHandler.save",
+        sync="  of which MegatronCheckpointManager.save",
+        verify=f"{layout_name}: inspect_checkpoint(checksums=True)",
+        load=f"{layout_name}: MegatronCheckpointManager.load",
+        blocked=f"{layout_name} async save: blocked in start_save (background=True)",
+        wait=f"{layout_name} async save: background write, finish_save(wait=True) right after",
+        write_s=f"{layout_name} async save: manager.write_s (slowest rank, start to written)",
+    )
+
+
+def bench_data_state() -> dict[str, Any]:
+    """The driver's data state a checkpoint carries (data/data.pt), as the runner builds it after step 1."""
+    return {"dataloader": {"epoch": 0, "position": 0}, "runner": {"global_step": 1, "epoch": 0, "total_steps": 1}}
+
+
+def measure_megatron_saves(group, handler, rows: BackendRows, samples: Samples) -> Path:
+    """One repeat of the Megatron layout's synchronous save; returns the committed checkpoint (kept for the loads)."""
+    from rlrunner.checkpoint.manager import MegatronCheckpointManager
+
+    manager = TimedManager(MegatronCheckpointManager(group))
+    seconds, url = timed(lambda: handler.save(1, manager, bench_data_state()))
+    checkpoint = Path(url)
+    samples.add(rows.save, seconds, folder_bytes(checkpoint))
+    samples.add(rows.sync, manager.save_seconds, folder_bytes(checkpoint / "actor"))
+    return checkpoint
+
+
+def measure_megatron_loads(group, storage, checkpoint: Path, rows: BackendRows, samples: Samples, drop: bool) -> None:
+    """One repeat of the Megatron layout's verification and load into the live group, from a cold page cache when `drop`."""
+    from rlrunner.checkpoint.handler import COMPLETE, inspect_checkpoint
+    from rlrunner.checkpoint.manager import MegatronCheckpointManager
+
+    drop_page_cache(drop)
+    seconds, status = timed(lambda: inspect_checkpoint(storage, str(checkpoint), checksums=True))
+    if status.status != COMPLETE:
+        raise RuntimeError(f"{checkpoint} does not verify: {status.reasons}")
+    samples.add(rows.verify, seconds, folder_bytes(checkpoint))
+
+    drop_page_cache(drop)
+    seconds, _ = timed(lambda: MegatronCheckpointManager(group).load(str(checkpoint / "actor")))
+    samples.add(rows.load, seconds, folder_bytes(checkpoint / "actor"))
+
+
+def measure_megatron_async(group, work: Path, rows: BackendRows, samples: Samples) -> None:
+    """One repeat of the Megatron layout's async save: the part training waits for, then the background write."""
+    from rlrunner.checkpoint.manager import MegatronCheckpointManager
+
+    folder = work / "async_megatron"
+    folder.mkdir()  # the handler makes it before start_save in a run
+    manager = MegatronCheckpointManager(group, background=True)
+    blocked, _ = timed(lambda: manager.start_save(str(folder), 1))
+    waited, _ = timed(lambda: manager.finish_save(wait=True))
+    written = folder_bytes(folder)
+    shutil.rmtree(folder)
+    samples.add(rows.blocked, blocked, written)
+    samples.add(rows.wait, waited, written)
+    samples.add(rows.write_s, manager.write_s, written)
+
+
+def start_megatron_group(cfg, tp: int):
+    """The Megatron actor group (tp ranks, dp 1) with optimizer state from one real update; prints what was built."""
+    group = build_actor_group(cfg)
+    stats = create_optimizer_state(group, cfg)
+    print(
+        f"megatron layout: {cfg.actor.num_workers} MegatronActorWorker ranks (tp={tp}, dp={cfg.actor.num_workers // tp}), "
+        f"same model; optimizer state from one real update (grad_norm {stats['grad_norm']:.3f}, "
+        f"{int(stats['optimizer_state_tensors_per_rank'])} AdamW state tensors on rank 0)",
+        flush=True,
+    )
+    return group
+
+
+def run_megatron_local(cfg, tp: int, storage, work: Path, repeat: int, drop: bool, samples: Samples, fingerprint, started: float) -> None:
+    """Every Megatron-layout measurement, `repeat` times, on its own actor group (torn down at the end)."""
+    from rlrunner.checkpoint.handler import CheckpointHandler
+
+    rows = megatron_rows(tp)
+    group = start_megatron_group(cfg, tp)
+    handler = CheckpointHandler(storage, str(work / "experiment_megatron"), save_interval=1, max_keep=None, fingerprint=fingerprint)
+    for index in range(repeat):
+        checkpoint = measure_megatron_saves(group, handler, rows, samples)
+        measure_megatron_loads(group, storage, checkpoint, rows, samples, drop)
+        measure_megatron_async(group, work, rows, samples)
+        shutil.rmtree(checkpoint)
+        print(f"megatron repeat {index + 1}/{repeat} done ({time.perf_counter() - started:.0f}s elapsed)", flush=True)
+    group.shutdown()
+
+
 # -- report ----------------------------------------------------------------------------------------
 
 SYNC_ROW = "  of which FSDPCheckpointManager.save"  # start_save + finish_save, background=False
@@ -541,28 +647,44 @@ RANK_START_ROW = "rank: its part of start_save (fsdp_state + ShardSaver.start), 
 RANK_START_DRIVER_ROW = "driver: the same call (same save), timed on the driver"
 ASYNC_ROWS = [COPY_FLOOR, BLOCKED_ROW, WAIT_ROW, WRITE_S_ROW]
 PIECE_ROWS = [RANK_START_ROW, RANK_START_DRIVER_ROW, STATE_ROW, STAGE_ROW, RECOPY_ROW, PING_ROW]
-SAVE_ROWS = [
-    "rlrunner CheckpointHandler.save",
-    SYNC_ROW,
-    "torch.save + fsync (one file)",
-    "raw write + fsync",
-]
-LOAD_ROWS = [
-    "rlrunner inspect_checkpoint(checksums=True)",
-    "rlrunner FSDPCheckpointManager.load",
-    "torch.load(weights_only=True)",
-    "raw read",
-]
+FSDP_ROWS = BackendRows(
+    save="rlrunner CheckpointHandler.save",
+    sync=SYNC_ROW,
+    verify="rlrunner inspect_checkpoint(checksums=True)",
+    load="rlrunner FSDPCheckpointManager.load",
+    blocked=BLOCKED_ROW,
+    wait=WAIT_ROW,
+    write_s=WRITE_S_ROW,
+)
+TORCH_SAVE_ROW, RAW_WRITE_ROW = "torch.save + fsync (one file)", "raw write + fsync"
+TORCH_LOAD_ROW, RAW_READ_ROW = "torch.load(weights_only=True)", "raw read"
+
+
+def save_rows(megatron: BackendRows | None) -> list[str]:
+    """The save section: rlrunner's FSDP rows, the Megatron layout's (when measured), then the plain baselines."""
+    middle = [megatron.save, megatron.sync] if megatron else []
+    return [FSDP_ROWS.save, FSDP_ROWS.sync, *middle, TORCH_SAVE_ROW, RAW_WRITE_ROW]
+
+
+def load_rows(megatron: BackendRows | None) -> list[str]:
+    middle = [megatron.verify, megatron.load] if megatron else []
+    return [FSDP_ROWS.verify, FSDP_ROWS.load, *middle, TORCH_LOAD_ROW, RAW_READ_ROW]
 
 
 # -- an object store (--output URL) ------------------------------------------------------------------
 
-REMOTE_SAVE_ROWS = ["rlrunner CheckpointHandler.save", SYNC_ROW, "s3fs put of the same objects (one thread per shard)"]
-REMOTE_LOAD_ROWS = [
-    "rlrunner inspect_checkpoint(checksums=True)",
-    "rlrunner FSDPCheckpointManager.load",
-    "s3fs get of the same objects (one thread per shard)",
-]
+PLAIN_PUT_ROW = "s3fs put of the same objects (one thread per shard)"
+PLAIN_GET_ROW = "s3fs get of the same objects (one thread per shard)"
+
+
+def remote_save_rows(megatron: BackendRows | None) -> list[str]:
+    middle = [megatron.save, megatron.sync] if megatron else []
+    return [FSDP_ROWS.save, FSDP_ROWS.sync, *middle, PLAIN_PUT_ROW]
+
+
+def remote_load_rows(megatron: BackendRows | None) -> list[str]:
+    middle = [megatron.verify, megatron.load] if megatron else []
+    return [FSDP_ROWS.verify, FSDP_ROWS.load, *middle, PLAIN_GET_ROW]
 
 
 def start_moto(url: str) -> tuple[subprocess.Popen, dict[str, Any]]:
@@ -598,43 +720,45 @@ def _in_threads(action: Callable[[str], Any], names: list[str]) -> list[Any]:
         return list(pool.map(action, names))
 
 
-def measure_remote(group, storage, experiment: str, samples: Samples, fingerprint: dict[str, Any]) -> None:
-    """One repeat on the store: rlrunner's save and load against a plain put and get of the same objects."""
+def measure_remote(
+    group, storage, experiment: str, samples: Samples, fingerprint: dict[str, Any], manager_cls, rows: BackendRows, plain: bool
+) -> None:
+    """One repeat on the store: rlrunner's save and load with `manager_cls`, and with `plain` a plain put and get of
+    the same objects."""
     from rlrunner.checkpoint.handler import COMPLETE, CheckpointHandler, inspect_checkpoint
-    from rlrunner.checkpoint.manager import FSDPCheckpointManager
 
     handler = CheckpointHandler(storage, experiment, save_interval=1, max_keep=None, fingerprint=fingerprint)
-    manager = TimedManager(FSDPCheckpointManager(group, storage_options=storage.storage_options))
-    data_state = {"dataloader": {"epoch": 0, "position": 0}, "runner": {"global_step": 1, "epoch": 0, "total_steps": 1}}
-    seconds, url = timed(lambda: handler.save(1, manager, data_state))
+    manager = TimedManager(manager_cls(group, storage_options=storage.storage_options))
+    seconds, url = timed(lambda: handler.save(1, manager, bench_data_state()))
     files = storage.walk(url)
-    samples.add("rlrunner CheckpointHandler.save", seconds, sum(files.values()))
+    samples.add(rows.save, seconds, sum(files.values()))
     shards = {name: size for name, size in files.items() if name.startswith("actor/") and "/huggingface/" not in name}
-    samples.add(SYNC_ROW, manager.save_seconds, sum(shards.values()))
+    samples.add(rows.sync, manager.save_seconds, sum(shards.values()))
 
-    noise = os.urandom(1 << 20)  # incompressible, like the shards
-    payloads = {name: (noise * (size // len(noise) + 1))[:size] for name, size in shards.items()}
-    plain = storage.join(experiment, "plain")
-    fs = storage.fs
-    seconds, _ = timed(lambda: _in_threads(lambda n: fs.pipe_file(fs._strip_protocol(storage.join(plain, n)), payloads[n]), list(payloads)))
-    samples.add(REMOTE_SAVE_ROWS[2], seconds, sum(len(p) for p in payloads.values()))
-    payloads.clear()
+    fs, plain_url = storage.fs, storage.join(experiment, "plain")
+    if plain:
+        noise = os.urandom(1 << 20)  # incompressible, like the shards
+        payloads = {name: (noise * (size // len(noise) + 1))[:size] for name, size in shards.items()}
+        seconds, _ = timed(lambda: _in_threads(lambda n: fs.pipe_file(fs._strip_protocol(storage.join(plain_url, n)), payloads[n]), list(payloads)))
+        samples.add(PLAIN_PUT_ROW, seconds, sum(len(p) for p in payloads.values()))
+        payloads.clear()
 
     seconds, status = timed(lambda: inspect_checkpoint(storage, url, checksums=True))
     if status.status != COMPLETE:
         raise RuntimeError(f"{url} does not verify: {status.reasons}")
-    samples.add(REMOTE_LOAD_ROWS[0], seconds, sum(files.values()))
-    seconds, _ = timed(lambda: FSDPCheckpointManager(group, storage_options=storage.storage_options).load(storage.join(url, "actor")))
-    samples.add(REMOTE_LOAD_ROWS[1], seconds, sum(shards.values()))
-    seconds, got = timed(lambda: _in_threads(lambda n: fs.cat_file(fs._strip_protocol(storage.join(plain, n))), list(shards)))
-    samples.add(REMOTE_LOAD_ROWS[2], seconds, sum(len(g) for g in got))
-    storage.delete_tree(plain)
+    samples.add(rows.verify, seconds, sum(files.values()))
+    seconds, _ = timed(lambda: manager_cls(group, storage_options=storage.storage_options).load(storage.join(url, "actor")))
+    samples.add(rows.load, seconds, sum(shards.values()))
+    if plain:
+        seconds, got = timed(lambda: _in_threads(lambda n: fs.cat_file(fs._strip_protocol(storage.join(plain_url, n))), list(shards)))
+        samples.add(PLAIN_GET_ROW, seconds, sum(len(g) for g in got))
+        storage.delete_tree(plain_url)
     handler.delete(url)
 
 
-def remote_table(samples: Samples) -> str:
+def remote_table(samples: Samples, megatron: BackendRows | None) -> str:
     lines = ["| operation | bytes | seconds | MB/s | vs plain s3fs |", "|---|---:|---:|---:|---:|"]
-    for section, rows in (("save", REMOTE_SAVE_ROWS), ("load", REMOTE_LOAD_ROWS)):
+    for section, rows in (("save", remote_save_rows(megatron)), ("load", remote_load_rows(megatron))):
         reference = samples.nbytes[rows[-1]] / samples.median(rows[-1])
         for name in rows:
             seconds = samples.median(name)
@@ -643,9 +767,9 @@ def remote_table(samples: Samples) -> str:
     return "\n".join(lines)
 
 
-def markdown_table(samples: Samples) -> str:
+def markdown_table(samples: Samples, megatron: BackendRows | None = None) -> str:
     lines = ["| operation | bytes | seconds | GB/s | vs raw write |", "|---|---:|---:|---:|---:|"]
-    for section, rows, reference in (("save", SAVE_ROWS, "raw write + fsync"), ("load", LOAD_ROWS, "raw read")):
+    for section, rows, reference in (("save", save_rows(megatron), RAW_WRITE_ROW), ("load", load_rows(megatron), RAW_READ_ROW)):
         ref_rate = samples.nbytes[reference] / samples.median(reference)
         for name in rows:
             seconds = samples.median(name)
@@ -655,13 +779,19 @@ def markdown_table(samples: Samples) -> str:
     return "\n".join(lines)
 
 
-def async_table(samples: Samples) -> str:
-    """The async save next to its floor (a plain copy of the same state) and the synchronous save."""
+def async_table(samples: Samples, megatron: BackendRows | None = None, tp: int = 0) -> str:
+    """The async save next to its floor (a plain copy of the same state) and the synchronous save; the Megatron
+    layout's async save below, against the same floor (each rank holds about the same bytes in both layouts)."""
     floor = samples.median(COPY_FLOOR)
     lines = ["| async save (runner.async_save=true) | bytes | seconds | x copy floor |", "|---|---:|---:|---:|"]
+    names = ASYNC_ROWS + [SYNC_ROW]
     labels = {name: name for name in ASYNC_ROWS + PIECE_ROWS}
     labels[SYNC_ROW] = "sync save: FSDPCheckpointManager start_save + finish_save (background=False)"
-    for name in ASYNC_ROWS + [SYNC_ROW] + PIECE_ROWS:
+    if megatron:
+        names += [megatron.blocked, megatron.wait, megatron.write_s, megatron.sync]
+        labels.update({name: name for name in (megatron.blocked, megatron.wait, megatron.write_s)})
+        labels[megatron.sync] = f"megatron layout (tp={tp}) sync save: MegatronCheckpointManager start_save + finish_save (background=False)"
+    for name in names + PIECE_ROWS:
         seconds = samples.median(name)
         nbytes = f"{samples.nbytes[name]:,}" if samples.nbytes[name] else ""
         lines.append(f"| {labels[name]} | {nbytes} | {seconds:.4f} | {seconds / floor:.2f} |")
@@ -672,13 +802,32 @@ def async_table(samples: Samples) -> str:
         f"blocked / copy floor = {blocked / floor:.2f}x (goal <= 1.5x: {verdict}); "
         f"sync save / blocked = {sync / blocked:.1f}x",
     ]
+    if megatron:
+        meg_blocked, meg_sync = samples.median(megatron.blocked), samples.median(megatron.sync)
+        lines.append(
+            f"megatron layout (tp={tp}): blocked / FSDP copy floor = {meg_blocked / floor:.2f}x; "
+            f"sync save / blocked = {meg_sync / meg_blocked:.1f}x; blocked megatron / FSDP = {meg_blocked / blocked:.2f}x"
+        )
     return "\n".join(lines)
+
+
+def backend_comparison(samples: Samples, megatron: BackendRows, tp: int, params: int, fsdp_ranks: int) -> str:
+    """One line: the Megatron layout's save and load seconds against DCP's, for the same model's state."""
+    def pair(meg: str, fsdp: str) -> str:
+        m, f = samples.median(meg), samples.median(fsdp)
+        return f"{m:.3f} s vs {f:.3f} s ({m / f:.2f}x)"
+
+    return (
+        f"megatron layout (tp={tp}, {tp} ranks) vs FSDP/DCP ({fsdp_ranks} ranks), same model ({params:,} parameters; "
+        f"actor files {samples.nbytes[megatron.sync]:,} vs {samples.nbytes[FSDP_ROWS.sync]:,} bytes): "
+        f"manager save {pair(megatron.sync, FSDP_ROWS.sync)}; handler save {pair(megatron.save, FSDP_ROWS.save)}; "
+        f"load {pair(megatron.load, FSDP_ROWS.load)}; checksum verification {pair(megatron.verify, FSDP_ROWS.verify)}"
+    )
 
 
 def per_repeat_seconds(samples: Samples) -> str:
     """Every repeat's seconds, in order, so a slow first repeat (cold allocations) stays visible."""
-    names = SAVE_ROWS + LOAD_ROWS + ASYNC_ROWS + PIECE_ROWS
-    return "\n".join(f"  {name.strip()}: " + ", ".join(f"{s:.4f}" for s in samples.seconds[name]) for name in names)
+    return "\n".join(f"  {name.strip()}: " + ", ".join(f"{s:.4f}" for s in seconds) for name, seconds in samples.seconds.items())
 
 
 def filesystem_of(path: Path) -> str:
@@ -709,20 +858,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, default=100.0, help="target model size in millions of parameters")
     parser.add_argument("--workers", type=int, default=2, help="actor (FSDP) ranks")
+    parser.add_argument("--megatron-tp", type=int, default=2,
+                        help="also measure the Megatron layout with this many ranks (tp=K, dp=1) on the same model; 0: off")
     parser.add_argument("--cpus-per-worker", type=float, default=0.5, help="Ray logical CPUs per actor rank")
     parser.add_argument("--repeat", type=int, default=3, help="repeats per measurement (the median is reported)")
     parser.add_argument("--dir", type=Path, default=None, help="disk folder to write in (a fresh subfolder is made)")
     parser.add_argument("--output", default=None, help="measure this fsspec URL (s3://bucket/prefix) instead of the disk")
     parser.add_argument("--moto", action="store_true", help="with --output s3://...: start a local moto S3 server first")
     add_storage_options_argument(parser, "--storage-options", "--storage_options")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.megatron_tp < 0:
+        parser.error(f"--megatron-tp must be >= 0 (0 turns the megatron rows off), got {args.megatron_tp}")
+    if args.workers < 1 or args.repeat < 1:
+        parser.error(f"--workers and --repeat must be positive, got {args.workers} and {args.repeat}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import ray
 
-    from rlrunner.checkpoint.handler import CheckpointHandler
     from rlrunner.storage import open_storage
 
     parent = args.dir or Path(tempfile.gettempdir())
@@ -730,13 +885,18 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench_checkpoint_", dir=parent))
     drop = can_drop_page_cache()
     started = time.perf_counter()
+    tp = args.megatron_tp
     try:
-        shape = choose_shape(args.params * 1e6, tokenizer_vocab_size())
+        shape = choose_shape(args.params * 1e6, tokenizer_vocab_size(), max(tp, 1))
         cfg = build_config(shape, args.workers, args.cpus_per_worker, work)
+        meg_cfg = build_config(shape, tp, args.cpus_per_worker, work, tp=tp, batch_size=args.workers) if tp else None
+        if meg_cfg is not None:
+            check_megatron_shape(meg_cfg, tp)
         params = exact_param_count(dict(cfg.model))
-        print(f"model: Qwen2 {vars(shape)}, {params:,} parameters; {args.workers} actor ranks", flush=True)
+        also = f"; then the megatron layout on {tp} ranks (tp={tp}, dp=1)" if tp else ""
+        print(f"model: Qwen2 {vars(shape)}, {params:,} parameters; {args.workers} FSDP actor ranks{also}", flush=True)
 
-        start_ray(args.workers, args.cpus_per_worker)
+        start_ray(max(args.workers, tp), args.cpus_per_worker)
         group = build_actor_group(cfg)
         stats = create_optimizer_state(group, cfg)
         print(
@@ -744,45 +904,16 @@ def main(argv: list[str] | None = None) -> int:
             f"(grad_norm {stats['grad_norm']:.3f}, {int(stats['optimizer_state_tensors_per_rank'])} AdamW state tensors on rank 0)",
             flush=True,
         )
+        fingerprint = {"benchmark": "bench_checkpoint", "params": params}
         if args.output:
-            return run_remote(args, group, params, started)
-        full_state = gather_full_state(group)
+            return run_remote(args, group, meg_cfg, params, fingerprint, started)
         storage = open_storage(str(work))
-        handler = CheckpointHandler(
-            storage, str(work / "experiment"), save_interval=1, max_keep=None,
-            fingerprint={"benchmark": "bench_checkpoint", "params": params},
-        )
-        block = memoryview(bytearray(os.urandom(1 << 20)) * (RAW_CHUNK_BYTES >> 20))
         samples = Samples({}, {})
-        for repeat in range(args.repeat):
-            checkpoint = measure_saves(group, handler, work, full_state, samples, block)
-            measure_loads(group, storage, checkpoint, work, samples, block, drop)
-            measure_async(group, work, samples)
-            shutil.rmtree(checkpoint)
-            print(f"repeat {repeat + 1}/{args.repeat} done ({time.perf_counter() - started:.0f}s elapsed)", flush=True)
-        del full_state
-        group.shutdown()
-
-        print()
-        print(markdown_table(samples))
-        print()
-        print(async_table(samples))
-        print()
-        print(
-            f"Medians of {args.repeat} repeats. 'torch.save + fsync' includes the fsync; its state is gathered unsharded into "
-            "the driver beforehand (not timed). 'vs raw write' is the ratio of throughputs; load rows are relative to "
-            "'raw read' (= 1.00). Page cache "
-            + ("dropped (/proc/sys/vm/drop_caches was writable) before every load-side row." if drop
-               else "NOT dropped (/proc/sys/vm/drop_caches not writable): loads are from the page cache.")
-        )
-        print(
-            f"machine: {os.cpu_count()} CPU cores ({platform.machine()}), {memory_gib():.0f} GiB RAM, "
-            f"torch {torch.__version__}, ray {ray.__version__}; disk folder {work} on {filesystem_of(work)}"
-        )
-        print("seconds per repeat:")
-        print(per_repeat_seconds(samples))
-        print(f"command: {command_line()}")
-        print(f"total time: {time.perf_counter() - started:.0f}s")
+        run_fsdp_local(group, storage, work, args.repeat, drop, samples, fingerprint, started)
+        megatron = megatron_rows(tp) if meg_cfg is not None else None
+        if meg_cfg is not None:
+            run_megatron_local(meg_cfg, tp, storage, work, args.repeat, drop, samples, fingerprint, started)
+        report_local(args, samples, megatron, params, drop, work, started)
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -790,31 +921,98 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_remote(args: argparse.Namespace, group, params: int, started: float) -> int:
+def run_fsdp_local(group, storage, work: Path, repeat: int, drop: bool, samples: Samples, fingerprint, started: float) -> None:
+    """Every FSDP/DCP and baseline measurement, `repeat` times; the FSDP actor group is torn down at the end."""
+    from rlrunner.checkpoint.handler import CheckpointHandler
+
+    full_state = gather_full_state(group)
+    handler = CheckpointHandler(storage, str(work / "experiment"), save_interval=1, max_keep=None, fingerprint=fingerprint)
+    block = memoryview(bytearray(os.urandom(1 << 20)) * (RAW_CHUNK_BYTES >> 20))
+    for index in range(repeat):
+        checkpoint = measure_saves(group, handler, work, full_state, samples, block)
+        measure_loads(group, storage, checkpoint, work, samples, block, drop)
+        measure_async(group, work, samples)
+        shutil.rmtree(checkpoint)
+        print(f"repeat {index + 1}/{repeat} done ({time.perf_counter() - started:.0f}s elapsed)", flush=True)
+    del full_state
+    group.shutdown()  # before the Megatron group starts: one backend's ranks at a time
+    for leftover in ("full_state.pt", "raw.bin"):
+        (work / leftover).unlink(missing_ok=True)
+
+
+def report_local(args: argparse.Namespace, samples: Samples, megatron: BackendRows | None, params: int, drop: bool,
+                 work: Path, started: float) -> None:
+    import ray
+
+    tp = args.megatron_tp
+    print()
+    print(markdown_table(samples, megatron))
+    print()
+    print(async_table(samples, megatron, tp))
+    print()
+    if megatron:
+        print(backend_comparison(samples, megatron, tp, params, args.workers))
+        print()
+    print(
+        f"Medians of {args.repeat} repeats. 'torch.save + fsync' includes the fsync; its state is gathered unsharded into "
+        "the driver beforehand (not timed). 'vs raw write' is the ratio of throughputs; load rows are relative to "
+        "'raw read' (= 1.00), both measured in this run. Page cache "
+        + ("dropped (/proc/sys/vm/drop_caches was writable) before every load-side row." if drop
+           else "NOT dropped (/proc/sys/vm/drop_caches not writable): loads are from the page cache.")
+    )
+    if megatron:
+        print(
+            f"The megatron layout rows come from a second actor group ({tp} MegatronActorWorker ranks, tp={tp}, dp=1) built "
+            "after the FSDP group was shut down, on the same model and batch, with its own optimizer update."
+        )
+    print(
+        f"machine: {os.cpu_count()} CPU cores ({platform.machine()}), {memory_gib():.0f} GiB RAM, "
+        f"torch {torch.__version__}, ray {ray.__version__}; disk folder {work} on {filesystem_of(work)}"
+    )
+    print("seconds per repeat:")
+    print(per_repeat_seconds(samples))
+    print(f"command: {command_line()}")
+    print(f"total time: {time.perf_counter() - started:.0f}s")
+
+
+def run_remote(args: argparse.Namespace, group, meg_cfg, params: int, fingerprint: dict[str, Any], started: float) -> int:
+    """The store's measurements: the FSDP group's (with the plain put/get), then the Megatron layout's on its own group."""
     import uuid
 
+    from rlrunner.checkpoint.manager import FSDPCheckpointManager, MegatronCheckpointManager
     from rlrunner.storage import open_storage
 
     server = None
     options = args.storage_options
     if args.moto:
         server, options = start_moto(args.output)
+    tp = args.megatron_tp
+    megatron = megatron_rows(tp) if meg_cfg is not None else None
     try:
         storage = open_storage(args.output, options)
         experiment = storage.join(args.output, f"bench-{uuid.uuid4().hex[:8]}")
         samples = Samples({}, {})
         for repeat in range(args.repeat):
-            measure_remote(group, storage, experiment, samples, {"benchmark": "bench_checkpoint", "params": params})
+            measure_remote(group, storage, experiment, samples, fingerprint, FSDPCheckpointManager, FSDP_ROWS, plain=True)
             print(f"repeat {repeat + 1}/{args.repeat} done ({time.perf_counter() - started:.0f}s elapsed)", flush=True)
         group.shutdown()
+        if megatron:
+            group = start_megatron_group(meg_cfg, tp)
+            for repeat in range(args.repeat):
+                measure_remote(group, storage, experiment, samples, fingerprint, MegatronCheckpointManager, megatron, plain=False)
+                print(f"megatron repeat {repeat + 1}/{args.repeat} done ({time.perf_counter() - started:.0f}s elapsed)", flush=True)
+            group.shutdown()
         print()
-        print(remote_table(samples))
+        print(remote_table(samples, megatron))
         print()
+        if megatron:
+            print(backend_comparison(samples, megatron, tp, params, args.workers))
+            print()
         where = "moto's S3 server on 127.0.0.1 (its own process)" if args.moto else args.output.split("/", 3)[2]
         print(f"Medians of {args.repeat} repeats, store: {where}; the plain put/get run from this process, one thread per shard.")
         print(f"machine: {os.cpu_count()} CPU cores ({platform.machine()}), {memory_gib():.0f} GiB RAM, torch {torch.__version__}")
         print("seconds per repeat:")
-        print("\n".join(f"  {n.strip()}: " + ", ".join(f"{x:.4f}" for x in samples.seconds[n]) for n in REMOTE_SAVE_ROWS + REMOTE_LOAD_ROWS))
+        print(per_repeat_seconds(samples))
         print(f"command: {command_line()}")
         print(f"total time: {time.perf_counter() - started:.0f}s")
     finally:

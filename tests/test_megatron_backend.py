@@ -315,3 +315,28 @@ def test_a_run_starts_from_a_converted_megatron_folder(ray_session, tmp_path, re
         weights = runner.policy_weights()
     expected = hf_model.state_dict()
     assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
+
+
+def test_megatron_core_loads_a_trained_checkpoint_strictly(reference, tmp_path):
+    """megatron-core's GPTModel (CPU, gloo, tp=2) accepts each rank's `model` of a checkpoint the backend wrote, and
+    what it loaded is the trained policy."""
+    import megatron.core  # noqa: F401  (the test extra installs it: the check must run, never skip)
+    import torch.multiprocessing as mp
+    from transformers import AutoModelForCausalLM
+
+    from rlrunner.models.megatron_layout import megatron_to_hf
+    from test_megatron_layout import _free_port, _megatron_core_worker
+
+    actor = tmp_path / "actor"
+    shutil.copytree(reference.checkpoint(8) / "actor", actor)
+    mp.spawn(_megatron_core_worker, args=(2, _free_port(), str(actor)), nprocs=2)  # raises if a rank fails
+    results = [torch.load(actor / f"megatron_core_rank{r}.pt", weights_only=True) for r in range(2)]
+    config = json_config(actor / "huggingface" / "config.json")
+    loaded = megatron_to_hf([r["model"] for r in results], config)
+    assert loaded.keys() == reference.weights.keys()
+    assert all(torch.equal(loaded[k], reference.weights[k]) for k in loaded)
+    policy = AutoModelForCausalLM.from_config(config)
+    policy.load_state_dict(reference.weights)
+    with torch.no_grad():
+        expected = policy(torch.tensor([[3, 17, 42, 98, 0, 5, 61]])).logits
+    assert torch.allclose(results[0]["logits"][..., :99], expected, atol=1e-5)
