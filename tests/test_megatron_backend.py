@@ -167,7 +167,7 @@ def test_every_rank_gets_its_own_rng_state_back(reference, tmp_path):
 @pytest.mark.parametrize("tp, workers", [(1, 1), (1, 2), (2, 4)], ids=["tp1", "tp1_dp2", "tp2_dp2"])
 def test_a_tp2_checkpoint_loads_at_other_parallel_sizes_exactly(reference, tmp_path, caplog, tp, workers):
     """Resharding through the HF layout: the live weights after the load are the checkpoint's, bit for bit."""
-    with caplog.at_level(logging.WARNING, logger="rlrunner.checkpoint.handler"):
+    with caplog.at_level(logging.WARNING):
         with GRPORunner(megatron_config(tmp_path, tp, workers, f"runner.resume_dir={reference.checkpoint(6)}")) as runner:
             loaded = runner.policy_weights()
             assert runner.global_step == 6
@@ -175,6 +175,10 @@ def test_a_tp2_checkpoint_loads_at_other_parallel_sizes_exactly(reference, tmp_p
     assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
     if workers != 2:
         assert f"resharding global_step_6 from 2 to {workers} actor ranks" in caplog.text
+    if tp != 2:
+        assert "from tensor-parallel size 2 to 1 through the HF layout" in caplog.text
+    else:
+        assert "tensor-parallel size 2 to" not in caplog.text
 
 
 def test_resharding_tp2_to_tp1_and_back_goes_on_training_like_the_reference(reference, tmp_path):

@@ -11,10 +11,13 @@ files once every rank's write has finished. A backend with another layout (e.g. 
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
-from rlrunner.checkpoint.megatron_files import write_tracker
+from rlrunner.checkpoint.megatron_files import rank_dirs, read_tracker, write_tracker
 from rlrunner.storage import open_storage
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointManager(Protocol):
@@ -92,6 +95,21 @@ class MegatronCheckpointManager(FSDPCheckpointManager):
     after it, commits the whole)."""
 
     backend = "megatron-tp"
+
+    def __init__(self, actor_group, timeout_s: float | None = None, background: bool = False,
+                 storage_options: dict[str, Any] | None = None, tensor_parallel_size: int = 1):
+        super().__init__(actor_group, timeout_s, background, storage_options)
+        self.tensor_parallel_size = tensor_parallel_size
+
+    def load(self, url: str) -> None:
+        storage = open_storage(str(url), self.storage_options)
+        saved_tp = len(rank_dirs(storage, str(url), read_tracker(storage, str(url))))
+        if saved_tp != self.tensor_parallel_size:
+            logger.warning(
+                "resharding %s from tensor-parallel size %d to %d through the HF layout: model and optimizer moments are "
+                "resharded, per-rank RNG states are not restored", url, saved_tp, self.tensor_parallel_size,
+            )
+        super().load(url)
 
     def start_save(self, url: str, step: int) -> None:
         self._url, self._step = str(url), step

@@ -288,10 +288,10 @@ class GRPORunner:
 
     def checkpoint_manager(self) -> FSDPCheckpointManager:
         recovery = self.cfg.runner.recovery
-        manager = MegatronCheckpointManager if self.megatron else FSDPCheckpointManager
-        return manager(
-            self.actor_group, recovery.checkpoint_timeout_s, background=self.cfg.runner.async_save, storage_options=self.storage_options
-        )
+        common = {"background": self.cfg.runner.async_save, "storage_options": self.storage_options}
+        if self.megatron:
+            return MegatronCheckpointManager(self.actor_group, recovery.checkpoint_timeout_s, tensor_parallel_size=self.tp, **common)
+        return FSDPCheckpointManager(self.actor_group, recovery.checkpoint_timeout_s, **common)
 
     def _write_hf_files(self, local_folder: str) -> None:
         """HF config and tokenizer beside the shards, so converters need nothing but the checkpoint."""
