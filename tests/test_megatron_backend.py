@@ -12,7 +12,6 @@ import logging
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,29 +26,14 @@ from rlrunner.checkpoint.megatron_files import read_distrib_optim, read_rank_sta
 from rlrunner.errors import CheckpointError, ConfigError
 from rlrunner.models.megatron_layout import expected_megatron_keys, Qwen2Dims
 from rlrunner.runner.grpo_runner import GRPORunner
+from test_checkpoint_e2e import RUN, Reference, actor_rng_states  # the FSDP module's run and reference, shaped alike
 
-RUN = ["data.synthetic.num_problems=26", "runner.max_steps=8", "runner.save_interval=3", "rollout.max_new_tokens=2"]
 # two query groups, so that tp=2 splits them; megatron backend
 MEGATRON = ["model.override_config.num_key_value_heads=2", "actor.training_backend=megatron"]
 
 
 def megatron_config(out: Path, tp: int, workers: int, *overrides: str):
     return run_config(out, *RUN, *MEGATRON, f"actor.tensor_model_parallel_size={tp}", f"actor.num_workers={workers}", *overrides)
-
-
-@dataclass
-class Reference:
-    experiment: Path
-    metrics: list[dict]
-    weights: dict[str, torch.Tensor]
-    rng: list[torch.Tensor]
-
-    def checkpoint(self, step: int) -> Path:
-        return self.experiment / "checkpoints" / f"global_step_{step}"
-
-
-def actor_rng_states(runner: GRPORunner) -> list[torch.Tensor]:
-    return ray.get([w.__ray_call__.remote(lambda self: torch.get_rng_state()) for w in runner.actor_group.workers])
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +45,7 @@ def reference(ray_session, tmp_path_factory) -> Reference:
         weights = runner.policy_weights()
         rng = actor_rng_states(runner)
     experiment = out / "test"
-    return Reference(experiment, read_metrics(experiment / "metrics.jsonl"), weights, rng)
+    return Reference(out, experiment, read_metrics(experiment / "metrics.jsonl"), weights, rng)
 
 
 def resume(tmp_path: Path, resume_dir, tp: int = 2, workers: int = 2, *overrides: str) -> Path:
@@ -239,11 +223,18 @@ def test_auto_skips_a_corrupt_shard_and_still_ends_bitwise(reference, tmp_path, 
     assert all(torch.equal(final[k], reference.weights[k]) for k in final)
 
 
-def test_retention_keeps_the_newest(ray_session, tmp_path):
-    GRPORunner(megatron_config(tmp_path, 2, 2, "runner.max_steps=4", "runner.save_interval=1", "runner.max_ckpt_to_keep=2")).run()
+def test_retention_keeps_the_newest_with_a_kl_reference_and_bfloat16_compute(ray_session, tmp_path):
+    GRPORunner(megatron_config(tmp_path, 2, 2, "runner.max_steps=4", "runner.save_interval=1", "runner.max_ckpt_to_keep=2",
+                               "algorithm.use_kl_loss=true", "actor.param_dtype=bfloat16")).run()
     root = tmp_path / "test" / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["global_step_3", "global_step_4"]
     assert [s.status for s in scan_checkpoints(LOCAL, str(root), checksums=True)] == [COMPLETE] * 2
+    metrics = read_metrics(tmp_path / "test" / "metrics.jsonl")
+    # the frozen reference is the initial policy: no divergence at step 1, some once the policy has moved
+    assert metrics[0]["actor/kl"] == pytest.approx(0.0, abs=1e-3) and metrics[-1]["actor/kl"] >= 0
+    assert all(m["actor/skipped_steps"] == 0 for m in metrics)
+    weights = load_model_weights(root / "global_step_4")
+    assert all(t.dtype == torch.float32 for t in weights.values())  # master weights stay float32
 
 
 def test_a_checkpoint_of_the_other_backend_is_refused(reference, tmp_path):
