@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Checkpoint save/load throughput of rlrunner's FSDP2 + DCP actor checkpoints against plain baselines.
+"""Checkpoint save/load throughput of rlrunner's actor checkpoints (FSDP2 + DCP, and the Megatron layout) against plain baselines.
 
 What it measures, all in one run, on one disk folder, for the actor state a checkpoint holds (model +
 AdamW optimizer + LR scheduler + per-rank RNG) of a Qwen2-architecture model of about `--params`
@@ -23,8 +23,22 @@ million parameters, sharded over `--workers` FSDP2 actor ranks on a local Ray:
         torch.load(weights_only=True)        the torch.save file
         raw read                             sequential read of the raw-write file
 
-The optimizer state is created by one real `ActorWorker.update` on a small batch built like the runner
-builds it (build_actor_batch + shard_actor_batch), so AdamW's exp_avg/exp_avg_sq exist before any save.
+Then, unless `--megatron-tp 0`, the FSDP group is shut down and a Megatron-backend actor group of K =
+`--megatron-tp` ranks (tp=K, dp=1; MegatronActorWorker) is built on the SAME model (the shape is chosen so
+that heads, KV heads and MLP width divide by K), gets its own optimizer update, and is measured the same way
+(same repeats, medians, page-cache drops), in Megatron-LM's layout (iter_0000001/mp_rank_XX/
+{model_optim_rng,distrib_optim}.pt + latest_checkpointed_iteration.txt), rows labelled "megatron layout (tp=K)":
+
+  save  CheckpointHandler.save with MegatronCheckpointManager, and the manager alone (start_save + finish_save,
+        background=False); ratio against the raw write measured above
+  async MegatronCheckpointManager(background=True): blocked in start_save, the background write (finish_save
+        right after), the manager's write_s; "x copy floor" is against the FSDP copy floor (each rank holds
+        about the same bytes in both layouts)
+  load  checksum verification, and MegatronCheckpointManager.load into the live group; ratio against raw read
+followed by one line comparing the Megatron layout's save and load seconds with DCP's for the same model.
+
+The optimizer state is created by one real `update` on a small batch built like the runner builds it
+(build_actor_batch + shard_actor_batch + per_rank_shards), so AdamW's exp_avg/exp_avg_sq exist before any save.
 Each measurement is repeated `--repeat` times and the median is reported. When
 /proc/sys/vm/drop_caches is writable the page cache is dropped before every load-side measurement;
 otherwise loads read from the page cache (the output says which).
@@ -32,14 +46,15 @@ otherwise loads read from the page cache (the output says which).
 With `--output s3://bucket/prefix` (or any fsspec URL) it measures the store instead of the disk: the
 same CheckpointHandler.save and FSDPCheckpointManager.load, with every rank uploading its own shard,
 next to a plain s3fs put and get of the same objects (one thread per shard, as the ranks upload in
-parallel) from this process, in one run. `--moto` first starts moto's S3 server on 127.0.0.1 (in its
-own process) and creates the bucket: the way to try it without a real store.
+parallel) from this process, in one run; then the same save and load with MegatronCheckpointManager
+(unless `--megatron-tp 0`). `--moto` first starts moto's S3 server on 127.0.0.1 (in its own process) and
+creates the bucket: the way to try it without a real store.
 
 Run from the repository root:
 
-    .venv/bin/python benchmarks/bench_checkpoint.py                       # ~100M params, 2 ranks, 3 repeats
+    .venv/bin/python benchmarks/bench_checkpoint.py                       # ~100M params, 2 ranks, 3 repeats, + megatron tp=2
     .venv/bin/python benchmarks/bench_checkpoint.py --params 5 --repeat 5  # small model: fixed costs dominate
-    .venv/bin/python benchmarks/bench_checkpoint.py --params 20 --repeat 1 --dir /mnt/fast
+    .venv/bin/python benchmarks/bench_checkpoint.py --params 20 --repeat 1 --dir /mnt/fast --megatron-tp 0  # FSDP only
     .venv/bin/python benchmarks/bench_checkpoint.py --output s3://bench/ckpt --moto   # a local S3 API
     .venv/bin/python benchmarks/bench_checkpoint.py --output s3://my-bucket/bench      # a real store (AWS_* credentials)
 """
@@ -47,6 +62,7 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import platform
@@ -559,11 +575,11 @@ def bench_data_state() -> dict[str, Any]:
     return {"dataloader": {"epoch": 0, "position": 0}, "runner": {"global_step": 1, "epoch": 0, "total_steps": 1}}
 
 
-def measure_megatron_saves(group, handler, rows: BackendRows, samples: Samples) -> Path:
+def measure_megatron_saves(group, tp: int, handler, rows: BackendRows, samples: Samples) -> Path:
     """One repeat of the Megatron layout's synchronous save; returns the committed checkpoint (kept for the loads)."""
     from rlrunner.checkpoint.manager import MegatronCheckpointManager
 
-    manager = TimedManager(MegatronCheckpointManager(group))
+    manager = TimedManager(MegatronCheckpointManager(group, tensor_parallel_size=tp))
     seconds, url = timed(lambda: handler.save(1, manager, bench_data_state()))
     checkpoint = Path(url)
     samples.add(rows.save, seconds, folder_bytes(checkpoint))
@@ -571,7 +587,7 @@ def measure_megatron_saves(group, handler, rows: BackendRows, samples: Samples) 
     return checkpoint
 
 
-def measure_megatron_loads(group, storage, checkpoint: Path, rows: BackendRows, samples: Samples, drop: bool) -> None:
+def measure_megatron_loads(group, tp: int, storage, checkpoint: Path, rows: BackendRows, samples: Samples, drop: bool) -> None:
     """One repeat of the Megatron layout's verification and load into the live group, from a cold page cache when `drop`."""
     from rlrunner.checkpoint.handler import COMPLETE, inspect_checkpoint
     from rlrunner.checkpoint.manager import MegatronCheckpointManager
@@ -583,17 +599,17 @@ def measure_megatron_loads(group, storage, checkpoint: Path, rows: BackendRows, 
     samples.add(rows.verify, seconds, folder_bytes(checkpoint))
 
     drop_page_cache(drop)
-    seconds, _ = timed(lambda: MegatronCheckpointManager(group).load(str(checkpoint / "actor")))
+    seconds, _ = timed(lambda: MegatronCheckpointManager(group, tensor_parallel_size=tp).load(str(checkpoint / "actor")))
     samples.add(rows.load, seconds, folder_bytes(checkpoint / "actor"))
 
 
-def measure_megatron_async(group, work: Path, rows: BackendRows, samples: Samples) -> None:
+def measure_megatron_async(group, tp: int, work: Path, rows: BackendRows, samples: Samples) -> None:
     """One repeat of the Megatron layout's async save: the part training waits for, then the background write."""
     from rlrunner.checkpoint.manager import MegatronCheckpointManager
 
     folder = work / "async_megatron"
     folder.mkdir()  # the handler makes it before start_save in a run
-    manager = MegatronCheckpointManager(group, background=True)
+    manager = MegatronCheckpointManager(group, background=True, tensor_parallel_size=tp)
     blocked, _ = timed(lambda: manager.start_save(str(folder), 1))
     waited, _ = timed(lambda: manager.finish_save(wait=True))
     written = folder_bytes(folder)
@@ -624,9 +640,9 @@ def run_megatron_local(cfg, tp: int, storage, work: Path, repeat: int, drop: boo
     group = start_megatron_group(cfg, tp)
     handler = CheckpointHandler(storage, str(work / "experiment_megatron"), save_interval=1, max_keep=None, fingerprint=fingerprint)
     for index in range(repeat):
-        checkpoint = measure_megatron_saves(group, handler, rows, samples)
-        measure_megatron_loads(group, storage, checkpoint, rows, samples, drop)
-        measure_megatron_async(group, work, rows, samples)
+        checkpoint = measure_megatron_saves(group, tp, handler, rows, samples)
+        measure_megatron_loads(group, tp, storage, checkpoint, rows, samples, drop)
+        measure_megatron_async(group, tp, work, rows, samples)
         shutil.rmtree(checkpoint)
         print(f"megatron repeat {index + 1}/{repeat} done ({time.perf_counter() - started:.0f}s elapsed)", flush=True)
     group.shutdown()
@@ -721,14 +737,15 @@ def _in_threads(action: Callable[[str], Any], names: list[str]) -> list[Any]:
 
 
 def measure_remote(
-    group, storage, experiment: str, samples: Samples, fingerprint: dict[str, Any], manager_cls, rows: BackendRows, plain: bool
+    group, storage, experiment: str, samples: Samples, fingerprint: dict[str, Any], make_manager: Callable[..., Any],
+    rows: BackendRows, plain: bool,
 ) -> None:
-    """One repeat on the store: rlrunner's save and load with `manager_cls`, and with `plain` a plain put and get of
-    the same objects."""
+    """One repeat on the store: rlrunner's save and load with the manager `make_manager(group, storage_options=...)`
+    builds, and with `plain` a plain put and get of the same objects."""
     from rlrunner.checkpoint.handler import COMPLETE, CheckpointHandler, inspect_checkpoint
 
     handler = CheckpointHandler(storage, experiment, save_interval=1, max_keep=None, fingerprint=fingerprint)
-    manager = TimedManager(manager_cls(group, storage_options=storage.storage_options))
+    manager = TimedManager(make_manager(group, storage_options=storage.storage_options))
     seconds, url = timed(lambda: handler.save(1, manager, bench_data_state()))
     files = storage.walk(url)
     samples.add(rows.save, seconds, sum(files.values()))
@@ -747,7 +764,7 @@ def measure_remote(
     if status.status != COMPLETE:
         raise RuntimeError(f"{url} does not verify: {status.reasons}")
     samples.add(rows.verify, seconds, sum(files.values()))
-    seconds, _ = timed(lambda: manager_cls(group, storage_options=storage.storage_options).load(storage.join(url, "actor")))
+    seconds, _ = timed(lambda: make_manager(group, storage_options=storage.storage_options).load(storage.join(url, "actor")))
     samples.add(rows.load, seconds, sum(shards.values()))
     if plain:
         seconds, got = timed(lambda: _in_threads(lambda n: fs.cat_file(fs._strip_protocol(storage.join(plain_url, n))), list(shards)))
@@ -998,8 +1015,9 @@ def run_remote(args: argparse.Namespace, group, meg_cfg, params: int, fingerprin
         group.shutdown()
         if megatron:
             group = start_megatron_group(meg_cfg, tp)
+            make_megatron = functools.partial(MegatronCheckpointManager, tensor_parallel_size=tp)
             for repeat in range(args.repeat):
-                measure_remote(group, storage, experiment, samples, fingerprint, MegatronCheckpointManager, megatron, plain=False)
+                measure_remote(group, storage, experiment, samples, fingerprint, make_megatron, megatron, plain=False)
                 print(f"megatron repeat {repeat + 1}/{args.repeat} done ({time.perf_counter() - started:.0f}s elapsed)", flush=True)
             group.shutdown()
         print()

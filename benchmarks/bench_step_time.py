@@ -4,17 +4,17 @@
 Both runs are real `GRPORunner` runs (rlrunner.runner.grpo_runner), built from `load_config` with the same
 overrides apart from the backend: the same model (the embedded tiny Qwen2, or `--hidden`/`--layers`), the same
 data, batch and seeds, the same number of actor ranks (`--tp` x `--dp`; FSDP shards over all of them, Megatron
-splits every layer over `--tp` of them) and one rollout worker, one after the other on one embedded local Ray
-that this script starts (`ray.init(address="local", num_cpus=...)`). Each run takes `--warmup` + `--steps`
-steps with `runner.save_interval` beyond the run, so no step saves (the last step's save comes after its timing
-and is not counted). From each run's metrics.jsonl it reports the median over the last `--steps` steps of
+splits every layer over `--tp` of them) and one rollout worker, one after the other (`--first` picks the
+order) on one embedded local Ray that this script starts (`ray.init(address="local", num_cpus=...)`). Each run
+takes `--warmup` + `--steps` steps with `runner.save_interval` beyond the run, so no step saves (the last step's
+save comes after its timing and is not counted). From each run's metrics.jsonl it reports the median over the last `--steps` steps of
 
   time/step_s         the whole step: rollout + update + weight sync
   time/rollout_s      generation on the rollout worker and rewards
   time/update_s       the actor's GRPO update (forward, backward, gradient reduction, optimizer step)
   time/weight_sync_s  pushing the new weights to the rollout worker
 
-and the ratio megatron / fsdp. Step 1's reward is printed for both: with the same initial weights and seeds
+and the ratio megatron / fsdp. Step 1's reward and response length are printed for both: with the same initial weights and seeds
 the first rollout is the same, a check that the two runs really did the same work.
 
 Run from the repository root:
@@ -22,6 +22,7 @@ Run from the repository root:
     .venv/bin/python benchmarks/bench_step_time.py                                # tiny model, 30 steps after 3 warm-up
     .venv/bin/python benchmarks/bench_step_time.py --hidden 512 --layers 4        # a bigger model
     .venv/bin/python benchmarks/bench_step_time.py --steps 10 --warmup 2 --tp 2 --dp 2
+    .venv/bin/python benchmarks/bench_step_time.py --first megatron                # the other order
 """
 
 from __future__ import annotations
@@ -140,7 +141,11 @@ def model_description(args: argparse.Namespace) -> str:
     keys = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"]
     shape = ", ".join(f"{key}={getattr(config, key)}" for key in keys)
     batch = f"data.batch_size={cfg.data.batch_size} x algorithm.group_size={cfg.algorithm.group_size}"
-    return f"Qwen2 {shape}; {batch}, rollout.max_new_tokens={cfg.rollout.max_new_tokens}, {cfg.rollout.num_workers} rollout worker"
+    return (
+        f"Qwen2 {shape}; {batch}, actor.micro_batch_size={cfg.actor.micro_batch_size}, "
+        f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}, {cfg.rollout.num_workers} rollout worker, "
+        f"cluster.threads_per_worker={cfg.cluster.threads_per_worker}"
+    )
 
 
 def ray_cpus(args: argparse.Namespace) -> int:
@@ -164,14 +169,33 @@ def markdown_table(runs: dict[str, BackendRun], first_measured: int) -> str:
     return "\n".join(lines)
 
 
+def cpu_model() -> str:
+    """The processor's name from /proc/cpuinfo (Linux), else what the platform module knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown processor"
+
+
+def first_rollout(runs: dict[str, BackendRun]) -> str:
+    """Step 1's rollout of both runs: the same initial weights and seeds give the same samples, so these agree."""
+    keys = ("rollout/reward_mean", "rollout/response_length_mean")
+    values = {b: tuple(runs[b].steps[0][k] for k in keys) for b in BACKENDS}
+    same = "the same" if values["fsdp"] == values["megatron"] else "NOT the same"
+    shown = "; ".join(f"{b} " + ", ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in zip(keys, values[b])) for b in BACKENDS)
+    return f"step 1 rollout ({same} in both runs, as the same initial weights and seeds should give): {shown}."
+
+
 def machine() -> str:
     import ray
     import torch
 
     return (
-        f"{os.cpu_count()} CPU cores ({platform.machine()}, {platform.processor() or 'unknown processor'}), "
-        f"Python {platform.python_version()}, torch {torch.__version__} ({torch.get_num_threads()} intra-op threads "
-        f"in this process), ray {ray.__version__}"
+        f"{os.cpu_count()} CPU cores ({platform.machine()}, {cpu_model()}), "
+        f"Python {platform.python_version()}, torch {torch.__version__}, ray {ray.__version__}"
     )
 
 
@@ -237,11 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(markdown_table(runs, first_measured))
     print()
-    rewards = {b: runs[b].steps[0]["rollout/reward_mean"] for b in BACKENDS}
     print(
         f"Medians of {args.steps} steps after {args.warmup} warm-up steps, same overrides and seeds for both runs "
-        f"(runner.seed={args.seed}); step 1 rollout/reward_mean fsdp {rewards['fsdp']:.4f}, megatron {rewards['megatron']:.4f} "
-        "(the same first rollout: same initial weights)."
+        f"(runner.seed={args.seed}); {first_rollout(runs)}"
     )
     print("whole runs (start-up, steps and the last step's save): " + ", ".join(f"{r.label} {r.wall_s:.1f}s" for r in runs.values()))
     print(f"total time: {time.perf_counter() - started:.0f}s")
