@@ -384,16 +384,6 @@ def test_megatron_tensor_parallel_rank_killed_mid_step(cluster, megatron_referen
     assert_matches_reference(tmp_path, megatron_reference)
 
 
-def test_megatron_rank_killed_mid_save(cluster, megatron_reference, tmp_path):
-    runner = GRPORunner(run_config(tmp_path, *RUN, *MEGATRON))
-    root = tmp_path / "test" / "checkpoints"
-    staged = lambda: root.is_dir() and any(p.name.startswith(layout.STAGING_PREFIX) for p in root.iterdir())  # noqa: E731
-    once(staged, lambda: kill(runner.actor_group.hosts[0]["pid"]))
-    runner.run()
-    assert len(recovery_events(tmp_path, "failure")) == 1
-    assert_matches_reference(tmp_path, megatron_reference)
-
-
 def test_megatron_sigterm_writes_an_emergency_checkpoint_then_auto_resumes(cluster, megatron_reference, tmp_path, subprocess_env):
     driver = subprocess.Popen([sys.executable, "-m", "rlrunner.main_grpo", *driver_command(cluster, tmp_path, *MEGATRON)],
                               env=subprocess_env, stderr=subprocess.PIPE, text=True)

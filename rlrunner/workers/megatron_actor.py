@@ -22,7 +22,14 @@ import torch.distributed as dist
 from rlrunner.checkpoint.megatron_files import capture_rng_state, megatron_args, restore_rng_state
 from rlrunner.checkpoint.megatron_state import BackgroundWrite, MegatronRankState, load_rank
 from rlrunner.models.loading import build_hf_config, build_model, build_tokenizer, torch_dtype
-from rlrunner.models.megatron_layout import DEFAULT_VOCAB_DIVISIBLE_BY, EXTRA_STATE, hf_to_megatron_rank, megatron_to_hf
+from rlrunner.models.megatron_layout import (
+    DEFAULT_VOCAB_DIVISIBLE_BY,
+    EXTRA_STATE,
+    Qwen2Dims,
+    expected_megatron_keys,
+    hf_to_megatron_rank,
+    megatron_to_hf,
+)
 from rlrunner.models.tensor_parallel import TPQwen2ForCausalLM
 from rlrunner.workers.actor import ActorWorker
 from rlrunner.workers.distrib_optim import DistributedAdamW
@@ -203,6 +210,4 @@ class MegatronActorWorker(ActorWorker):
 def _extra_state_keys(worker: MegatronActorWorker) -> list[str]:
     """megatron-core's `_extra_state` entries of the layers (None in its legacy checkpoints): our model has no such
     state, the files carry the keys so that megatron-core's strict load accepts them."""
-    from rlrunner.models.megatron_layout import expected_megatron_keys, Qwen2Dims
-
     return [key for key in expected_megatron_keys(Qwen2Dims.from_config(worker.hf_config)) if key.endswith(EXTRA_STATE)]
