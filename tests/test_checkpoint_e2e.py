@@ -51,10 +51,9 @@ def actor_rng_states(runner: GRPORunner) -> list[torch.Tensor]:
     return ray.get([w.__ray_call__.remote(lambda self: torch.get_rng_state()) for w in runner.actor_group.workers])
 
 
-@pytest.fixture(scope="module")
-def reference(ray_session, tmp_path_factory) -> Reference:
-    output_dir = tmp_path_factory.mktemp("reference")
-    with GRPORunner(run_config(output_dir, *RUN)) as runner:
+def train_reference(output_dir: Path, cfg) -> Reference:
+    """An uninterrupted run of `cfg` (experiment `test` under `output_dir`): its metrics, final weights and RNG states."""
+    with GRPORunner(cfg) as runner:
         # a different RNG state on each rank, so a restore of "rank 0's copy everywhere" would show
         ray.get([w.__ray_call__.remote(lambda self: torch.manual_seed(1000 + self.rank)) for w in runner.actor_group.workers])
         runner.train()
@@ -62,6 +61,22 @@ def reference(ray_session, tmp_path_factory) -> Reference:
         rng = actor_rng_states(runner)
     experiment = output_dir / "test"
     return Reference(output_dir, experiment, read_metrics(experiment / "metrics.jsonl"), weights, rng)
+
+
+def assert_resumed_bitwise(experiment: Path, reference: Reference, resume_step: int) -> None:
+    """The run resumed from `resume_step` logged the reference's later steps and ended with its weights, bit for bit."""
+    resumed = read_metrics(experiment / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(resume_step + 1, 9))
+    assert without_time(resumed) == without_time(reference.metrics[resume_step:])
+    final = load_model_weights(experiment / "checkpoints" / "global_step_8")
+    assert final.keys() == reference.weights.keys()
+    assert all(torch.equal(final[k], reference.weights[k]) for k in final)
+
+
+@pytest.fixture(scope="module")
+def reference(ray_session, tmp_path_factory) -> Reference:
+    output_dir = tmp_path_factory.mktemp("reference")
+    return train_reference(output_dir, run_config(output_dir, *RUN))
 
 
 def resume_run(tmp_path: Path, resume_dir: str | Path, *overrides: str) -> tuple[Path, GRPORunner]:
@@ -92,12 +107,7 @@ def test_saves_at_the_interval_and_the_last_step_in_the_layout(reference):
 @pytest.mark.parametrize("resume_step", [3, 6], ids=["mid_epoch", "epoch_boundary"])
 def test_resume_is_bitwise_identical_to_the_uninterrupted_run(reference, tmp_path, resume_step):
     experiment, _ = resume_run(tmp_path, reference.checkpoint(resume_step))
-    resumed = read_metrics(experiment / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == list(range(resume_step + 1, 9))
-    assert without_time(resumed) == without_time(reference.metrics[resume_step:])
-    final = load_model_weights(experiment / "checkpoints" / "global_step_8")
-    assert final.keys() == reference.weights.keys()
-    assert all(torch.equal(final[k], reference.weights[k]) for k in final)
+    assert_resumed_bitwise(experiment, reference, resume_step)
     # counting continues: from step 3 with save_interval=3 the next saves are 6 and 8
     expected = ["global_step_6", "global_step_8"] if resume_step == 3 else ["global_step_8"]
     assert sorted(p.name for p in (experiment / "checkpoints").iterdir()) == expected

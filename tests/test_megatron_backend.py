@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 
 from conftest import LOCAL, read_metrics, run_config, without_time
@@ -26,7 +25,7 @@ from rlrunner.checkpoint.megatron_files import read_distrib_optim, read_rank_sta
 from rlrunner.errors import CheckpointError, ConfigError
 from rlrunner.models.megatron_layout import expected_megatron_keys, Qwen2Dims
 from rlrunner.runner.grpo_runner import GRPORunner
-from test_checkpoint_e2e import RUN, Reference, actor_rng_states  # the FSDP module's run and reference, shaped alike
+from test_checkpoint_e2e import RUN, Reference, actor_rng_states, assert_resumed_bitwise, train_reference  # the FSDP module's run and reference
 
 # two query groups, so that tp=2 splits them; megatron backend
 MEGATRON = ["model.override_config.num_key_value_heads=2", "actor.training_backend=megatron"]
@@ -39,13 +38,7 @@ def megatron_config(out: Path, tp: int, workers: int, *overrides: str):
 @pytest.fixture(scope="module")
 def reference(ray_session, tmp_path_factory) -> Reference:
     out = tmp_path_factory.mktemp("reference")
-    with GRPORunner(megatron_config(out, 2, 2)) as runner:
-        ray.get([w.__ray_call__.remote(lambda self: torch.manual_seed(1000 + self.rank)) for w in runner.actor_group.workers])
-        runner.train()
-        weights = runner.policy_weights()
-        rng = actor_rng_states(runner)
-    experiment = out / "test"
-    return Reference(out, experiment, read_metrics(experiment / "metrics.jsonl"), weights, rng)
+    return train_reference(out, megatron_config(out, 2, 2))
 
 
 def resume(tmp_path: Path, resume_dir, tp: int = 2, workers: int = 2, *overrides: str) -> Path:
@@ -130,15 +123,9 @@ def test_it_trains_like_the_fsdp_backend(reference, tmp_path):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (got["step"], key)
 
 
-@pytest.mark.parametrize("resume_step", [3])  # mid-epoch; the epoch boundary is the data loader's, tested with FSDP
-def test_resume_is_bitwise_identical_to_the_uninterrupted_run(reference, tmp_path, resume_step):
-    experiment = resume(tmp_path, reference.checkpoint(resume_step))
-    resumed = read_metrics(experiment / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == list(range(resume_step + 1, 9))
-    assert without_time(resumed) == without_time(reference.metrics[resume_step:])
-    final = load_model_weights(experiment / "checkpoints" / "global_step_8")
-    assert final.keys() == reference.weights.keys()
-    assert all(torch.equal(final[k], reference.weights[k]) for k in final)
+def test_resume_mid_epoch_is_bitwise_identical_to_the_uninterrupted_run(reference, tmp_path):
+    # (the epoch boundary is the data loader's business, tested with FSDP)
+    assert_resumed_bitwise(resume(tmp_path, reference.checkpoint(3)), reference, 3)
 
 
 def test_every_rank_gets_its_own_rng_state_back(reference, tmp_path):

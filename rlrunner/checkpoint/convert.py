@@ -22,9 +22,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from rlrunner.checkpoint import layout
-from rlrunner.checkpoint.megatron_files import HF_DIR, find_root, read_rank_states
+from rlrunner.checkpoint.megatron_files import HF_DIR, find_root, read_hf_weights
 from rlrunner.checkpoint.safe_dcp import METADATA_FILE, SafeFileSystemReader, SafeLoadPlanner
-from rlrunner.models.megatron_layout import megatron_to_hf
 from rlrunner.storage import Storage, is_url, open_storage
 
 MODEL_PREFIX = "model."
@@ -83,13 +82,11 @@ def _find_megatron_root(storage: Storage) -> str | None:
 
 def _megatron_weights(storage: Storage, root: str, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """The HF weights merged from the tensor-parallel shards of the iteration the tracker names."""
-    _, states = read_rank_states(storage, root)
-    hf_dir = storage.join(root, HF_DIR)
-    with _local_folder(storage, hf_dir) as local:
+    with _local_folder(storage, storage.join(root, HF_DIR)) as local:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(local)
-    state = megatron_to_hf([s["model"] for s in states], config)
+    state = read_hf_weights(storage, root, config)
     return {key: tensor.to(dtype) for key, tensor in state.items()} if dtype is not None else state
 
 

@@ -44,6 +44,7 @@ from rlrunner.models.megatron_layout import (
     Qwen2Dims,
     check_splittable,
     hf_to_megatron_rank,
+    megatron_to_hf,
     padded_vocab_size,
 )
 from rlrunner.storage import FileRecord, Storage
@@ -387,20 +388,29 @@ def read_rank_states(
     (or `iteration`), checked against each file's own `iteration` and `args.tensor_model_parallel_size`."""
     if iteration is None:
         iteration = read_tracker(storage, root)
-    names = rank_dirs(storage, root, iteration)
-    states = []
-    for tp_rank, name in enumerate(names):
-        url = storage.join(root, iteration_dir(iteration), name, MODEL_FILE)
-        if not storage.exists(url):
-            raise FileNotFoundError(f"{url} is missing")
-        state = read_rank_file(storage, url, mmap=mmap)
-        saved_tp = getattr(state["args"], "tensor_model_parallel_size", None)
-        if saved_tp != len(names):
-            raise ValueError(f"{url} was saved with tensor_model_parallel_size={saved_tp} but {len(names)} mp_rank folders exist")
-        if state.get("iteration") != iteration:
-            raise ValueError(f"{url} holds iteration {state.get('iteration')}, its folder says {iteration}")
-        states.append(state)
-    return iteration, states
+    tp = len(rank_dirs(storage, root, iteration))
+    return iteration, [read_rank(storage, root, iteration, tp_rank, tp, mmap) for tp_rank in range(tp)]
+
+
+def read_rank(storage: Storage, root: str, iteration: int, tp_rank: int, tp: int, mmap: bool = False) -> dict[str, Any]:
+    """Tensor-parallel rank `tp_rank`'s file of `iteration` (of `tp` mp_rank folders), checked against its own
+    `iteration` and `args.tensor_model_parallel_size`."""
+    url = storage.join(root, rank_file(iteration, tp_rank))
+    if not storage.exists(url):
+        raise FileNotFoundError(f"{url} is missing")
+    state = read_rank_file(storage, url, mmap=mmap)
+    saved_tp = getattr(state["args"], "tensor_model_parallel_size", None)
+    if saved_tp != tp:
+        raise ValueError(f"{url} was saved with tensor_model_parallel_size={saved_tp} but {tp} mp_rank folders exist")
+    if state.get("iteration") != iteration:
+        raise ValueError(f"{url} holds iteration {state.get('iteration')}, its folder says {iteration}")
+    return state
+
+
+def read_hf_weights(storage: Storage, root: str, config: Any, mmap: bool = False) -> dict[str, torch.Tensor]:
+    """The full HF state dict merged from every tensor-parallel rank of the iteration the tracker under `root` names."""
+    _, states = read_rank_states(storage, root, mmap=mmap)
+    return megatron_to_hf([state["model"] for state in states], config)
 
 
 def find_root(storage: Storage, url: str) -> str:

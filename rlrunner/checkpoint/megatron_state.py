@@ -25,16 +25,13 @@ from typing import Any, Callable, Mapping
 import torch
 
 from rlrunner.checkpoint.megatron_files import (
-    MODEL_FILE,
-    DISTRIB_OPTIM_FILE,
     distrib_optim_file,
     distrib_optim_state,
-    iteration_dir,
     rank_dirs,
     rank_file,
     rank_state,
     read_distrib_optim,
-    read_rank_file,
+    read_rank,
     read_tracker,
     write_state_file,
 )
@@ -158,18 +155,12 @@ def load_rank(
     saved_tp = len(rank_dirs(storage, url, iteration))
 
     def read(rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        folder = storage.join(url, iteration_dir(iteration), f"mp_rank_{rank:02d}")
-        state = read_rank_file(storage, storage.join(folder, MODEL_FILE))
-        if state["args"].tensor_model_parallel_size != saved_tp:
-            raise ValueError(f"{folder} was saved with tensor_model_parallel_size={state['args'].tensor_model_parallel_size}, "
-                             f"but {saved_tp} mp_rank folders exist")
-        if state.get("iteration") != iteration:
-            raise ValueError(f"{folder}/{MODEL_FILE} holds iteration {state.get('iteration')}, the tracker names {iteration}")
+        state = read_rank(storage, url, iteration, rank, saved_tp)
         for key in ("optimizer", "opt_param_scheduler", "rng_state"):
             if key not in state:
-                raise ValueError(f"{folder}/{MODEL_FILE} has no '{key}': a model-only checkpoint cannot be resumed "
-                                 "(start from it with model.path instead)")
-        moments = read_distrib_optim(storage, storage.join(folder, DISTRIB_OPTIM_FILE))
+                raise ValueError(f"{storage.join(url, rank_file(iteration, rank))} has no '{key}': a model-only checkpoint "
+                                 "cannot be resumed (start from it with model.path instead)")
+        moments = read_distrib_optim(storage, storage.join(url, distrib_optim_file(iteration, rank)))
         return state, moments
 
     if saved_tp == tp:

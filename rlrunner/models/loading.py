@@ -32,13 +32,14 @@ def torch_dtype(name: str) -> torch.dtype:
 def megatron_root(path: str) -> Path | None:
     """The folder holding a Megatron checkpoint's latest_checkpointed_iteration.txt (`path` itself, or its `actor/` for a
     global_step_N folder), or None when `path` is not a Megatron checkpoint."""
-    from rlrunner.checkpoint.megatron_files import TRACKER_FILE
+    from rlrunner.checkpoint.megatron_files import find_root
+    from rlrunner.storage import open_storage
 
-    folder = Path(path).expanduser()
-    for candidate in (folder, folder / "actor"):
-        if (candidate / TRACKER_FILE).is_file():
-            return candidate
-    return None
+    folder = str(Path(path).expanduser())
+    try:
+        return Path(find_root(open_storage(folder), folder))
+    except FileNotFoundError:
+        return None
 
 
 def hf_folder(path: str) -> Path:
@@ -58,13 +59,14 @@ def check_model_path(path: str) -> None:
         raise ConfigError(f"model.path does not exist: {path}")
     if not folder.is_dir():
         raise ConfigError(f"model.path is not a directory: {path}")
-    if megatron_root(path) is not None:
+    megatron = megatron_root(path) is not None
+    if megatron:
         folder = hf_folder(path)
         if not (folder / "config.json").is_file():
             raise ConfigError(f"model.path is a Megatron checkpoint without {folder.name}/config.json (its HF config): {path}")
     elif not (folder / "config.json").is_file():
         raise ConfigError(f"model.path is not a Hugging Face model folder (no config.json): {path}")
-    if megatron_root(path) is None and not any(any(folder.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
+    if not megatron and not any(any(folder.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
         raise ConfigError(f"model.path has no weights (*.safetensors or pytorch_model*.bin): {path}")
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         raise ConfigError(f"model.path has no tokenizer (tokenizer.json, tokenizer.model or vocab.json): {path}")
@@ -130,12 +132,13 @@ def build_model(model_cfg: Mapping[str, Any], tokenizer, seed: int, dtype: str |
     config = build_hf_config(model_cfg, tokenizer)
     torch_type = torch_dtype(dtype or model_cfg["dtype"])
     attn = model_cfg["attn_implementation"]
+    root = megatron_root(model_cfg["path"]) if model_cfg["path"] is not None else None
     if model_cfg["path"] is None:
         with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch_type)
-    elif megatron_root(model_cfg["path"]) is not None:
-        model = _from_megatron(megatron_root(model_cfg["path"]), config, attn, torch_type)
+    elif root is not None:
+        model = _from_megatron(root, config, attn, torch_type)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             str(Path(model_cfg["path"]).expanduser()), config=config, attn_implementation=attn, dtype=torch_type
@@ -148,13 +151,10 @@ def _from_megatron(root: Path, config, attn: str, dtype: torch.dtype) -> torch.n
     """The HF model with the weights merged from a Megatron checkpoint's tensor-parallel shards (any split)."""
     from transformers import AutoModelForCausalLM
 
-    from rlrunner.checkpoint.megatron_files import read_rank_states
-    from rlrunner.models.megatron_layout import megatron_to_hf
+    from rlrunner.checkpoint.megatron_files import read_hf_weights
     from rlrunner.storage import open_storage
 
-    _, states = read_rank_states(open_storage(str(root)), str(root), mmap=True)
-    state = megatron_to_hf([s["model"] for s in states], config)
-    del states
+    state = read_hf_weights(open_storage(str(root)), str(root), config, mmap=True)
     with torch.random.fork_rng(devices=[]):  # the init is overwritten; it must not move the caller's RNG
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
     if config.tie_word_embeddings:

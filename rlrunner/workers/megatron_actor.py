@@ -168,19 +168,21 @@ class MegatronActorWorker(ActorWorker):
 
     # -- weights out ---------------------------------------------------------------------------
 
-    def _gather_hf_state(self) -> dict[str, torch.Tensor]:
-        """Collective over this rank's tensor-parallel group: the full weights in the HF layout (tied output included
-        under its HF name, as the rollout model's state dict lists it)."""
+    def _gather_hf_state(self) -> dict[str, torch.Tensor] | None:
+        """Collective over this rank's tensor-parallel group: the full weights in the HF layout on its tensor-parallel
+        rank 0 (tied output included under its HF name, as the rollout model's state dict lists it), None elsewhere."""
         own = {k: v.detach() for k, v in self.model.state_dict().items()}
-        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
-        for key, tensor in own.items():
-            if self.tp == 1:
-                shards[0][key] = tensor
-                continue
-            pieces = [torch.empty_like(tensor) for _ in range(self.tp)]
-            dist.all_gather(pieces, tensor.contiguous(), group=self.tp_group)
-            for rank, piece in enumerate(pieces):
-                shards[rank][key] = piece
+        if self.tp == 1:
+            shards = [own]
+        else:
+            shards = [{} for _ in range(self.tp)]
+            for key, tensor in own.items():
+                pieces = [torch.empty_like(tensor) for _ in range(self.tp)] if self.tp_rank == 0 else None
+                dist.gather(tensor.contiguous(), pieces, group=self.tp_group, group_dst=0)
+                for rank, piece in enumerate(pieces or []):
+                    shards[rank][key] = piece
+        if self.tp_rank != 0:
+            return None
         state = megatron_to_hf(shards, self.hf_config)
         if self.hf_config.tie_word_embeddings:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
@@ -188,21 +190,21 @@ class MegatronActorWorker(ActorWorker):
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The unsharded weights with HF key names on rank 0 (None elsewhere). Every rank must call it."""
+        if self.dp_rank != 0:
+            return None  # the other data-parallel replicas hold the same weights
         state = self._gather_hf_state()
-        return {k: v.cpu() for k, v in state.items()} if self.rank == 0 else None
+        return {k: v.cpu() for k, v in state.items()} if state is not None else None
 
     def _weight_sync_state(self) -> dict[str, torch.Tensor]:
         """What this rank offers the weight sync: actor rank 0 sends the gathered HF weights whole; every other rank
-        sends nothing and offers only their shapes (meta tensors), the sync's layout check needs no more."""
-        if self.dp_rank == 0:
-            state = self._gather_hf_state()  # collective over the tensor-parallel group of data-parallel rank 0
-            if self.rank == 0:
-                return state
-            self._weight_sync_meta = {k: torch.empty_like(v, device="meta") for k, v in state.items()}
+        sends nothing and offers only their shapes (meta tensors), which is all the sync's layout check needs."""
+        state = self._gather_hf_state() if self.dp_rank == 0 else None  # collective over data-parallel rank 0's group
+        if state is not None:
+            return state
         if getattr(self, "_weight_sync_meta", None) is None:
-            with torch.device("meta"):
-                from transformers import AutoModelForCausalLM
+            from transformers import AutoModelForCausalLM
 
+            with torch.device("meta"):
                 self._weight_sync_meta = dict(AutoModelForCausalLM.from_config(self.hf_config).state_dict())
         return self._weight_sync_meta
 
