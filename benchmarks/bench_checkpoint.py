@@ -210,8 +210,8 @@ def build_actor_group(cfg):
     from rlrunner.cluster.worker_group import WorkerGroup
     from rlrunner.config import tensor_parallel_size
     from rlrunner.utils.seeding import derive_seed
-    from rlrunner.workers.actor import ActorWorker
-    from rlrunner.workers.megatron_actor import MegatronActorWorker
+    from rlrunner.backends.fsdp.worker import ActorWorker
+    from rlrunner.backends.megatron.worker import MegatronActorWorker
 
     plain = lambda node: OmegaConf.to_container(node, resolve=True)  # noqa: E731
     megatron = cfg.actor.training_backend == "megatron"
@@ -282,7 +282,7 @@ def _full_state_for_torch_save(worker) -> dict[str, Any]:
     """Runs in every actor (collective): the unsharded model + optimizer on rank 0, plus this rank's RNG."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-    from rlrunner.checkpoint.fsdp_dcp import capture_rng
+    from rlrunner.backends.fsdp.dcp_state import capture_rng
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model = get_model_state_dict(worker.model, options=options)
@@ -473,7 +473,7 @@ def _copy_floor(worker) -> dict[str, float]:
     """
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    from rlrunner.checkpoint.fsdp_dcp import fsdp_state
+    from rlrunner.backends.fsdp.dcp_state import fsdp_state
 
     pinned = torch.cuda.is_available()  # what ShardSaver's stager uses
     state_s, state = timed(lambda: fsdp_state(worker.model, worker.optimizer, worker.scheduler, worker.rank))

@@ -7,7 +7,7 @@ exists), then `CheckpointHandler.save`. Then it runs, each in a fresh subprocess
 wrapper that reports the child's peak RSS (`resource.getrusage(RUSAGE_CHILDREN).ru_maxrss`):
 
   (a) converter  toolkits/ckpt_convertor/convert_dcp_to_state_dict.py --dcp_path ... --output_path ...
-  (b) baseline   a process that only imports torch, rlrunner.checkpoint.convert and
+  (b) baseline   a process that only imports torch, rlrunner.tools.convert and
                  torch.distributed.checkpoint.format_utils (interpreter + import overhead, subtracted)
   (c) naive      torch.distributed.checkpoint.format_utils.dcp_to_torch_save on the same DCP folder,
                  which loads the whole checkpoint (model AND optimizer) before writing it
@@ -56,7 +56,7 @@ with open(sys.argv[1], "w") as handle:
     json.dump({"returncode": code, "seconds": seconds, "peak_kib": peak_kib}, handle)
 """
 
-BASELINE_CODE = "import torch, rlrunner.checkpoint.convert, torch.distributed.checkpoint.format_utils"
+BASELINE_CODE = "import torch, rlrunner.tools.convert, torch.distributed.checkpoint.format_utils"
 NAIVE_CODE = (
     "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
     "dcp_to_torch_save(sys.argv[1], sys.argv[2])"
@@ -103,8 +103,8 @@ def model_weight_bytes(dcp_dir: Path) -> int:
     """Bytes of the `model.*` tensors recorded in the DCP metadata (the size of the full weights)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from rlrunner.checkpoint.convert import MODEL_PREFIX
-    from rlrunner.checkpoint.safe_dcp import read_metadata
+    from rlrunner.tools.convert import MODEL_PREFIX
+    from rlrunner.backends.fsdp.safe_dcp import read_metadata
 
     total = 0
     for key, item in read_metadata(dcp_dir).state_dict_metadata.items():

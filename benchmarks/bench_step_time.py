@@ -105,7 +105,7 @@ def run_overrides(args: argparse.Namespace, backend: str, output_dir: Path) -> l
 
 
 def read_metrics(log_path: Path) -> list[dict[str, Any]]:
-    from rlrunner.runner.metrics_logger import METRICS_FILE
+    from rlrunner.runner.metrics import METRICS_FILE
 
     return [json.loads(line) for line in (log_path / METRICS_FILE).read_text().splitlines()]
 

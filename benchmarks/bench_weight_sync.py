@@ -6,7 +6,7 @@ For a Qwen2-architecture model of about `--params` million parameters, an FSDP2 
 `--actor-workers` ranks and a rollout group of `--rollout-workers` workers whose model is in `--dtype`, each
 repeat (`--repeats`, medians reported) measures, from the driver, in turn:
 
-  channels      rlrunner.runner.weight_sync.sync_weights: every actor rank broadcasts its own shards, cast to
+  channels      rlrunner.weight_sync.driver.sync_weights: every actor rank broadcasts its own shards, cast to
                 the rollout dtype, in buckets of `--bucket-mb`, to every rollout worker (gloo on CPU; NCCL
                 between distinct GPUs; gloo over pinned host memory for a GPU shared by two members)
   object store  the old path: ActorWorker.full_state_dict (FSDP gather of float32 on rank 0, to CPU) passed by
@@ -99,8 +99,8 @@ def build_groups(args: argparse.Namespace, model_cfg: dict[str, Any]):
 
     from rlrunner.cluster.worker_group import WorkerGroup
     from rlrunner.config import GRPOConfig
-    from rlrunner.workers.actor import ActorWorker
-    from rlrunner.workers.rollout import RolloutWorker
+    from rlrunner.backends.fsdp.worker import ActorWorker
+    from rlrunner.rollout.worker import RolloutWorker
 
     cfg = OmegaConf.structured(GRPOConfig)  # the defaults (the actor's settings do not matter to a sync)
     plain = lambda node: OmegaConf.to_container(node, resolve=True)  # noqa: E731
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import ray
 
-    from rlrunner.runner.weight_sync import connect_weight_sync, sync_weights
+    from rlrunner.weight_sync.driver import connect_weight_sync, sync_weights
 
     started = time.perf_counter()
     dtype = getattr(torch, args.dtype)

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlrunner.errors import ConfigError
+from rlrunner.errors import ConfigError, first_line
 
 # ---------------------------------------------------------------------------------------------
 # Schema
@@ -118,7 +118,7 @@ class OptimConfig:
 
 @dataclass
 class ActorConfig:
-    training_backend: str = "fsdp"  # fsdp (FSDP2, DCP checkpoints) | megatron (tensor parallel, Megatron-LM layout)
+    training_backend: str = "fsdp"  # rlrunner/backends/registry.py: fsdp (FSDP2, DCP checkpoints) | megatron (tensor parallel, Megatron-LM layout)
     num_workers: int = 2  # actor ranks: data-parallel x tensor-parallel
     tensor_model_parallel_size: int = 1  # megatron backend: ranks each layer is split over (never across nodes)
     mini_batch_size: Optional[int] = None  # prompts per optimizer step; null: data.batch_size
@@ -132,6 +132,7 @@ class ActorConfig:
 
 @dataclass
 class RolloutConfig:
+    engine: str = "hf"  # the rollout engine (rlrunner/rollout/registry.py): hf
     num_workers: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -206,15 +207,10 @@ def load_config(
     try:
         OmegaConf.resolve(cfg)
     except Exception as exc:
-        raise ConfigError(f"config interpolation failed: {_first_line(exc)}") from None
+        raise ConfigError(f"config interpolation failed: {first_line(str(exc)) or type(exc).__name__}") from None
     OmegaConf.set_struct(cfg, True)
     validate_config(cfg)
     return cfg
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _describe_hydra_error(exc: BaseException) -> str:
@@ -231,11 +227,11 @@ def _describe_hydra_error(exc: BaseException) -> str:
         if isinstance(err, (ConfigKeyError, ConfigAttributeError)) and full_key:
             return f"unknown config key '{full_key}' (check its spelling; `--cfg` prints every key)"
         if isinstance(err, ValidationError) and full_key:
-            return f"bad value for config key '{full_key}': {_first_line(err)}"
-    message = _first_line(exc)
+            return f"bad value for config key '{full_key}': {first_line(str(err)) or type(err).__name__}"
+    message = first_line(str(exc)) or type(exc).__name__
     if message.startswith("Could not override"):
         # e.g. "Could not override 'runner.foo'." when the cause has no key attached
-        return f"{message.rstrip('.')} : {_first_line(chain[-1])}"
+        return f"{message.rstrip('.')} : {first_line(str(chain[-1])) or type(chain[-1]).__name__}"
     return f"config error: {message}"
 
 
@@ -248,19 +244,6 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 def mini_batch_prompts(cfg: DictConfig) -> int:
     return cfg.actor.mini_batch_size or cfg.data.batch_size
-
-
-TRAINING_BACKENDS = ("fsdp", "megatron")
-
-
-def tensor_parallel_size(cfg: DictConfig) -> int:
-    """The actor's tensor-parallel size: `actor.tensor_model_parallel_size` with megatron, 1 with fsdp."""
-    return cfg.actor.tensor_model_parallel_size if cfg.actor.training_backend == "megatron" else 1
-
-
-def data_parallel_size(cfg: DictConfig) -> int:
-    """Actor ranks that see different data: every rank with fsdp, `num_workers / tp` with megatron."""
-    return cfg.actor.num_workers // tensor_parallel_size(cfg)
 
 
 def validate_config(cfg: DictConfig) -> None:
@@ -327,23 +310,22 @@ def validate_config(cfg: DictConfig) -> None:
 
 
 def _validate_parallel_sizes(cfg: DictConfig) -> None:
+    # The registries import torch and the backends' modules: only when a config is checked, not for --help.
+    from rlrunner.backends.registry import get_backend
+    from rlrunner.rollout.registry import get_engine
+
     actor = cfg.actor
-    if actor.training_backend not in TRAINING_BACKENDS:
-        raise ConfigError(f"actor.training_backend must be one of {', '.join(TRAINING_BACKENDS)}, got '{actor.training_backend}'")
+    backend = get_backend(actor.training_backend)
+    get_engine(cfg.rollout.engine)
     tp = actor.tensor_model_parallel_size
     if tp < 1:
         raise ConfigError(f"actor.tensor_model_parallel_size must be positive, got {tp}")
-    if tp > 1 and actor.training_backend != "megatron":
-        raise ConfigError(
-            f"actor.tensor_model_parallel_size={tp} needs actor.training_backend=megatron (fsdp shards, it does not split layers)"
-        )
+    backend.check_config(cfg)
     if actor.num_workers % tp:
         raise ConfigError(
             f"actor.num_workers ({actor.num_workers}) must be a multiple of actor.tensor_model_parallel_size ({tp}): "
             "ranks = data-parallel x tensor-parallel"
         )
-    if actor.training_backend == "megatron" and actor.reduce_dtype != "float32":
-        raise ConfigError(f"actor.reduce_dtype must be float32 with actor.training_backend=megatron (gradients are reduced in float32), got '{actor.reduce_dtype}'")
 
 
 def _validate_batch_divisibility(cfg: DictConfig) -> None:
@@ -351,8 +333,10 @@ def _validate_batch_divisibility(cfg: DictConfig) -> None:
     batch = cfg.data.batch_size
     mini = mini_batch_prompts(cfg)
     group = cfg.algorithm.group_size
-    workers = data_parallel_size(cfg)
-    tp = tensor_parallel_size(cfg)
+    from rlrunner.backends.registry import get_backend
+
+    ranks = get_backend(cfg.actor.training_backend).rank_map(cfg.actor)
+    workers, tp = ranks.dp, ranks.tp
     ranks_key = "actor.num_workers" if tp == 1 else "data-parallel ranks (actor.num_workers / actor.tensor_model_parallel_size)"
     micro = cfg.actor.micro_batch_size
     # With actor.mini_batch_size null, the whole step's batch is one mini-batch: name the key the user set.

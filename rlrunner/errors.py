@@ -1,13 +1,96 @@
-"""User-facing errors: each carries a one-line message and the process exit code it maps to."""
+"""User-facing errors: each carries a one-line message and the process exit code it maps to.
+
+`EXIT_CODES` is the one table of the driver's exit codes: `--help` prints it, and a test checks the
+README and the launch script (which relaunches the driver after 1 and after a crash) against it.
+"""
 
 from __future__ import annotations
 
 import errno
+import re
+from dataclasses import dataclass
 from typing import Iterator
 
-
-# Exit codes the launch script reads: it relaunches the driver after FAILED (and after a crash), never after the others.
 FINISHED, FAILED, CONFIG_ERROR, STOPPED, FAILED_FOR_GOOD = 0, 1, 2, 3, 4
+
+
+@dataclass(frozen=True)
+class ExitCode:
+    code: str  # "0".."4", or "128+N" for a second signal
+    meaning: str  # what a user reads (README, --help)
+    script_says: str | None  # the launch script's closing line for it; None: the script relaunches the driver
+
+
+EXIT_CODES = (
+    ExitCode("0", "finished", "the run finished"),
+    ExitCode(
+        "1",
+        "failed in a way a relaunch may mend: the cluster cannot place the workers, the head node of a joined cluster is "
+        "gone, in-job restarts used up on varied errors, a save failed for another reason than space or permission. "
+        "The launch script relaunches it",
+        None,
+    ),
+    ExitCode(
+        "2",
+        "configuration error: a bad key or value, a missing model or data file, an unusable `runner.resume_dir`, an "
+        "experiment folder in use, storage not shared between nodes. Retrying will not help",
+        "configuration error (exit code 2): not restarting",
+    ),
+    ExitCode(
+        "3",
+        "stopped on request (SIGTERM, SIGINT / Ctrl-C, `runner.max_wall_time_s`) after an emergency checkpoint: resume "
+        "with `runner.resume_dir=auto`",
+        "stopped on request after an emergency checkpoint (exit code 3): resume with runner.resume_dir=auto",
+    ),
+    ExitCode(
+        "4",
+        "failed for good: an exception raised by worker code (a bug, an out-of-memory on one batch, a reward function "
+        "that raises), a save that failed for lack of space or permission, in-job restarts used up on the same error "
+        "each time. A relaunch would repeat it: the launch script does not",
+        "failed in a way a relaunch cannot mend (exit code 4): not restarting",
+    ),
+    ExitCode(
+        "128+N",
+        "a second signal N ended the run at once (130: SIGINT, 143: SIGTERM); the last committed checkpoint is intact",
+        None,
+    ),
+)
+
+
+def exit_codes_text(width: int = 100) -> str:
+    """The exit-code table as plain text (for `--help`)."""
+    import textwrap
+
+    lines = ["exit codes:"]
+    for entry in EXIT_CODES:
+        wrapped = textwrap.wrap(entry.meaning.replace("`", ""), width - 10)
+        lines.append(f"  {entry.code:<6}  {wrapped[0]}")
+        lines += [f"  {'':<6}  {line}" for line in wrapped[1:]]
+    return "\n".join(lines)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def first_line(text: object) -> str:
+    """The first non-blank line of `text` (an exception, a message), stripped, terminal colour codes removed; '' if none.
+
+    An OSError with a `strerror` is described by it (its str() adds the errno and file name)."""
+    if isinstance(text, OSError) and text.strerror:
+        text = text.strerror
+    for line in _ANSI.sub("", str(text)).splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def describe(err: BaseException) -> str:
+    """`Type: first line` of an error (for a Ray task error: of the exception the worker raised)."""
+    inner = getattr(err, "cause", None)
+    if isinstance(inner, BaseException) and inner is not err:
+        err = inner
+    line = first_line(str(err))
+    return f"{type(err).__name__}: {line}" if line else type(err).__name__
 
 
 class RLRunnerError(Exception):

@@ -1,17 +1,8 @@
 """Entry point: `python -m rlrunner.main_grpo [--config-name NAME] [--config-path DIR] [--cfg] [key=value ...]`.
 
 Config -> input checks -> experiment lock and resume checkpoint -> Ray -> training. User errors end
-the process with one line on stderr and the exit code of their kind (see `rlrunner.errors`):
-
-    0  finished
-    1  failed in a way a relaunch may mend (the cluster cannot place the workers, the head node of a
-       joined cluster is gone, restarts used up on varied errors, a save failed for another reason)
-    2  configuration error: retrying will not help
-    3  stopped early on SIGTERM / SIGINT / runner.max_wall_time_s, after an emergency checkpoint
-    4  failed for good: an exception in worker code, a save that failed for lack of space or
-       permission, in-job restarts used up on the same error. The launch script does not relaunch
-    128+N  a second signal N ended the run at once (130: SIGINT, 143: SIGTERM); the last committed
-           checkpoint is intact
+the process with one line on stderr and the exit code of their kind (`rlrunner.errors.EXIT_CODES`,
+which `--help` prints).
 """
 
 from __future__ import annotations
@@ -23,7 +14,7 @@ import sys
 import warnings
 
 from rlrunner.config import DEFAULT_CONFIG_NAME, config_to_yaml, load_config
-from rlrunner.errors import ClusterLostError, user_error
+from rlrunner.errors import ClusterLostError, exit_codes_text, user_error
 
 logger = logging.getLogger("rlrunner")
 
@@ -32,6 +23,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m rlrunner.main_grpo",
         description="GRPO training on Ray worker groups. Hydra overrides follow the options, e.g. runner.max_steps=20.",
+        epilog=exit_codes_text(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config-name", "-cn", default=DEFAULT_CONFIG_NAME, help="a YAML in the config folder, without .yaml")
     parser.add_argument("--config-path", "-cp", default=None, help="the config folder (default: the repository's configs/)")
@@ -49,8 +42,8 @@ def configure_logging() -> None:
 
 def check_inputs(cfg) -> None:
     """Fail before any worker starts on inputs that cannot work (each check raises a one-line ConfigError)."""
-    from rlrunner.models.loading import check_model_path
-    from rlrunner.runner.metrics_logger import require_tensorboard
+    from rlrunner.backends.registry import check_model_path
+    from rlrunner.runner.metrics import require_tensorboard
 
     if cfg.model.path is not None:
         check_model_path(cfg.model.path)
@@ -68,18 +61,17 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         check_inputs(cfg)
         from rlrunner.cluster.ray_setup import init_ray
-        from rlrunner.runner.grpo_runner import GRPORunner
-
         from rlrunner.runner.stopping import StopRequest
+        from rlrunner.runner.supervisor import Supervisor
 
         stop = StopRequest(cfg.runner.max_wall_time_s)
-        runner = GRPORunner(cfg, stop)
+        supervisor = Supervisor(cfg, stop)
 
         def connect() -> None:
             init_ray(cfg.cluster.ray_address, cfg.cluster.num_cpus)
             stop.install()  # after ray.init, which installs a SIGTERM handler of its own
 
-        runner.run(connect)
+        supervisor.run(connect)
         return 0
     except KeyboardInterrupt:
         print("rlrunner: interrupted", file=sys.stderr)

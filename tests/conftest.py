@@ -75,6 +75,22 @@ def run_config(tmp_path: Path, *overrides: str):
     return load_config(base + list(overrides))
 
 
+class Inspect:
+    """A Supervisor callback running test code once an attempt is ready to train and once it has trained to the end
+    (its groups still up): how the tests look inside a run started the way users start one."""
+
+    def __init__(self, on_start=None, on_end=None):
+        self.on_start, self.on_end = on_start, on_end
+
+    def on_train_start(self, trainer) -> None:
+        if self.on_start is not None:
+            self.on_start(trainer)
+
+    def on_train_end(self, trainer) -> None:
+        if self.on_end is not None:
+            self.on_end(trainer)
+
+
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 

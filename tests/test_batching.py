@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from rlrunner.backends.base import RankMap
 from rlrunner.runner.batching import build_actor_batch, chunk, shard_actor_batch, split_evenly
 
 # --- chunk / split_evenly ---------------------------------------------------------
@@ -149,3 +150,15 @@ def test_build_actor_batch_rejects_an_empty_prompt() -> None:
     samples = [{"prompt_ids": [], "response_ids": [7, 8]}, {"prompt_ids": [1, 2, 3], "response_ids": [4]}]
     with pytest.raises(ValueError, match="empty prompt"):
         build_actor_batch(samples, torch.zeros(2), pad_id=0)
+
+
+def test_rank_map_scatters_by_data_parallel_rank_and_collects_once_per_rank() -> None:
+    ranks = RankMap(dp=2, tp=3)  # rank = dp_rank * tp + tp_rank
+    assert ranks.world_size == 6
+    assert ranks.scatter(["a", "b"]) == ["a", "a", "a", "b", "b", "b"]
+    assert ranks.collect([0, 1, 2, 3, 4, 5]) == [0, 3]  # tensor-parallel rank 0 of each data-parallel rank
+    assert RankMap(dp=2).scatter(["a", "b"]) == ["a", "b"] and RankMap(dp=2).collect([7, 8]) == [7, 8]
+    with pytest.raises(ValueError, match="3 shards for 2 data-parallel ranks"):
+        ranks.scatter(["a", "b", "c"])
+    with pytest.raises(ValueError, match="5 results for 6 actor ranks"):
+        ranks.collect([0, 1, 2, 3, 4])

@@ -22,14 +22,15 @@ import pytest
 import ray
 import torch
 
-from conftest import LOCAL, TINY_MODEL, read_metrics, run_config, without_time
+from conftest import Inspect, LOCAL, TINY_MODEL, read_metrics, run_config, without_time
 from rlrunner.checkpoint import layout
-from rlrunner.checkpoint.convert import load_model_weights
+from rlrunner.tools.convert import load_model_weights
 from rlrunner.checkpoint.handler import COMPLETE, scan_checkpoints
 from rlrunner.checkpoint.manifest import read_manifest
 from rlrunner.errors import CheckpointError, CheckpointSaveError
 from rlrunner.main_grpo import main
-from rlrunner.runner.grpo_runner import GRPORunner
+from rlrunner.runner.supervisor import Supervisor
+from rlrunner.runner.trainer import Trainer
 from rlrunner.storage import basename
 
 RUN = ["data.synthetic.num_problems=26", "runner.max_steps=8", "runner.save_interval=3", "rollout.max_new_tokens=2"]
@@ -47,18 +48,23 @@ class Reference:
         return self.experiment / "checkpoints" / f"global_step_{step}"
 
 
-def actor_rng_states(runner: GRPORunner) -> list[torch.Tensor]:
-    return ray.get([w.__ray_call__.remote(lambda self: torch.get_rng_state()) for w in runner.actor_group.workers])
+def actor_rng_states(trainer: Trainer) -> list[torch.Tensor]:
+    return ray.get([w.__ray_call__.remote(lambda self: torch.get_rng_state()) for w in trainer.actor_group.workers])
 
 
 def train_reference(output_dir: Path, cfg) -> Reference:
     """An uninterrupted run of `cfg` (experiment `test` under `output_dir`): its metrics, final weights and RNG states."""
-    with GRPORunner(cfg) as runner:
+    seen = {}
+
+    def start(trainer: Trainer) -> None:
         # a different RNG state on each rank, so a restore of "rank 0's copy everywhere" would show
-        ray.get([w.__ray_call__.remote(lambda self: torch.manual_seed(1000 + self.rank)) for w in runner.actor_group.workers])
-        runner.train()
-        weights = runner.policy_weights()
-        rng = actor_rng_states(runner)
+        ray.get([w.__ray_call__.remote(lambda self: torch.manual_seed(1000 + self.rank)) for w in trainer.actor_group.workers])
+
+    def end(trainer: Trainer) -> None:
+        seen["weights"], seen["rng"] = trainer.policy_weights(), actor_rng_states(trainer)
+
+    Supervisor(cfg, callbacks=[Inspect(start, end)]).run()
+    weights, rng = seen["weights"], seen["rng"]
     experiment = output_dir / "test"
     return Reference(output_dir, experiment, read_metrics(experiment / "metrics.jsonl"), weights, rng)
 
@@ -79,8 +85,8 @@ def reference(ray_session, tmp_path_factory) -> Reference:
     return train_reference(output_dir, run_config(output_dir, *RUN))
 
 
-def resume_run(tmp_path: Path, resume_dir: str | Path, *overrides: str) -> tuple[Path, GRPORunner]:
-    runner = GRPORunner(run_config(tmp_path, *RUN, f"runner.resume_dir={resume_dir}", *overrides))
+def resume_run(tmp_path: Path, resume_dir: str | Path, *overrides: str) -> tuple[Path, Supervisor]:
+    runner = Supervisor(run_config(tmp_path, *RUN, f"runner.resume_dir={resume_dir}", *overrides))
     runner.run()
     return tmp_path / "test", runner
 
@@ -115,9 +121,14 @@ def test_resume_is_bitwise_identical_to_the_uninterrupted_run(reference, tmp_pat
 
 def test_every_rank_gets_its_own_rng_state_back(reference, tmp_path):
     assert not torch.equal(reference.rng[0], reference.rng[1])
-    with GRPORunner(run_config(tmp_path, *RUN, f"runner.resume_dir={reference.checkpoint(8)}")) as runner:
-        restored = actor_rng_states(runner)
-        assert runner.global_step == 8
+    seen = {}
+
+    def start(trainer: Trainer) -> None:
+        seen["rng"], seen["step"] = actor_rng_states(trainer), trainer.global_step
+
+    Supervisor(run_config(tmp_path, *RUN, f"runner.resume_dir={reference.checkpoint(8)}"), callbacks=[Inspect(start)]).run()
+    restored = seen["rng"]
+    assert seen["step"] == 8
     assert all(torch.equal(a, b) for a, b in zip(restored, reference.rng))
 
 
@@ -245,13 +256,14 @@ def test_inspector_lists_and_verifies(reference, tmp_path, repo_root, subprocess
 @pytest.mark.parametrize("async_save", [True, False], ids=["background", "synchronous"])
 def test_a_failing_shard_write_commits_nothing(reference, tmp_path, async_save):
     """A shard write that the OS refuses (a file-size limit in the actor processes: EFBIG, as a full disk gives ENOSPC)."""
-    runner = GRPORunner(run_config(tmp_path, *RUN, "runner.save_interval=2", "runner.max_steps=4", f"runner.async_save={async_save}"))
-    with runner:
-        limit = lambda self: resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, resource.RLIM_INFINITY))  # noqa: E731
-        ray.get([w.__ray_call__.remote(limit) for w in runner.actor_group.workers])
-        with pytest.raises(CheckpointSaveError) as error:
-            runner.train()
-        assert runner.last_saved_step is None  # a save that never committed does not count
+    limit = lambda self: resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, resource.RLIM_INFINITY))  # noqa: E731
+    runner = Supervisor(
+        run_config(tmp_path, *RUN, "runner.save_interval=2", "runner.max_steps=4", f"runner.async_save={async_save}"),
+        callbacks=[Inspect(lambda trainer: ray.get([w.__ray_call__.remote(limit) for w in trainer.actor_group.workers]))],
+    )
+    with pytest.raises(CheckpointSaveError) as error:
+        runner.run()
+    assert runner.trainer.last_saved_step is None  # a save that never committed does not count
     message = str(error.value)
     assert message.startswith("saving global_step_2 failed: rank ") and "OSError: [Errno 27] File too large" in message
     assert message.endswith("there is no complete checkpoint yet") and "\n" not in message
@@ -294,7 +306,7 @@ def test_a_save_killed_halfway_is_skipped_by_auto(ray_session, tmp_path, subproc
 
     with caplog.at_level(logging.INFO, logger="rlrunner.checkpoint.handler"):
         cfg = run_config(tmp_path, *overrides, "runner.resume_dir=auto")
-        GRPORunner(cfg).run()
+        Supervisor(cfg).run()
     assert f"removing {staged.name}, left by a save or deletion that did not finish" in caplog.text
     if killed_step > 1:
         assert f"global_step_{killed_step - 1} (step {killed_step - 1}), the newest complete checkpoint" in caplog.text
@@ -322,17 +334,17 @@ def test_rolling_back_starts_a_branch_that_retention_and_auto_keep(reference, tm
     assert [r["step"] for r in records] == list(range(1, 9))
     # a later `auto` (a relaunch) resumes from the live branch, not the abandoned one
     _, runner = resume_run(tmp_path, "auto", "runner.max_ckpt_to_keep=1")
-    assert runner.global_step == 8 and read_manifest(LOCAL, str(root / "global_step_8"))["created_unix"] == new_created
+    assert runner.trainer.global_step == 8 and read_manifest(LOCAL, str(root / "global_step_8"))["created_unix"] == new_created
 
 
 def test_a_resumed_run_follows_its_own_lr_schedule(ray_session, tmp_path):
     """A cosine run of 4 steps, resumed at step 2 with runner.max_steps=8: the LR follows the 8-step schedule."""
-    from rlrunner.workers.optim import LRSchedule
+    from rlrunner.backends.optim import LRSchedule
 
     cosine = [*RUN, "actor.optim.lr_schedule=cosine", "runner.save_interval=2"]
-    GRPORunner(run_config(tmp_path, *cosine, "runner.max_steps=4")).run()
+    Supervisor(run_config(tmp_path, *cosine, "runner.max_steps=4")).run()
     checkpoint = tmp_path / "test" / "checkpoints" / "global_step_2"
-    GRPORunner(run_config(tmp_path / "longer", *cosine, "runner.max_steps=8", f"runner.resume_dir={checkpoint}")).run()
+    Supervisor(run_config(tmp_path / "longer", *cosine, "runner.max_steps=8", f"runner.resume_dir={checkpoint}")).run()
     lrs = {r["step"]: r["actor/lr"] for r in read_metrics(tmp_path / "longer" / "test" / "metrics.jsonl")}
     schedule = LRSchedule(0, 8, "cosine")  # one optimizer step per GRPO step here; actor/lr is the LR after the step
     assert list(lrs) == [3, 4, 5, 6, 7, 8]
@@ -342,7 +354,7 @@ def test_a_resumed_run_follows_its_own_lr_schedule(ray_session, tmp_path):
 
 def test_synchronous_saves_give_the_same_run_and_checkpoints(reference, tmp_path):
     """runner.async_save=false (the loop waits for each save) and the background default are the same run, bit for bit."""
-    GRPORunner(run_config(tmp_path, *RUN, "runner.async_save=false")).run()
+    Supervisor(run_config(tmp_path, *RUN, "runner.async_save=false")).run()
     experiment = tmp_path / "test"
     assert without_time(read_metrics(experiment / "metrics.jsonl")) == without_time(reference.metrics)
     for step in (3, 6, 8):

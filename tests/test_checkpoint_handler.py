@@ -452,7 +452,7 @@ def test_schedule_description_mentions_disabled_periodic_saves(tmp_path):
 def test_the_inspector_lists_and_verifies_checkpoints_on_a_store(s3_store, capsys):
     import json
 
-    from rlrunner.checkpoint.__main__ import main as checkpoint_cli
+    from rlrunner.tools.inspect import main as checkpoint_cli
 
     url, options = s3_store
     store = Store(open_storage(url, options), url + "/exp")

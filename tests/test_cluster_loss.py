@@ -22,9 +22,9 @@ import ray
 import torch
 
 from conftest import TINY_MODEL, read_metrics, run_config, without_time
-from rlrunner.checkpoint.convert import load_model_weights
+from rlrunner.tools.convert import load_model_weights
 from rlrunner.cluster.ray_setup import init_ray
-from rlrunner.runner.grpo_runner import GRPORunner
+from rlrunner.runner.supervisor import Supervisor
 
 STEPS = 8
 RUN = [
@@ -65,11 +65,11 @@ def test_the_embedded_ray_losing_its_node_is_restarted_in_job(tmp_path):
     import threading
 
     reference_dir = tmp_path / "reference"
-    GRPORunner(run_config(reference_dir, *RUN)).run(connect)
+    Supervisor(run_config(reference_dir, *RUN)).run(connect)
     ray.shutdown()
 
     out = tmp_path / "killed"
-    runner = GRPORunner(run_config(out, *RUN))
+    runner = Supervisor(run_config(out, *RUN))
     killed: list[int] = []
 
     def kill_raylet() -> None:
@@ -84,7 +84,7 @@ def test_the_embedded_ray_losing_its_node_is_restarted_in_job(tmp_path):
         raylet.wait()  # gone for good before its workers go (else the run may see a lost worker first)
         # Its workers exit once they notice their raylet is gone; kill them now, as the OOM killer taking the
         # node's processes would, so the run cannot finish its last steps before it notices (a race otherwise).
-        for group in (runner.actor_group, runner.rollout_group):
+        for group in runner.trainer.groups():
             for host in group.hosts:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(host["pid"], signal.SIGKILL)

@@ -24,10 +24,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import S3_BUCKET, TINY_MODEL_CFG
-from rlrunner.checkpoint.convert import load_model_weights
-from rlrunner.checkpoint.fsdp_dcp import checksumming_writer
+from rlrunner.tools.convert import load_model_weights
+from rlrunner.backends.fsdp.dcp_state import checksumming_writer
 from rlrunner.checkpoint.handler import root_cause
-from rlrunner.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeMetadataError, read_metadata
+from rlrunner.backends.fsdp.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeMetadataError, read_metadata
 from rlrunner.storage import FileRecord, join, open_storage
 
 WORLD = 2
@@ -48,7 +48,7 @@ def _build(seed: int):
     """A small FSDP2 model (33 rows: uneven shards), AdamW and the actor's LR schedule; same weights on every rank."""
     from torch.distributed.fsdp import fully_shard
 
-    from rlrunner.workers.optim import build_optimizer
+    from rlrunner.backends.optim import build_optimizer
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(32, 33), torch.nn.ReLU(), torch.nn.Linear(33, 16))
@@ -94,22 +94,23 @@ def _rank(rank: int, url: str, options: dict, out: str) -> None:
 def _rank_body(rank: int, url: str, options: dict, out: Path) -> None:
     import torch.distributed as dist
 
-    from rlrunner.checkpoint.fsdp_dcp import ShardSaver, fsdp_state, load_fsdp_state
+    from rlrunner.backends.background_save import BackgroundSave
+    from rlrunner.backends.fsdp.dcp_state import fsdp_state, load_fsdp_state, new_stager, start_dcp_save
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=TIMEOUT_S))
-    saver = ShardSaver(dist.new_group(backend="gloo"))
+    group, saver = dist.new_group(backend="gloo"), BackgroundSave()
     live = _build(seed=1)
     _train_step(*live, seed=10)
     results: dict = {"sync_saved": _tensors(*live, full=False), "sync_full": _tensors(*live, full=True)}
     results["rng_saved"] = torch.get_rng_state()
-    saver.start(join(url, "sync"), fsdp_state(*live, rank), background=False, storage_options=options)
+    start_dcp_save(saver, join(url, "sync"), fsdp_state(*live, rank), False, options, group, None)
     results["sync_files"] = saver.finish()["files"]
 
     _train_step(*live, seed=11)
     results["async_saved"] = _tensors(*live, full=False)
-    saver.start(join(url, "async"), fsdp_state(*live, rank), background=True, storage_options=options)
+    start_dcp_save(saver, join(url, "async"), fsdp_state(*live, rank), True, options, group, new_stager())
     _train_step(*live, seed=12)  # training goes on while the upload runs
     results["async_live_after"] = _tensors(*live, full=False)
     results["async_files"] = saver.finish()["files"]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlrunner.workers.distrib_optim import DistributedAdamW
+from rlrunner.backends.megatron.distrib_optim import DistributedAdamW
 
 SHAPES = {"col.weight": (6, 5), "col.bias": (6,), "row.weight": (3, 6), "norm.weight": (5,)}
 SPLIT_DIM = {"col.weight": 0, "col.bias": 0, "row.weight": 1}  # the rest is replicated

@@ -5,8 +5,9 @@ from __future__ import annotations
 import ray
 import torch
 
-from conftest import read_metrics, run_config, without_time
-from rlrunner.runner.grpo_runner import GRPORunner
+from conftest import Inspect, read_metrics, run_config, without_time
+from rlrunner.runner.supervisor import Supervisor
+from rlrunner.runner.trainer import Trainer
 
 REQUIRED_METRICS = {
     "step",
@@ -21,20 +22,26 @@ REQUIRED_METRICS = {
 }
 
 
-def rollout_weights(runner: GRPORunner) -> dict[str, torch.Tensor]:
-    worker = runner.rollout_group.workers[0]
-    return ray.get(worker.__ray_call__.remote(lambda self: {k: v.clone() for k, v in self.model.state_dict().items()}))
+def rollout_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    worker = trainer.rollout_group.workers[0]
+    return ray.get(worker.__ray_call__.remote(lambda self: {k: v.clone() for k, v in self.engine.model.state_dict().items()}))
 
 
 def test_training_changes_weights_syncs_rollout_and_logs_every_metric(ray_session, tmp_path):
     # Two new tokens: a random policy often emits a digit (a well-formed answer), so rewards vary from step 1.
     cfg = run_config(tmp_path, "actor.num_workers=2", "rollout.num_workers=1", "rollout.max_new_tokens=2")
-    with GRPORunner(cfg) as runner:
-        before = runner.policy_weights()
-        assert set(before) == set(rollout_weights(runner))
-        runner.train()
-        after = runner.policy_weights()
-        synced = rollout_weights(runner)
+    seen = {}
+
+    def start(trainer: Trainer) -> None:
+        seen["before"] = trainer.policy_weights()
+        seen["rollout_names"] = set(rollout_weights(trainer))
+
+    def end(trainer: Trainer) -> None:
+        seen["after"], seen["synced"] = trainer.policy_weights(), rollout_weights(trainer)
+
+    Supervisor(cfg, callbacks=[Inspect(start, end)]).run()
+    before, after, synced = seen["before"], seen["after"], seen["synced"]
+    assert set(before) == seen["rollout_names"]
     changed = [key for key in before if not torch.equal(before[key], after[key])]
     assert len(changed) == len(before), f"unchanged: {sorted(set(before) - set(changed))}"
     assert all(torch.equal(after[key], synced[key]) for key in after), "rollout weights differ from the actor's"
@@ -55,7 +62,7 @@ def test_metrics_are_bitwise_identical_with_one_or_two_rollout_workers(ray_sessi
         cfg = run_config(
             tmp_path / f"r{workers}", f"rollout.num_workers={workers}", "rollout.generation_batch_size=1", "rollout.max_new_tokens=2"
         )
-        GRPORunner(cfg).run()
+        Supervisor(cfg).run()
         runs.append(without_time(read_metrics(tmp_path / f"r{workers}" / "test" / "metrics.jsonl")))
     assert len(runs[0]) == 4
     assert runs[0] == runs[1]

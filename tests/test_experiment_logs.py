@@ -12,7 +12,7 @@ import boto3
 import pytest
 
 from rlrunner.runner.experiment_logs import ExperimentLogs
-from rlrunner.runner.metrics_logger import MetricsLogger
+from rlrunner.runner.metrics import MetricsLogger
 from rlrunner.runner.recovery import RecoveryLog
 from rlrunner.storage import join, open_storage
 

@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
-from rlrunner.checkpoint import lock as lock_module
-from rlrunner.checkpoint.lock import ExperimentLock, describe_holder
+from rlrunner.experiment import lease as lock_module
+from rlrunner.experiment.lock import ExperimentLock, describe_holder
 from rlrunner.errors import ExperimentLockedError
 from rlrunner.storage import open_storage
 
@@ -56,7 +56,7 @@ def acquire_when_free(lock: ExperimentLock, deadline_s: float = 15.0) -> tuple[f
 def spawn_holder(storage, experiment, env):
     """A separate process that takes the lock (stale_after_s=300) and sleeps."""
     code = (
-        "import sys, time, json; from rlrunner.storage import open_storage; from rlrunner.checkpoint.lock import ExperimentLock; "
+        "import sys, time, json; from rlrunner.storage import open_storage; from rlrunner.experiment.lock import ExperimentLock; "
         "s = open_storage(sys.argv[1], json.loads(sys.argv[2])); ExperimentLock(s, sys.argv[3], 1.0, 300.0).acquire(); "
         "print('locked', flush=True); time.sleep(120)"
     )
@@ -86,7 +86,7 @@ def test_a_second_run_on_the_same_experiment_is_refused(tmp_path):
 
 def test_a_killed_holder_does_not_leave_the_lock_stuck(tmp_path, subprocess_env):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from rlrunner.storage import open_storage; from rlrunner.checkpoint.lock import ExperimentLock; "
+        [sys.executable, "-c", "import sys, time; from rlrunner.storage import open_storage; from rlrunner.experiment.lock import ExperimentLock; "
          "ExperimentLock(open_storage(sys.argv[1]), sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(60)", str(tmp_path)],
         stdout=subprocess.PIPE, text=True, env=subprocess_env,
     )
@@ -178,7 +178,7 @@ def test_a_lease_whose_holder_stopped_beating_is_waited_for_not_refused(s3_store
     time.sleep(2 * FAST["heartbeat_s"] + 2.2)  # two beats missed by the store's clock, not yet stale
     newcomer = ExperimentLock(storage, experiment, **FAST)
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="rlrunner.checkpoint.lock"):
+    with caplog.at_level(logging.WARNING, logger="rlrunner.experiment.lock"):
         newcomer.acquire()  # one call: it waits, then takes the lease over
     assert time.monotonic() - started > 0.1
     assert "has missed its heartbeats: waiting" in caplog.text
@@ -300,7 +300,7 @@ def test_storage_errors_while_beating_lose_the_lease_only_after_stale_after_s(mo
         s3.delete_bucket(Bucket=bucket)
 
     holder = ExperimentLock(storage, experiment, heartbeat_s=0.25, stale_after_s=2.5)
-    with caplog.at_level(logging.WARNING, logger="rlrunner.checkpoint.lock"):
+    with caplog.at_level(logging.WARNING, logger="rlrunner.experiment.lock"):
         holder.acquire()
         drop_bucket()
         time.sleep(1.0)
@@ -323,7 +323,7 @@ def test_a_store_without_conditional_create_gets_a_best_effort_lock(monkeypatch,
     storage = open_storage(f"memory://rlrunner-lock-{uuid.uuid4().hex[:8]}")
     assert not storage.supports_exclusive_create and not storage.is_local
     experiment = storage.join(storage.url, "exp")
-    with caplog.at_level(logging.WARNING, logger="rlrunner.checkpoint.lock"):
+    with caplog.at_level(logging.WARNING, logger="rlrunner.experiment.lock"):
         with ExperimentLock(storage, experiment, **FAST) as first:
             with pytest.raises(ExperimentLockedError, match=f"pid {os.getpid()}"):
                 ExperimentLock(storage, experiment, **FAST).acquire()

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import LOCAL, read_metrics, run_config, without_time
-from rlrunner.checkpoint.convert import load_model_weights
+from conftest import Inspect, LOCAL, read_metrics, run_config, without_time
+from rlrunner.tools.convert import load_model_weights
 from rlrunner.checkpoint.handler import COMPLETE, scan_checkpoints
 from rlrunner.checkpoint.manifest import read_manifest
-from rlrunner.checkpoint.megatron_files import read_distrib_optim, read_rank_states, read_tracker
+from rlrunner.backends.megatron.files import read_distrib_optim, read_rank_states, read_tracker
 from rlrunner.errors import CheckpointError, ConfigError
-from rlrunner.models.megatron_layout import expected_megatron_keys, Qwen2Dims
-from rlrunner.runner.grpo_runner import GRPORunner
+from rlrunner.backends.megatron.layout import expected_megatron_keys, Qwen2Dims
+from rlrunner.runner.supervisor import Supervisor
 from test_checkpoint_e2e import RUN, Reference, actor_rng_states, assert_resumed_bitwise, train_reference  # the FSDP module's run and reference
 
 # two query groups, so that tp=2 splits them; megatron backend
@@ -41,8 +41,22 @@ def reference(ray_session, tmp_path_factory) -> Reference:
     return train_reference(out, megatron_config(out, 2, 2))
 
 
+def start_weights(cfg, step: int | None = None) -> dict[str, torch.Tensor]:
+    """The policy's weights once a run of `cfg` has started (restored, if it resumes from step `step`); the run then
+    trains to its `runner.max_steps`."""
+    seen = {}
+
+    def start(trainer) -> None:
+        seen["weights"], seen["step"] = trainer.policy_weights(), trainer.global_step
+
+    Supervisor(cfg, callbacks=[Inspect(start)]).run()
+    if step is not None:
+        assert seen["step"] == step
+    return seen["weights"]
+
+
 def resume(tmp_path: Path, resume_dir, tp: int = 2, workers: int = 2, *overrides: str) -> Path:
-    GRPORunner(megatron_config(tmp_path, tp, workers, f"runner.resume_dir={resume_dir}", *overrides)).run()
+    Supervisor(megatron_config(tmp_path, tp, workers, f"runner.resume_dir={resume_dir}", *overrides)).run()
     return tmp_path / "test"
 
 
@@ -115,7 +129,7 @@ def test_training_learns_and_the_converter_gives_the_live_policy(reference, tmp_
 
 def test_it_trains_like_the_fsdp_backend(reference, tmp_path):
     """The same model, data and seeds with FSDP (2 data-parallel ranks): the same run up to float reduction order."""
-    GRPORunner(run_config(tmp_path, *RUN, "model.override_config.num_key_value_heads=2", "runner.max_steps=4")).run()
+    Supervisor(run_config(tmp_path, *RUN, "model.override_config.num_key_value_heads=2", "runner.max_steps=4")).run()
     fsdp = read_metrics(tmp_path / "test" / "metrics.jsonl")
     assert fsdp[0]["rollout/reward_mean"] == reference.metrics[0]["rollout/reward_mean"]
     for got, want in zip(fsdp, reference.metrics[:4]):
@@ -130,8 +144,10 @@ def test_resume_mid_epoch_is_bitwise_identical_to_the_uninterrupted_run(referenc
 
 def test_every_rank_gets_its_own_rng_state_back(reference, tmp_path):
     assert not torch.equal(reference.rng[0], reference.rng[1])
-    with GRPORunner(megatron_config(tmp_path, 2, 2, f"runner.resume_dir={reference.checkpoint(8)}")) as runner:
-        restored = actor_rng_states(runner)
+    seen = {}
+    cfg = megatron_config(tmp_path, 2, 2, f"runner.resume_dir={reference.checkpoint(8)}")
+    Supervisor(cfg, callbacks=[Inspect(lambda trainer: seen.update(rng=actor_rng_states(trainer)))]).run()
+    restored = seen["rng"]
     assert all(torch.equal(a, b) for a, b in zip(restored, reference.rng))
 
 
@@ -139,9 +155,9 @@ def test_every_rank_gets_its_own_rng_state_back(reference, tmp_path):
 def test_a_tp2_checkpoint_loads_at_other_parallel_sizes_exactly(reference, tmp_path, caplog, tp, workers):
     """Resharding through the HF layout: the live weights after the load are the checkpoint's, bit for bit."""
     with caplog.at_level(logging.WARNING):
-        with GRPORunner(megatron_config(tmp_path, tp, workers, f"runner.resume_dir={reference.checkpoint(6)}")) as runner:
-            loaded = runner.policy_weights()
-            assert runner.global_step == 6
+        # runner.max_steps=6: nothing left to train, the run ends once started
+        loaded = start_weights(megatron_config(tmp_path, tp, workers, f"runner.resume_dir={reference.checkpoint(6)}",
+                                               "runner.max_steps=6"), step=6)
     saved = load_model_weights(reference.checkpoint(6))
     assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
     if workers != 2:
@@ -165,15 +181,14 @@ def test_resharding_tp2_to_tp1_and_back_goes_on_training_like_the_reference(refe
     final = load_model_weights(one / "checkpoints" / "global_step_8")
     assert all(torch.allclose(final[k], reference.weights[k], atol=1e-4) for k in final)
     # and the tp=1 checkpoint back at tp=2: loads exactly
-    with GRPORunner(megatron_config(tmp_path / "back", 2, 2, f"runner.resume_dir={one / 'checkpoints' / 'global_step_8'}")) as runner:
-        loaded = runner.policy_weights()
+    loaded = start_weights(megatron_config(tmp_path / "back", 2, 2, f"runner.resume_dir={one / 'checkpoints' / 'global_step_8'}"))
     assert all(torch.equal(loaded[k], final[k]) for k in final)
 
 
 def test_data_parallel_with_a_sharded_optimizer_matches_and_resumes_bitwise(reference, tmp_path):
     """dp=2 x tp=2: each data-parallel rank gets half the rows, metrics are counted once per data-parallel rank, the
     optimizer state is split over the data-parallel ranks and saved whole in distrib_optim.pt."""
-    GRPORunner(megatron_config(tmp_path / "full", 2, 4, "runner.max_steps=4", "runner.save_interval=2")).run()
+    Supervisor(megatron_config(tmp_path / "full", 2, 4, "runner.max_steps=4", "runner.save_interval=2")).run()
     full = read_metrics(tmp_path / "full" / "test" / "metrics.jsonl")
     assert [m["step"] for m in full] == [1, 2, 3, 4]
     assert full[0]["rollout/reward_mean"] == reference.metrics[0]["rollout/reward_mean"]
@@ -187,7 +202,7 @@ def test_data_parallel_with_a_sharded_optimizer_matches_and_resumes_bitwise(refe
     assert moments["data_parallel_size"] == 2
     assert all(t.shape == states[0]["model"][k].shape for k, t in moments["exp_avg"].items())
 
-    GRPORunner(megatron_config(tmp_path / "resumed", 2, 4, "runner.max_steps=4", "runner.save_interval=2",
+    Supervisor(megatron_config(tmp_path / "resumed", 2, 4, "runner.max_steps=4", "runner.save_interval=2",
                                f"runner.resume_dir={actor.parent}")).run()
     resumed = read_metrics(tmp_path / "resumed" / "test" / "metrics.jsonl")
     assert without_time(resumed) == without_time(full[2:])
@@ -204,14 +219,14 @@ def test_auto_skips_a_corrupt_shard_and_still_ends_bitwise(reference, tmp_path, 
     data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, another CRC-32
     shard.write_bytes(bytes(data))
     with caplog.at_level(logging.INFO, logger="rlrunner.checkpoint.handler"):
-        GRPORunner(megatron_config(tmp_path, 2, 2, "runner.resume_dir=auto")).run()
+        Supervisor(megatron_config(tmp_path, 2, 2, "runner.resume_dir=auto")).run()
     assert "skipping global_step_8: corrupt (actor/iter_0000008/mp_rank_01/model_optim_rng.pt: checksum" in caplog.text
     final = load_model_weights(copy / "checkpoints" / "global_step_8")
     assert all(torch.equal(final[k], reference.weights[k]) for k in final)
 
 
 def test_retention_keeps_the_newest_with_a_kl_reference_and_bfloat16_compute(ray_session, tmp_path):
-    GRPORunner(megatron_config(tmp_path, 2, 2, "runner.max_steps=4", "runner.save_interval=1", "runner.max_ckpt_to_keep=2",
+    Supervisor(megatron_config(tmp_path, 2, 2, "runner.max_steps=4", "runner.save_interval=1", "runner.max_ckpt_to_keep=2",
                                "algorithm.use_kl_loss=true", "actor.param_dtype=bfloat16")).run()
     root = tmp_path / "test" / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["global_step_3", "global_step_4"]
@@ -225,13 +240,11 @@ def test_retention_keeps_the_newest_with_a_kl_reference_and_bfloat16_compute(ray
 
 
 def test_a_checkpoint_of_the_other_backend_is_refused(reference, tmp_path):
-    from rlrunner.checkpoint.manager import FSDPCheckpointManager
-
-    runner = GRPORunner(run_config(tmp_path, *RUN, "model.override_config.num_key_value_heads=2"))
-    checkpoint = runner.handler.find_resume(str(reference.checkpoint(3)))
+    runner = Supervisor(run_config(tmp_path, *RUN, "model.override_config.num_key_value_heads=2"))
+    checkpoint = runner.ctx.handler.find_resume(str(reference.checkpoint(3)))
     # refused before any worker is asked to load (no actor group is needed to see it)
     with pytest.raises(CheckpointError, match="was written by the megatron-tp backend, this run uses fsdp2-dcp"):
-        runner.handler.load(checkpoint, FSDPCheckpointManager(None))
+        runner.ctx.handler.load(checkpoint, runner.ctx.checkpoint_manager(None))
 
 
 @pytest.mark.parametrize(
@@ -254,7 +267,7 @@ def test_a_model_that_does_not_split_is_refused_before_workers_start(tmp_path):
     # the test model has one query group: it cannot be split over two tensor-parallel ranks
     cfg = run_config(tmp_path, "actor.training_backend=megatron", "actor.tensor_model_parallel_size=2")
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=2: cannot split num_key_value_heads \(query groups\)=1"):
-        GRPORunner(cfg)
+        Supervisor(cfg)
 
 
 def test_a_run_on_s3_saves_and_resumes_from_the_store_bitwise(reference, s3_store, tmp_path):
@@ -263,14 +276,14 @@ def test_a_run_on_s3_saves_and_resumes_from_the_store_bitwise(reference, s3_stor
 
     url, options = s3_store
     remote = s3_overrides(url, options, tmp_path / "cache-a")
-    GRPORunner(megatron_config(tmp_path, 2, 2, *remote, "runner.max_steps=4", "runner.save_interval=2")).run()
+    Supervisor(megatron_config(tmp_path, 2, 2, *remote, "runner.max_steps=4", "runner.save_interval=2")).run()
     storage = open_storage(url, options)
     actor = f"{url}/test/checkpoints/global_step_4/actor"
     assert read_tracker(storage, actor) == 4
     assert storage.exists(f"{actor}/iter_0000004/mp_rank_01/distrib_optim.pt")
     # another machine (an empty log cache) resumes from the store and ends where the local run ended
     remote = s3_overrides(url, options, tmp_path / "cache-b")
-    GRPORunner(megatron_config(tmp_path, 2, 2, *remote, "runner.resume_dir=auto")).run()
+    Supervisor(megatron_config(tmp_path, 2, 2, *remote, "runner.resume_dir=auto")).run()
     metrics = [json.loads(line) for line in storage.read_bytes(f"{url}/test/metrics.jsonl").decode().splitlines()]
     assert without_time(metrics) == without_time(reference.metrics)
     final = load_model_weights(f"{url}/test/checkpoints/global_step_8", storage_options=options)
@@ -282,7 +295,7 @@ def test_a_run_on_s3_saves_and_resumes_from_the_store_bitwise(reference, s3_stor
 def test_a_run_starts_from_a_converted_megatron_folder(ray_session, tmp_path, repo_root, subprocess_env, backend):
     """model.path may point at convert_hf_to_megatron.py's output: the run starts from its weights exactly (the actor's
     shards and the rollout's copy are built from the merged weights)."""
-    from rlrunner.models.loading import check_model_path
+    from rlrunner.backends.registry import check_model_path
     from test_megatron_layout import TIED, _hf_folder
 
     hf_dir, hf_model = _hf_folder(tmp_path / "hf", TIED)  # tied embeddings: lm_head is the embedding
@@ -298,8 +311,7 @@ def test_a_run_starts_from_a_converted_megatron_folder(ray_session, tmp_path, re
                  "model.override_config.num_attention_heads=4", "model.override_config.num_key_value_heads=4"]
     if backend == "megatron":
         overrides.append("actor.tensor_model_parallel_size=2")
-    with GRPORunner(run_config(tmp_path / "run", *overrides)) as runner:
-        weights = runner.policy_weights()
+    weights = start_weights(run_config(tmp_path / "run", *overrides, "runner.max_steps=1"))
     expected = hf_model.state_dict()
     assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
 
@@ -311,7 +323,7 @@ def test_megatron_core_loads_a_trained_checkpoint_strictly(reference, tmp_path):
     import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
 
-    from rlrunner.models.megatron_layout import megatron_to_hf
+    from rlrunner.backends.megatron.layout import megatron_to_hf
     from test_megatron_layout import _free_port, _megatron_core_worker
 
     actor = tmp_path / "actor"

@@ -19,13 +19,14 @@ import torch
 import torch.nn.functional as F
 
 from conftest import TINY_MODEL_CFG
-from rlrunner.checkpoint import megatron_files as mf
+from rlrunner.backends.megatron import files as mf
 from rlrunner.models.loading import build_hf_config, build_model
-from rlrunner.models.megatron_layout import (
+from rlrunner.backends.megatron.layout import (
     Qwen2Dims,
     check_splittable,
     expected_megatron_keys,
     hf_to_megatron,
+    hf_blocks,
     hf_to_megatron_rank,
     iter_megatron_to_hf,
     megatron_to_hf,
@@ -33,6 +34,7 @@ from rlrunner.models.megatron_layout import (
 )
 from rlrunner.models.tokenizer import build_char_tokenizer
 from rlrunner.storage import open_storage
+from rlrunner.utils.rng import capture_rng, restore_rng
 
 REPO = Path(__file__).resolve().parent.parent
 # Two tiny Qwen2 shapes that split 1, 2 and 4 ways: grouped-query attention with an untied output layer, and
@@ -193,6 +195,29 @@ def test_round_trip_hf_to_tp_to_hf_is_bit_exact(models, shape, tp) -> None:
         assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_each_ranks_hf_blocks_assemble_into_the_merged_weights(models, shape, tp) -> None:
+    """What the weight sync sends from each tensor-parallel rank (its own slices, nothing gathered) tiles every HF
+    tensor exactly once and gives megatron_to_hf's weights, bit for bit (vocabulary padding never sent)."""
+    model = models[shape]
+    shards = hf_to_megatron(model.state_dict(), model.config, tp)
+    expected = megatron_to_hf(shards, model.config)
+    assembled = {name: torch.full_like(tensor, float("nan")) for name, tensor in expected.items()}
+    covered = {name: torch.zeros(tensor.shape, dtype=torch.int64) for name, tensor in expected.items()}
+    for rank, shard in enumerate(shards):
+        blocks = hf_blocks({k: v for k, v in shard.items() if v is not None}, model.config, tp, rank)
+        for name, shape_, dim, start, stop, block in blocks:
+            assert tuple(shape_) == tuple(expected[name].shape), name
+            assembled[name].narrow(dim, start, stop - start).copy_(block)
+            covered[name].narrow(dim, start, stop - start).add_(1)
+        names = [name for name, *_ in blocks]
+        assert ("model.norm.weight" in names) == (rank == 0)  # replicated tensors come from one rank
+    for name, tensor in expected.items():
+        assert bool((covered[name] == 1).all()), f"{name} is not covered exactly once"
+        assert torch.equal(assembled[name], tensor), name
+
+
 def test_streamed_merge_consumes_the_shards_and_its_meta_run_predicts_the_output(models) -> None:
     model = models["gqa"]
     shards = hf_to_megatron(model.state_dict(), model.config, 2)
@@ -322,7 +347,7 @@ def _rank_file_round_trip(storage, root, model) -> None:
     random.seed(7)
     np.random.seed(7)
     torch.manual_seed(7)
-    rng = [mf.capture_rng_state()]
+    rng = [mf.megatron_rng_entry(capture_rng())]
     draws = (random.random(), np.random.rand(), torch.rand(1))
     records = mf.write_rank_file(storage, root, 50, 1, shards[1], args, optimizer.state_dict(), scheduler, rng)
     name = "iter_0000050/mp_rank_01/model_optim_rng.pt"
@@ -338,7 +363,7 @@ def _rank_file_round_trip(storage, root, model) -> None:
         assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
         assert isinstance(state["rng_state"], list) and len(state["rng_state"]) == 1
         assert set(state["rng_state"][0]) >= {"random_rng_state", "np_rng_state", "torch_rng_state", "rng_tracker_states"}
-        mf.restore_rng_state(state["rng_state"][0])
+        restore_rng(mf.rng_from_megatron_entry(state["rng_state"][0]))
         assert (random.random(), np.random.rand(), torch.rand(1)) == draws
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from rlrunner.errors import ConfigError
-from rlrunner.models.loading import TokenIds, build_model, build_tokenizer, check_model_path, token_ids
+from rlrunner.models.loading import TokenIds, build_model, build_tokenizer, check_model_folder, token_ids
 from rlrunner.models.tokenizer import build_char_tokenizer
-from rlrunner.workers.optim import LRSchedule
+from rlrunner.backends.optim import LRSchedule
 from conftest import TINY_MODEL_CFG as TINY
 
 
@@ -57,69 +57,69 @@ def test_char_tokenizer_save_and_autotokenizer_reload(tmp_path: Path, tokenizer)
     assert len(reloaded) == len(tokenizer)
 
 
-# --- check_model_path --------------------------------------------------------------------------------
+# --- check_model_folder --------------------------------------------------------------------------------
 
 
-def test_check_model_path_accepts_saved_model(model_folder: Path) -> None:
-    check_model_path(str(model_folder))  # no error
+def test_check_model_folder_accepts_saved_model(model_folder: Path) -> None:
+    check_model_folder(str(model_folder))  # no error
 
 
-def test_check_model_path_missing(tmp_path: Path) -> None:
+def test_check_model_folder_missing(tmp_path: Path) -> None:
     missing = tmp_path / "absent"
     with pytest.raises(ConfigError, match=r"does not exist: .*absent"):
-        check_model_path(str(missing))
+        check_model_folder(str(missing))
 
 
-def test_check_model_path_file_not_dir(tmp_path: Path) -> None:
+def test_check_model_folder_file_not_dir(tmp_path: Path) -> None:
     path = tmp_path / "model.safetensors"
     path.write_bytes(b"x")
     with pytest.raises(ConfigError, match="not a directory"):
-        check_model_path(str(path))
+        check_model_folder(str(path))
 
 
-def test_check_model_path_no_config(tmp_path: Path, model_folder: Path) -> None:
+def test_check_model_folder_no_config(tmp_path: Path, model_folder: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes((model_folder / "model.safetensors").read_bytes())
     with pytest.raises(ConfigError, match="no config.json"):
-        check_model_path(str(tmp_path))
+        check_model_folder(str(tmp_path))
 
 
-def test_check_model_path_no_weights(tmp_path: Path, model_folder: Path, tokenizer) -> None:
+def test_check_model_folder_no_weights(tmp_path: Path, model_folder: Path, tokenizer) -> None:
     (tmp_path / "config.json").write_text((model_folder / "config.json").read_text())
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="no weights"):
-        check_model_path(str(tmp_path))
+        check_model_folder(str(tmp_path))
 
 
-def test_check_model_path_no_tokenizer(tmp_path: Path, tokenizer) -> None:
+def test_check_model_folder_no_tokenizer(tmp_path: Path, tokenizer) -> None:
     build_model(TINY, tokenizer, seed=0).save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="has no tokenizer"):
-        check_model_path(str(tmp_path))
+        check_model_folder(str(tmp_path))
 
 
-def test_check_model_path_tokenizer_config_alone_is_not_a_tokenizer(tmp_path: Path, tokenizer) -> None:
+def test_check_model_folder_tokenizer_config_alone_is_not_a_tokenizer(tmp_path: Path, tokenizer) -> None:
     build_model(TINY, tokenizer, seed=0).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     (tmp_path / "tokenizer.json").unlink()
     with pytest.raises(ConfigError, match="has no tokenizer"):
-        check_model_path(str(tmp_path))
+        check_model_folder(str(tmp_path))
 
 
-def test_check_model_path_unreadable_config(tmp_path: Path, model_folder: Path, tokenizer) -> None:
+def test_check_model_folder_unreadable_config(tmp_path: Path, model_folder: Path, tokenizer) -> None:
     (tmp_path / "config.json").write_text("{ not json")
     (tmp_path / "model.safetensors").write_bytes(b"x")
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="unreadable config.json"):
-        check_model_path(str(tmp_path))
+        check_model_folder(str(tmp_path))
 
 
-def test_check_model_path_not_a_causal_lm(tmp_path: Path, model_folder: Path, tokenizer) -> None:
+def test_check_model_folder_not_a_causal_lm(tmp_path: Path, model_folder: Path, tokenizer) -> None:
     config = json.loads((model_folder / "config.json").read_text())
     config["architectures"] = ["Qwen2ForSequenceClassification"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors").write_bytes(b"x")
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="not a causal language model"):
-        check_model_path(str(tmp_path))
+        check_model_folder(str(tmp_path))
 
 
 # --- build_model / tokenizer from a folder --------------------------------------------------------------
@@ -212,7 +212,7 @@ def test_lr_schedule_drives_lambda_lr() -> None:
 
 
 def test_a_restored_scheduler_keeps_this_run_s_schedule_from_its_first_step() -> None:
-    from rlrunner.workers.optim import apply_schedule, build_optimizer
+    from rlrunner.backends.optim import apply_schedule, build_optimizer
 
     def build(total_steps: int, param: torch.nn.Parameter):
         cfg = {"lr": 1.0, "betas": [0.9, 0.99], "weight_decay": 0.0, "warmup_steps": 0, "lr_schedule": "cosine", "min_lr_ratio": 0.0}

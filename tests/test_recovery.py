@@ -25,9 +25,9 @@ from ray import cloudpickle
 
 from conftest import LOCAL, TINY_MODEL, read_metrics, run_config, without_time
 from rlrunner.checkpoint import layout
-from rlrunner.checkpoint.convert import load_model_weights
+from rlrunner.tools.convert import load_model_weights
 from rlrunner.errors import RecoveryExhaustedError, StoppedEarly, WorkerError
-from rlrunner.runner.grpo_runner import GRPORunner
+from rlrunner.runner.supervisor import Supervisor
 from rlrunner.runner.stopping import StopRequest
 from rlrunner.storage import basename
 
@@ -68,7 +68,7 @@ class Reference:
 @pytest.fixture(scope="module")
 def reference(cluster, tmp_path_factory) -> Reference:
     out = tmp_path_factory.mktemp("reference")
-    GRPORunner(run_config(out, *RUN)).run()
+    Supervisor(run_config(out, *RUN)).run()
     return Reference(read_metrics(out / "test" / "metrics.jsonl"), load_model_weights(final_checkpoint(out)))
 
 
@@ -115,8 +115,8 @@ def kill(pid: int, sig: int = signal.SIGKILL) -> None:
 
 
 def test_actor_worker_killed_mid_step(cluster, reference, tmp_path):
-    runner = GRPORunner(run_config(tmp_path, *RUN))
-    once(lambda: metrics_lines(tmp_path) >= 4, lambda: kill(runner.actor_group.hosts[1]["pid"]))
+    runner = Supervisor(run_config(tmp_path, *RUN))
+    once(lambda: metrics_lines(tmp_path) >= 4, lambda: kill(runner.trainer.actor_group.hosts[1]["pid"]))
     runner.run()
     failures = recovery_events(tmp_path, "failure")
     assert len(failures) == 1 and failures[0]["restart"] == 1
@@ -127,18 +127,18 @@ def test_actor_worker_killed_mid_step(cluster, reference, tmp_path):
 
 
 def test_rollout_worker_killed_mid_step(cluster, reference, tmp_path):
-    runner = GRPORunner(run_config(tmp_path, *RUN))
-    once(lambda: metrics_lines(tmp_path) >= 5, lambda: kill(runner.rollout_group.hosts[0]["pid"]))
+    runner = Supervisor(run_config(tmp_path, *RUN))
+    once(lambda: metrics_lines(tmp_path) >= 5, lambda: kill(runner.trainer.rollout_group.hosts[0]["pid"]))
     runner.run()
     assert len(recovery_events(tmp_path, "failure")) == 1
     assert_matches_reference(tmp_path, reference)
 
 
 def test_worker_killed_mid_save(cluster, reference, tmp_path):
-    runner = GRPORunner(run_config(tmp_path, *RUN))
+    runner = Supervisor(run_config(tmp_path, *RUN))
     root = tmp_path / "test" / "checkpoints"
     staged = lambda: root.is_dir() and any(p.name.startswith(layout.STAGING_PREFIX) for p in root.iterdir())  # noqa: E731
-    once(staged, lambda: kill(runner.actor_group.hosts[0]["pid"]))
+    once(staged, lambda: kill(runner.trainer.actor_group.hosts[0]["pid"]))
     runner.run()
     failures = recovery_events(tmp_path, "failure")
     assert len(failures) == 1
@@ -146,8 +146,8 @@ def test_worker_killed_mid_save(cluster, reference, tmp_path):
 
 
 def test_hung_worker_is_detected_by_the_step_timeout(cluster, reference, tmp_path):
-    runner = GRPORunner(run_config(tmp_path, *RUN, "runner.recovery.step_timeout_s=6"))
-    once(lambda: metrics_lines(tmp_path) >= 4, lambda: kill(runner.rollout_group.hosts[0]["pid"], signal.SIGSTOP))
+    runner = Supervisor(run_config(tmp_path, *RUN, "runner.recovery.step_timeout_s=6"))
+    once(lambda: metrics_lines(tmp_path) >= 4, lambda: kill(runner.trainer.rollout_group.hosts[0]["pid"], signal.SIGSTOP))
     runner.run()
     failures = recovery_events(tmp_path, "failure")
     assert len(failures) == 1 and failures[0]["cause"].startswith("hang: the rollout group did not answer within 6s")
@@ -155,8 +155,8 @@ def test_hung_worker_is_detected_by_the_step_timeout(cluster, reference, tmp_pat
 
 
 def test_restarts_are_bounded(cluster, tmp_path):
-    runner = GRPORunner(run_config(tmp_path, *RUN, "runner.recovery.max_restarts=0"))
-    once(lambda: metrics_lines(tmp_path) >= 2, lambda: kill(runner.actor_group.hosts[0]["pid"]))
+    runner = Supervisor(run_config(tmp_path, *RUN, "runner.recovery.max_restarts=0"))
+    once(lambda: metrics_lines(tmp_path) >= 2, lambda: kill(runner.trainer.actor_group.hosts[0]["pid"]))
     with pytest.raises(RecoveryExhaustedError, match=r"giving up after 0 in-job restarts without a new checkpoint in between \(runner.recovery.max_restarts\); last failure: ") as error:
         runner.run()
     assert error.value.exit_code == 1  # one failure, not a repeated one: a relaunch may get past it
@@ -164,13 +164,13 @@ def test_restarts_are_bounded(cluster, tmp_path):
 
 def test_restarts_used_up_on_the_same_error_are_not_relaunched(cluster, tmp_path):
     """A rank dies at the same point every time (before anything new is saved): after the restarts, exit code 4."""
-    runner = GRPORunner(run_config(tmp_path, *RUN, "runner.recovery.max_restarts=1"))
+    runner = Supervisor(run_config(tmp_path, *RUN, "runner.recovery.max_restarts=1"))
     kills: list[int] = []
 
     def kill_actor_rank_0() -> None:
         deadline = time.monotonic() + 120
         while len(kills) < 2 and time.monotonic() < deadline:
-            group = runner.actor_group
+            group = runner.trainer.actor_group if runner.trainer is not None else None
             if group is not None and group.hosts and group.hosts[0]["pid"] not in kills and metrics_lines(tmp_path) >= 1:
                 kills.append(group.hosts[0]["pid"])
                 kill(kills[-1])
@@ -183,7 +183,7 @@ def test_restarts_used_up_on_the_same_error_are_not_relaunched(cluster, tmp_path
 
 
 def test_node_lost_and_replaced(cluster, reference, tmp_path):
-    runner = GRPORunner(run_config(tmp_path, *RUN))
+    runner = Supervisor(run_config(tmp_path, *RUN))
     errors: list[BaseException] = []
 
     def train() -> None:
@@ -236,7 +236,7 @@ def test_sigterm_writes_an_emergency_checkpoint_then_auto_resumes(cluster, refer
     assert (tmp_path / "test" / "checkpoints" / f"global_step_{stopped_at}" / "manifest.json").is_file()
     assert metrics_lines(tmp_path) == stopped_at  # the abandoned step (if any) was not logged
 
-    GRPORunner(run_config(tmp_path, *RUN, "runner.resume_dir=auto")).run()
+    Supervisor(run_config(tmp_path, *RUN, "runner.resume_dir=auto")).run()
     assert_matches_reference(tmp_path, reference)
 
 
@@ -245,7 +245,7 @@ def test_a_second_signal_exits_at_once(cluster, tmp_path, subprocess_env):
                               env=subprocess_env, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: metrics_lines(tmp_path) >= 4)
     # an actor rank stops answering, so the update in flight can never finish: only a second signal ends the run
-    actor_pids = [int(p) for p in subprocess.run(["pgrep", "-f", "ray::ActorWorker"], capture_output=True, text=True).stdout.split()]
+    actor_pids = [int(p) for p in subprocess.run(["pgrep", "-f", "ray::FSDPActorWorker"], capture_output=True, text=True).stdout.split()]
     for pid in actor_pids:
         os.kill(pid, signal.SIGSTOP)
     try:
@@ -292,7 +292,7 @@ def test_launch_script_does_not_retry_a_configuration_error(repo_root, subproces
 
 
 def test_stop_request_from_wall_time_saves_and_stops(cluster, tmp_path):
-    runner = GRPORunner(run_config(tmp_path, *RUN), StopRequest(max_wall_time_s=3600))
+    runner = Supervisor(run_config(tmp_path, *RUN), StopRequest(max_wall_time_s=3600))
     once(lambda: metrics_lines(tmp_path) >= 4, lambda: setattr(runner.stop, "max_wall_time_s", 0.0))
     with pytest.raises(StoppedEarly, match=r"runner.max_wall_time_s=0 reached at step \d+; saved global_step_\d+"):
         runner.run()
@@ -311,6 +311,16 @@ def patch_worker_module(worker, module: str, name: str, make_replacement) -> Non
     ray.get(worker.__ray_call__.remote(patch))
 
 
+def patch_worker_attribute(worker, name: str, make_replacement) -> None:
+    """Replace an attribute of one worker object (e.g. the rollout worker's reward function)."""
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
+
+    def patch(self) -> None:
+        setattr(self, name, make_replacement(getattr(self, name)))
+
+    ray.get(worker.__ray_call__.remote(patch))
+
+
 def raising(original):
     def boom(*args, **kwargs):
         raise RuntimeError("boom from worker code")
@@ -319,10 +329,10 @@ def raising(original):
 
 
 def test_an_exception_in_worker_code_during_a_collective_ends_the_run_without_retries(cluster, tmp_path):
-    runner = GRPORunner(run_config(tmp_path, *RUN))
+    runner = Supervisor(run_config(tmp_path, *RUN))
     # rank 1 raises in its loss after the forward's all-gathers; rank 0 then waits in the backward's reduce-scatter
     once(lambda: metrics_lines(tmp_path) >= 2,
-         lambda: patch_worker_module(runner.actor_group.workers[1], "rlrunner.workers.actor", "clipped_policy_loss", raising))
+         lambda: patch_worker_module(runner.trainer.actor_group.workers[1], "rlrunner.backends.actor", "clipped_policy_loss", raising))
     started = time.monotonic()
     with pytest.raises(WorkerError) as error:
         runner.run()
@@ -333,9 +343,9 @@ def test_an_exception_in_worker_code_during_a_collective_ends_the_run_without_re
 
 
 def test_a_reward_function_that_raises_ends_the_run_at_once(cluster, tmp_path):
-    runner = GRPORunner(run_config(tmp_path, *RUN))
+    runner = Supervisor(run_config(tmp_path, *RUN))
     once(lambda: metrics_lines(tmp_path) >= 2,
-         lambda: patch_worker_module(runner.rollout_group.workers[0], "rlrunner.workers.rollout", "generate", raising))
+         lambda: patch_worker_attribute(runner.trainer.rollout_group.workers[0], "reward_fn", raising))
     with pytest.raises(WorkerError, match=r"^rollout rank 0: RuntimeError: boom from worker code"):
         runner.run()
     assert recovery_events(tmp_path, "failure") == []
@@ -351,10 +361,10 @@ def test_a_save_slower_than_a_step_bound_is_not_a_hang(cluster, tmp_path):
 
         return save
 
-    runner = GRPORunner(run_config(tmp_path, *RUN, "runner.max_steps=4", "runner.save_interval=2",
+    runner = Supervisor(run_config(tmp_path, *RUN, "runner.max_steps=4", "runner.save_interval=2",
                                    "runner.recovery.step_timeout_s=3", "runner.recovery.checkpoint_timeout_s=60"))
-    once(lambda: runner.actor_group is not None and len(runner.actor_group.hosts) == 2,
-         lambda: [patch_worker_module(w, "rlrunner.workers.actor", "fsdp_state", slow) for w in runner.actor_group.workers])
+    once(lambda: runner.trainer is not None and runner.trainer.actor_group is not None and len(runner.trainer.actor_group.hosts) == 2,
+         lambda: [patch_worker_module(w, "rlrunner.backends.fsdp.worker", "fsdp_state", slow) for w in runner.trainer.actor_group.workers])
     runner.run()
     assert recovery_events(tmp_path, "failure") == []
     blocked = {m["step"]: m["time/save_s"] for m in read_metrics(tmp_path / "test" / "metrics.jsonl") if "time/save_s" in m}
@@ -370,13 +380,13 @@ MEGATRON = ["model.override_config.num_key_value_heads=2", "actor.training_backe
 @pytest.fixture(scope="module")
 def megatron_reference(cluster, tmp_path_factory) -> Reference:
     out = tmp_path_factory.mktemp("megatron_reference")
-    GRPORunner(run_config(out, *RUN, *MEGATRON)).run()
+    Supervisor(run_config(out, *RUN, *MEGATRON)).run()
     return Reference(read_metrics(out / "test" / "metrics.jsonl"), load_model_weights(final_checkpoint(out)))
 
 
 def test_megatron_tensor_parallel_rank_killed_mid_step(cluster, megatron_reference, tmp_path):
-    runner = GRPORunner(run_config(tmp_path, *RUN, *MEGATRON))
-    once(lambda: metrics_lines(tmp_path) >= 4, lambda: kill(runner.actor_group.hosts[1]["pid"]))
+    runner = Supervisor(run_config(tmp_path, *RUN, *MEGATRON))
+    once(lambda: metrics_lines(tmp_path) >= 4, lambda: kill(runner.trainer.actor_group.hosts[1]["pid"]))
     runner.run()
     failures = recovery_events(tmp_path, "failure")
     assert len(failures) == 1 and failures[0]["lost_steps"] <= 3
@@ -394,5 +404,5 @@ def test_megatron_sigterm_writes_an_emergency_checkpoint_then_auto_resumes(clust
     stopped_at = int(err.strip().splitlines()[-1].split("at step ")[1].split(";")[0])
     actor = tmp_path / "test" / "checkpoints" / f"global_step_{stopped_at}" / "actor"
     assert (actor / "latest_checkpointed_iteration.txt").read_text() == str(stopped_at)
-    GRPORunner(run_config(tmp_path, *RUN, *MEGATRON, "runner.resume_dir=auto")).run()
+    Supervisor(run_config(tmp_path, *RUN, *MEGATRON, "runner.resume_dir=auto")).run()
     assert_matches_reference(tmp_path, megatron_reference)

@@ -19,7 +19,8 @@ from rlrunner.errors import (
     exception_chain,
     is_storage_full_or_forbidden,
 )
-from rlrunner.runner.recovery import RestartBudget, describe, failure_cause, same_failure
+from rlrunner.errors import describe
+from rlrunner.runner.recovery import RestartBudget, failure_cause, same_failure
 from rlrunner.runner.stopping import DUPLICATE_WINDOW_S, StopRequest
 
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_MODEL, read_metrics, run_config, without_time
-from rlrunner.checkpoint.convert import load_model_weights
+from conftest import Inspect, TINY_MODEL, read_metrics, run_config, without_time
+from rlrunner.tools.convert import load_model_weights
 from rlrunner.checkpoint.handler import COMPLETE, scan_checkpoints
-from rlrunner.runner.grpo_runner import GRPORunner
+from rlrunner.runner.supervisor import Supervisor
 from rlrunner.storage import open_storage
 
 STEPS = 6
@@ -54,7 +54,7 @@ def complete_steps(storage, url: str) -> list[int]:
 @pytest.fixture(scope="module")
 def local_reference(ray_session, tmp_path_factory):
     out = tmp_path_factory.mktemp("local")
-    GRPORunner(run_config(out, *RUN, "runner.max_steps=8")).run()
+    Supervisor(run_config(out, *RUN, "runner.max_steps=8")).run()
     checkpoints = out / "test" / "checkpoints"
     return {
         "metrics": read_metrics(out / "test" / "metrics.jsonl"),
@@ -70,7 +70,7 @@ def assert_same_weights(got: dict, expected: dict) -> None:
 def test_a_run_on_s3_saves_resumes_from_a_fresh_machine_and_keeps_retention(ray_session, local_reference, s3_store, tmp_path):
     url, options = s3_store
     storage = open_storage(url, options)
-    GRPORunner(run_config(tmp_path, *RUN, *s3_overrides(url, options, tmp_path / "cache-a"), "runner.max_ckpt_to_keep=2")).run()
+    Supervisor(run_config(tmp_path, *RUN, *s3_overrides(url, options, tmp_path / "cache-a"), "runner.max_ckpt_to_keep=2")).run()
     assert not (tmp_path / "test").exists()  # nothing of the experiment on the local disk but the log cache
     assert complete_steps(storage, url) == [6, 4]
     metrics = remote_metrics(storage, url)
@@ -78,7 +78,7 @@ def test_a_run_on_s3_saves_resumes_from_a_fresh_machine_and_keeps_retention(ray_
     assert_same_weights(load_model_weights(f"{url}/test/checkpoints/global_step_6", storage_options=options), local_reference["weights"][6])
 
     # Another machine (an empty log cache) resumes from the store with `auto` and runs on to step 8.
-    GRPORunner(run_config(tmp_path, *RUN, *s3_overrides(url, options, tmp_path / "cache-b"), "runner.max_ckpt_to_keep=2",
+    Supervisor(run_config(tmp_path, *RUN, *s3_overrides(url, options, tmp_path / "cache-b"), "runner.max_ckpt_to_keep=2",
                           "runner.max_steps=8", "runner.resume_dir=auto")).run()
     assert complete_steps(storage, url) == [8, 6]  # retention counted the first run's checkpoints too
     metrics = remote_metrics(storage, url)
@@ -115,7 +115,7 @@ def test_a_save_killed_halfway_on_s3_is_skipped_by_auto(ray_session, local_refer
     assert "manifest.json" not in storage.list(f"{root}/{unfinished}")
     assert complete_steps(storage, url)[0] == killed_step - 1
 
-    GRPORunner(run_config(tmp_path, *RUN, *s3_overrides(url, options, tmp_path / "cache"), "runner.save_interval=1",
+    Supervisor(run_config(tmp_path, *RUN, *s3_overrides(url, options, tmp_path / "cache"), "runner.save_interval=1",
                           "runner.resume_dir=auto")).run()
     assert complete_steps(storage, url) == list(range(STEPS, 0, -1))
     assert without_time(remote_metrics(storage, url)) == without_time(local_reference["metrics"][:STEPS])
@@ -125,16 +125,17 @@ def test_a_save_killed_halfway_on_s3_is_skipped_by_auto(ray_session, local_refer
 def test_a_worker_killed_mid_run_recovers_from_the_store(ray_session, local_reference, s3_store, tmp_path):
     url, options = s3_store
     storage = open_storage(url, options)
-    runner = GRPORunner(run_config(tmp_path, *RUN, *s3_overrides(url, options, tmp_path / "cache"),
+    runner = Supervisor(run_config(tmp_path, *RUN, *s3_overrides(url, options, tmp_path / "cache"),
                                    "runner.recovery.step_timeout_s=30", "runner.recovery.wait_timeout_s=60"))
     killed: list[int] = []
 
     def kill_an_actor_rank() -> None:  # once step 3 is logged (global_step_2 is on the store)
         deadline = time.monotonic() + 120
-        log = Path(runner.log_path) / "metrics.jsonl"
+        log = Path(runner.ctx.log_path) / "metrics.jsonl"
         while time.monotonic() < deadline:
-            if log.exists() and len(log.read_text().splitlines()) >= 3 and runner.actor_group is not None:
-                killed.append(runner.actor_group.hosts[1]["pid"])
+            trainer = runner.trainer
+            if log.exists() and len(log.read_text().splitlines()) >= 3 and trainer is not None and trainer.actor_group is not None:
+                killed.append(trainer.actor_group.hosts[1]["pid"])
                 os.kill(killed[0], signal.SIGKILL)
                 return
             time.sleep(0.005)
@@ -151,12 +152,17 @@ def test_a_worker_killed_mid_run_recovers_from_the_store(ray_session, local_refe
 def test_a_checkpoint_of_two_actor_ranks_on_s3_resumes_with_one(ray_session, local_reference, s3_store, tmp_path):
     url, options = s3_store
     storage = open_storage(url, options)
-    GRPORunner(run_config(tmp_path, *RUN, *s3_overrides(url, options, tmp_path / "cache"), "runner.max_steps=4")).run()
-    runner = GRPORunner(run_config(tmp_path, *RUN, *s3_overrides(url, options, tmp_path / "cache"), "actor.num_workers=1",
-                                   "runner.resume_dir=auto", "runner.max_steps=5"))
-    with runner:
-        assert runner.global_step == 4
-        restored = runner.policy_weights()
+    Supervisor(run_config(tmp_path, *RUN, *s3_overrides(url, options, tmp_path / "cache"), "runner.max_steps=4")).run()
+    seen = {}
+
+    def start(trainer) -> None:
+        seen["step"], seen["weights"] = trainer.global_step, trainer.policy_weights()
+
+    # runner.max_steps=4: nothing left to train, the run ends once started
+    Supervisor(run_config(tmp_path, *RUN, *s3_overrides(url, options, tmp_path / "cache"), "actor.num_workers=1",
+                          "runner.resume_dir=auto", "runner.max_steps=4"), callbacks=[Inspect(start)]).run()
+    assert seen["step"] == 4
+    restored = seen["weights"]
     saved = load_model_weights(f"{url}/test/checkpoints/global_step_4", storage_options=options)
     assert_same_weights({k: restored[k] for k in saved}, saved)
     assert complete_steps(storage, url) == [4, 2]

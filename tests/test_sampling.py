@@ -5,7 +5,7 @@ import torch
 
 from rlrunner.models.loading import build_model
 from rlrunner.models.tokenizer import build_char_tokenizer
-from rlrunner.workers.sampling import generate, sample_tokens
+from rlrunner.rollout.sampling import generate, sample_tokens
 from conftest import TINY_MODEL_CFG as TINY
 
 # --- sample_tokens ------------------------------------------------------------------

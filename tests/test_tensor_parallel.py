@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from rlrunner.models.megatron_layout import hf_to_megatron_rank
-from rlrunner.models.tensor_parallel import TPQwen2ForCausalLM
+from rlrunner.backends.megatron.layout import hf_to_megatron_rank
+from rlrunner.backends.megatron.model import TPQwen2ForCausalLM
 from test_megatron_layout import SHAPES, _build, _free_port
 
 # left padding on the first row: its padding queries see no key at all (HF and we must agree there too)

@@ -11,17 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlrunner.workers.weight_sync import (
+from rlrunner.backends.fsdp.weights import FSDPWeightSource, local_block
+from rlrunner.rollout.hf import ModuleSink
+from rlrunner.weight_sync.plan import (
+    Assembler,
     Piece,
     TensorSpec,
     WeightSyncError,
     check_coverage,
-    flat_targets,
     pack_bucket,
     plan_buckets,
     shard_rows,
-    tensor_layout,
-    unpack_bucket,
 )
 
 
@@ -55,15 +55,15 @@ def test_shard_rows_is_torch_chunk_with_empty_shards():
 
 def test_plan_buckets_boundaries_alignment_and_oversized_pieces():
     f32, bf16 = torch.float32, torch.bfloat16
-    pieces = [Piece("a", (3,), 0, 3, bf16), Piece("b", (10,), 0, 10, f32), Piece("c", (2,), 1, 2, bf16)]
+    pieces = [Piece("a", (3,), 0, 0, 3, bf16), Piece("b", (10,), 0, 0, 10, f32), Piece("c", (2,), 0, 1, 2, bf16)]
     buckets = plan_buckets(pieces, 16)
     # a: 6 bytes at 0; b starts at 8 (4-byte aligned): 2 elements fit, then 4 + 4 in the next buckets; c after them.
-    layout = [[(s.name, s.start, s.stop, s.offset) for s in b.segments] for b in buckets]
+    layout = [[(s.piece, s.start, s.stop, s.offset) for s in b.segments] for b in buckets]
     assert layout == [
-        [("a", 0, 3, 0), ("b", 0, 2, 8)],
-        [("b", 2, 6, 0)],
-        [("b", 6, 10, 0)],
-        [("c", 1, 2, 0)],
+        [(0, 0, 3, 0), (1, 0, 2, 8)],
+        [(1, 2, 6, 0)],
+        [(1, 6, 10, 0)],
+        [(2, 0, 1, 0)],
     ]
     assert [b.nbytes for b in buckets] == [16, 16, 16, 2]
     assert all(b.nbytes <= 16 for b in buckets)
@@ -71,77 +71,123 @@ def test_plan_buckets_boundaries_alignment_and_oversized_pieces():
     assert len(plan_buckets(pieces, 1 << 20)) == 1
     assert plan_buckets([], 16) == []
     with pytest.raises(ValueError, match="smaller than one"):
-        plan_buckets([Piece("b", (1,), 0, 1, f32)], 3)
+        plan_buckets([Piece("b", (1,), 0, 0, 1, f32)], 3)
 
 
-def test_pack_unpack_uneven_empty_shards_cast_like_load_state_dict():
-    """Full tensors split over 3 'ranks' by rows (4 rows -> 2, 2, 0), sent in tiny buckets, land bit-exact."""
+class DictSink:
+    """A sink that assembles into tensors of its own and records what it was handed, in order."""
+
+    def __init__(self, layout: list[TensorSpec], in_place: bool):
+        self.specs = layout
+        self.tensors = {spec.name: torch.zeros(spec.shape, dtype=spec.dtype) for spec in layout}
+        self.in_place = in_place
+        self.loaded: list[str] = []
+        self.finished = 0
+
+    def layout(self) -> list[TensorSpec]:
+        return self.specs
+
+    def target(self, spec: TensorSpec) -> torch.Tensor:
+        return self.tensors[spec.name] if self.in_place else torch.full(spec.shape, 7, dtype=spec.dtype)
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        self.loaded.append(name)
+        if not self.in_place:
+            self.tensors[name] = tensor.clone()
+
+    def finish(self) -> None:
+        self.finished += 1
+
+
+def test_pack_unpack_row_and_column_blocks_uneven_and_empty_cast_like_load_state_dict():
+    """Full tensors split over 3 'ranks' by rows (4 rows -> 2, 2, 0) or by columns (a tensor-parallel row-parallel
+    weight), sent in tiny buckets, land bit-exact, whether the sink offers its own tensors or takes new ones."""
     gen = torch.Generator().manual_seed(0)
     full = {
-        "w": torch.randn(4, 3, generator=gen),       # 2, 2, 0 rows
-        "e": torch.randn(7, 5, generator=gen) * 100,  # 3, 3, 1
-        "one": torch.randn(1, 6, generator=gen),     # 1, 0, 0
+        "w": torch.randn(4, 3, generator=gen),       # rows 2, 2, 0
+        "e": torch.randn(7, 5, generator=gen) * 100,  # rows 3, 3, 1
+        "cols": torch.randn(5, 6, generator=gen),    # columns 2, 2, 2 (dim 1: not one run of elements)
+        "one": torch.randn(1, 6, generator=gen),     # rows 1, 0, 0
         "ties": torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130, float("inf"), -0.0]),
         "steps": torch.tensor([3, 4, 5]),             # an int64 buffer, sent by rank 0 as is
     }
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        rollout = {n: torch.zeros_like(t, dtype=dtype if t.is_floating_point() else t.dtype) for n, t in full.items()}
-        layout = tensor_layout(rollout)
-        pieces_by_rank = []
+        layout = [TensorSpec(n, tuple(t.shape), dtype if t.is_floating_point() else t.dtype) for n, t in full.items()]
+        pieces_by_rank, blocks_by_rank = [], []
         for rank in range(3):
-            pieces, sources = [], {}
+            pieces, blocks = [], []
             for spec in layout:
                 tensor = full[spec.name]
-                if tensor.dim() >= 2:
-                    start, stop = shard_rows(tensor.shape[0], 3, rank)
-                    row = tensor[0].numel()
-                    local = tensor[start:stop].reshape(-1)
-                    start, stop = start * row, stop * row
+                if spec.name == "cols":
+                    dim, (start, stop) = 1, (2 * rank, 2 * rank + 2)
+                elif tensor.dim() >= 2:
+                    dim, (start, stop) = 0, shard_rows(tensor.shape[0], 3, rank)
                 elif rank == 0:
-                    start, stop, local = 0, tensor.numel(), tensor.reshape(-1)
+                    dim, start, stop = 0, 0, tensor.shape[0]
                 else:
                     continue
                 if stop > start:
-                    pieces.append(Piece(spec.name, spec.shape, start, stop, spec.dtype))
-                    sources[spec.name] = (start, local)
-            pieces_by_rank.append((pieces, sources))
-        check_coverage(layout, [p for p, _ in pieces_by_rank])
-        targets = flat_targets(rollout, layout)
-        for pieces, sources in pieces_by_rank:
-            for bucket in plan_buckets(pieces, 10):  # smaller than several pieces: they split across buckets
-                buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
-                pack_bucket(bucket, sources, buffer)
-                unpack_bucket(bucket, buffer.clone(), targets)
+                    pieces.append(Piece(spec.name, spec.shape, dim, start, stop, spec.dtype))
+                    blocks.append(tensor.narrow(dim, start, stop - start).reshape(-1))
+            pieces_by_rank.append(pieces)
+            blocks_by_rank.append(blocks)
+        check_coverage(layout, pieces_by_rank)
         expected = {n: t.to(dtype) if t.is_floating_point() else t for n, t in full.items()}
-        assert_bit_equal(rollout, expected)
+        for in_place in (True, False):
+            sink = DictSink(layout, in_place)
+            assembler = Assembler(layout, pieces_by_rank, sink)
+            for rank, (pieces, blocks) in enumerate(zip(pieces_by_rank, blocks_by_rank)):
+                for bucket in plan_buckets(pieces, 10):  # smaller than several pieces: they split across buckets
+                    buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
+                    pack_bucket(bucket, blocks, buffer)
+                    assembler.unpack(rank, bucket, buffer.clone())
+            assembler.finish()
+            assert_bit_equal(sink.tensors, expected)
+            assert sorted(sink.loaded) == sorted(full) and sink.finished == 1  # each tensor handed over once, whole
         # the same bits as the old path: load_state_dict of the float32 tensors into tensors of `dtype`
         module = torch.nn.Module()
-        for name, tensor in rollout.items():
+        for name, tensor in expected.items():
             module.register_buffer(name, torch.zeros_like(tensor))
         module.load_state_dict(full)
         assert_bit_equal(dict(module.state_dict()), expected)
-    assert rollout["ties"].to(torch.bfloat16)[0] == 1.0  # a tie rounds to even
+    assert expected["ties"].to(torch.bfloat16)[0] == 1.0  # a tie rounds to even
+
+
+def test_an_incomplete_sync_is_an_error_not_a_partial_load():
+    layout = [TensorSpec("a", (2, 2), torch.float32)]
+    pieces = [[Piece("a", (2, 2), 0, 0, 2, torch.float32)]]
+    sink = DictSink(layout, in_place=False)
+    assembler = Assembler(layout, pieces, sink)
+    bucket = plan_buckets(pieces[0], 8)[0]  # the first half only
+    buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
+    pack_bucket(bucket, [torch.ones(4)], buffer)
+    assembler.unpack(0, bucket, buffer)
+    with pytest.raises(WeightSyncError, match="incomplete"):
+        assembler.finish()
+    assert sink.loaded == [] and sink.finished == 0
 
 
 def test_coverage_and_layout_checks():
     f32 = torch.float32
     layout = [TensorSpec("a", (2, 2), f32), TensorSpec("b", (3,), f32)]
-    good = [[Piece("a", (2, 2), 0, 2, f32), Piece("b", (3,), 0, 3, f32)], [Piece("a", (2, 2), 2, 4, f32)]]
+    good = [[Piece("a", (2, 2), 0, 0, 1, f32), Piece("b", (3,), 0, 0, 3, f32)], [Piece("a", (2, 2), 0, 1, 2, f32)]]
     check_coverage(layout, good)
+    check_coverage(layout, [[Piece("a", (2, 2), 1, 0, 1, f32), Piece("b", (3,), 0, 0, 3, f32)], [Piece("a", (2, 2), 1, 1, 2, f32)]])
     with pytest.raises(WeightSyncError, match="do not tile"):
-        check_coverage(layout, [[Piece("a", (2, 2), 0, 3, f32), Piece("b", (3,), 0, 3, f32)], [Piece("a", (2, 2), 2, 4, f32)]])
-    with pytest.raises(WeightSyncError, match="send 2 of its 4"):
+        check_coverage(layout, [[Piece("a", (2, 2), 0, 0, 2, f32), Piece("b", (3,), 0, 0, 3, f32)], [Piece("a", (2, 2), 0, 1, 2, f32)]])
+    with pytest.raises(WeightSyncError, match="send 1 of its 2 rows"):
         check_coverage(layout, [good[0]])
     with pytest.raises(WeightSyncError, match="rollout model has"):
-        check_coverage(layout, [[Piece("a", (2, 2), 0, 4, torch.bfloat16), Piece("b", (3,), 0, 3, f32)]])
+        check_coverage(layout, [[Piece("a", (2, 2), 0, 0, 2, torch.bfloat16), Piece("b", (3,), 0, 0, 3, f32)]])
     with pytest.raises(WeightSyncError, match="does not have"):
-        check_coverage(layout, [[*good[0], Piece("c", (1,), 0, 1, f32)], good[1]])
-    # tied weights are one tensor with an alias
-    linear = torch.nn.Linear(2, 2)
-    tied = torch.nn.ModuleDict({"emb": torch.nn.Embedding(2, 2), "head": linear})
+        check_coverage(layout, [[*good[0], Piece("c", (1,), 0, 0, 1, f32)], good[1]])
+    with pytest.raises(WeightSyncError, match="different dimensions"):
+        check_coverage(layout, [[Piece("a", (2, 2), 0, 0, 1, f32), Piece("b", (3,), 0, 0, 3, f32)], [Piece("a", (2, 2), 1, 1, 2, f32)]])
+    # tied weights are one tensor, wanted once under its first name
+    tied = torch.nn.ModuleDict({"emb": torch.nn.Embedding(2, 2), "head": torch.nn.Linear(2, 2)})
     tied["head"].weight = tied["emb"].weight
-    specs = tensor_layout(tied.state_dict(keep_vars=True))
-    assert [(s.name, s.aliases) for s in specs] == [("emb.weight", ("head.weight",)), ("head.bias", ())]
+    assert [spec.name for spec in ModuleSink(tied).layout()] == ["emb.weight", "head.bias"]
+    assert [block.name for block in FSDPWeightSource(tied).blocks()] == ["emb.weight", "head.bias"]
 
 
 # -- one process, members in threads: protocol checks and bounded waits --------------------------------
@@ -163,38 +209,40 @@ def _in_threads(*calls):
 
 
 def test_join_without_peers_times_out():
-    from rlrunner.workers.weight_sync import ActorSync, connect_store, serve_store
+    from rlrunner.weight_sync.channels import connect_store, serve_store
+    from rlrunner.weight_sync.transport import WeightSender
 
     server = serve_store("127.0.0.1")
     started = time.monotonic()
+    source = FSDPWeightSource(torch.nn.Linear(2, 2))
     with pytest.raises(WeightSyncError, match="no layout from rollout worker 0 within 1s"):
-        ActorSync(connect_store("127.0.0.1", server.port, 1.0), 0, 1, 1, {}, torch.device("cpu"), 1.0, "127.0.0.1")
+        WeightSender(connect_store("127.0.0.1", server.port, 1.0), 0, 1, 1, source, torch.device("cpu"), 1.0, "127.0.0.1")
     assert time.monotonic() - started < 10
 
 
 def test_mismatched_bucket_size_is_caught_and_breaks_the_channels():
-    from rlrunner.workers.weight_sync import ActorSync, RolloutSync, connect_store, serve_store
+    from rlrunner.weight_sync.channels import connect_store, serve_store
+    from rlrunner.weight_sync.transport import WeightReceiver, WeightSender
 
     server = serve_store("127.0.0.1")
     actor_model, rollout_model = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3).to(torch.bfloat16)
     cpu = torch.device("cpu")
     actor, rollout = _in_threads(
-        lambda: ActorSync(connect_store("127.0.0.1", server.port, 2), 0, 1, 1, actor_model.state_dict(), cpu, 2, "127.0.0.1"),
-        lambda: RolloutSync(connect_store("127.0.0.1", server.port, 2), 0, 1, 1, rollout_model.state_dict(keep_vars=True),
-                            cpu, 2, "127.0.0.1"),
+        lambda: WeightSender(connect_store("127.0.0.1", server.port, 2), 0, 1, 1, FSDPWeightSource(actor_model), cpu, 2,
+                             "127.0.0.1"),
+        lambda: WeightReceiver(connect_store("127.0.0.1", server.port, 2), 0, 1, 1, ModuleSink(rollout_model), cpu, 2,
+                               "127.0.0.1"),
     )
     assert actor.backend == "gloo" and rollout.backends == ["gloo"]
-    sent, received = _in_threads(lambda: actor.send(actor_model.state_dict(), 16),
-                                 lambda: rollout.receive(rollout_model.state_dict(keep_vars=True), 16))
+    sent, received = _in_threads(lambda: actor.send(16), lambda: rollout.receive(16))
     assert sent["bytes"] == received["bytes"] == 30 and received["buckets"] == 2  # 16 + 14 bytes
     assert_bit_equal(dict(rollout_model.state_dict()), {n: t.to(torch.bfloat16) for n, t in actor_model.state_dict().items()})
     started = time.monotonic()
-    _, received = _in_threads(lambda: actor.send(actor_model.state_dict(), 16),
-                              lambda: rollout.receive(rollout_model.state_dict(keep_vars=True), 64))
+    _, received = _in_threads(lambda: actor.send(16), lambda: rollout.receive(64))
     assert time.monotonic() - started < 2 + 5  # the actor, whose buckets nobody takes, gives up after its timeout
     assert isinstance(received, WeightSyncError) and "expected [22355, 1, 64, 1]" in str(received), received
     with pytest.raises(WeightSyncError, match="broke in an earlier sync"):
-        rollout.receive(rollout_model.state_dict(keep_vars=True), 16)
+        rollout.receive(16)
     actor.close()
     rollout.close()
 
@@ -234,7 +282,8 @@ def _child_body(role: str, index: int, port: int, out: Path, dtype: torch.dtype)
 
     import torch.distributed as dist
 
-    from rlrunner.workers.weight_sync import ActorSync, RolloutSync, connect_store, local_piece
+    from rlrunner.weight_sync.channels import connect_store
+    from rlrunner.weight_sync.transport import WeightReceiver, WeightSender
 
     torch.set_num_threads(1)
     store = connect_store("127.0.0.1", port, TIMEOUT_S)
@@ -244,21 +293,21 @@ def _child_body(role: str, index: int, port: int, out: Path, dtype: torch.dtype)
         dist.init_process_group("gloo", store=dist.PrefixStore("fsdp/", store), rank=index, world_size=NUM_ACTORS,
                                 timeout=timedelta(seconds=TIMEOUT_S))
         model = fully_shard(Toy(seed=1))
-        # FSDP2's chunk boundaries, checked against the full tensors
+        # FSDP2's chunk boundaries (rows), checked against the full tensors
         boundaries = {}
         for name, tensor in model.state_dict().items():
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            part = local_piece(name, tensor, index)
-            if part is not None:
-                start, stop, local = part
-                assert torch.equal(full.reshape(-1)[start:stop], local), name
-                boundaries[name] = (start, stop)
-        sync = ActorSync(store, index, NUM_ACTORS, NUM_ROLLOUTS, model.state_dict(), torch.device("cpu"), TIMEOUT_S, "127.0.0.1")
+            block = local_block(name, tensor)
+            if block is not None:
+                assert block.dim == 0 and torch.equal(full[block.start : block.stop], block.tensor), name
+                boundaries[name] = (block.start, block.stop)
+        sync = WeightSender(store, index, NUM_ACTORS, NUM_ROLLOUTS, FSDPWeightSource(model), torch.device("cpu"), TIMEOUT_S,
+                            "127.0.0.1")
         results = {"boundaries": boundaries, "full": []}
         for step in range(2):
             full = {n: t.full_tensor() if hasattr(t, "full_tensor") else t.clone() for n, t in model.state_dict().items()}
             results["full"].append(full)
-            results[f"stats{step}"] = sync.send(model.state_dict(), bucket_bytes=40)
+            results[f"stats{step}"] = sync.send(bucket_bytes=40)
             with torch.no_grad():  # an 'update': every shard changes
                 for param in model.parameters():
                     param.to_local().mul_(1.5).add_(0.01 * (index + 1))
@@ -266,7 +315,7 @@ def _child_body(role: str, index: int, port: int, out: Path, dtype: torch.dtype)
         # a rollout worker is gone: the send must fail, not hang
         started = time.monotonic()
         try:
-            sync.send(model.state_dict(), bucket_bytes=40)
+            sync.send(bucket_bytes=40)
             results["third"] = "sent"
         except Exception as exc:
             results["third"] = f"{type(exc).__name__}: {exc}"
@@ -275,18 +324,18 @@ def _child_body(role: str, index: int, port: int, out: Path, dtype: torch.dtype)
         dist.destroy_process_group()
     else:
         model = Toy(seed=100 + index).to(dtype)
-        sync = RolloutSync(store, index, NUM_ACTORS, NUM_ROLLOUTS, model.state_dict(keep_vars=True), torch.device("cpu"),
-                           TIMEOUT_S, "127.0.0.1")
-        results = {"states": [], "layout": [(spec.name, tuple(spec.aliases)) for spec in sync.layout]}  # plain: weights_only
+        sync = WeightReceiver(store, index, NUM_ACTORS, NUM_ROLLOUTS, ModuleSink(model), torch.device("cpu"), TIMEOUT_S,
+                              "127.0.0.1")
+        results = {"states": [], "layout": [spec.name for spec in sync.layout]}  # plain: weights_only
         for _ in range(2):
-            results["stats"] = sync.receive(model.state_dict(keep_vars=True), bucket_bytes=40)
+            results["stats"] = sync.receive(bucket_bytes=40)
             results["states"].append({n: t.clone() for n, t in model.state_dict().items()})
         if index == 0:
             torch.save(results, out / f"rollout{index}.pt")
             return  # leaves: the third sync must fail on the other members
         started = time.monotonic()
         try:
-            sync.receive(model.state_dict(keep_vars=True), bucket_bytes=40)
+            sync.receive(bucket_bytes=40)
             results["third"] = "received"
         except Exception as exc:
             results["third"] = f"{type(exc).__name__}: {exc}"
@@ -295,7 +344,7 @@ def _child_body(role: str, index: int, port: int, out: Path, dtype: torch.dtype)
 
 
 def test_fsdp2_shards_to_rollouts_over_gloo_processes(tmp_path):
-    from rlrunner.workers.weight_sync import serve_store
+    from rlrunner.weight_sync.channels import serve_store
 
     dtype = "bfloat16"
 
@@ -318,10 +367,10 @@ def test_fsdp2_shards_to_rollouts_over_gloo_processes(tmp_path):
     actors = [torch.load(tmp_path / f"actor{r}.pt", weights_only=True) for r in range(NUM_ACTORS)]
     rollouts = [torch.load(tmp_path / f"rollout{i}.pt", weights_only=True) for i in range(NUM_ROLLOUTS)]
     # FSDP2 split 7 rows as 3, 3, 1, 4 rows as 2, 2, 0, and 1 row as 1, 0, 0: every kind of shard was sent
-    assert [a["boundaries"].get("emb.weight") for a in actors] == [(0, 9), (9, 18), (18, 21)]
-    assert [a["boundaries"].get("small.weight") for a in actors] == [(0, 6), (6, 12), None]
-    assert [a["boundaries"].get("one") for a in actors] == [(0, 5), None, None]
-    assert ("emb.weight", ("head.weight",)) in rollouts[0]["layout"]  # tied: sent once
+    assert [a["boundaries"].get("emb.weight") for a in actors] == [(0, 3), (3, 6), (6, 7)]
+    assert [a["boundaries"].get("small.weight") for a in actors] == [(0, 2), (2, 4), None]
+    assert [a["boundaries"].get("one") for a in actors] == [(0, 1), None, None]
+    assert "emb.weight" in rollouts[0]["layout"] and "head.weight" not in rollouts[0]["layout"]  # tied: sent once
     for step in range(2):
         full = actors[0]["full"][step]
         expected = {n: t.to(getattr(torch, dtype)) if t.is_floating_point() else t for n, t in full.items()}
@@ -334,11 +383,11 @@ def test_fsdp2_shards_to_rollouts_over_gloo_processes(tmp_path):
         assert member["third_s"] < TIMEOUT_S + 5
 
 
-# -- real Ray groups: ActorWorker (FSDP2, 2 ranks) -> RolloutWorker (2 workers) ------------------------
+# -- real Ray groups: FSDPActorWorker (FSDP2, 2 ranks) -> RolloutWorker (2 workers) ------------------------
 
 
 def _update_shards(cfg, num_ranks: int) -> list[dict[str, torch.Tensor]]:
-    """A small actor batch built and sharded the way GRPORunner.train_step does (synthetic samples)."""
+    """A small actor batch built and sharded the way Trainer.train_step does (synthetic samples)."""
     from rlrunner.algorithms.grpo import group_advantages
     from rlrunner.models.loading import build_tokenizer, token_ids
     from rlrunner.runner.batching import build_actor_batch, shard_actor_batch
@@ -355,7 +404,7 @@ def _update_shards(cfg, num_ranks: int) -> list[dict[str, torch.Tensor]]:
 
 def _rollout_state(worker) -> dict[str, torch.Tensor]:
     """Runs in a rollout worker: its model's state dict, on CPU."""
-    return {name: tensor.detach().cpu().clone() for name, tensor in worker.model.state_dict().items()}
+    return {name: tensor.detach().cpu().clone() for name, tensor in worker.engine.model.state_dict().items()}
 
 
 def test_ray_groups_sync_bit_exact_and_fail_fast(ray_session, tmp_path):
@@ -365,9 +414,9 @@ def test_ray_groups_sync_bit_exact_and_fail_fast(ray_session, tmp_path):
 
     from conftest import run_config
     from rlrunner.cluster.worker_group import WorkerGroup
-    from rlrunner.runner.weight_sync import connect_weight_sync, sync_weights
-    from rlrunner.workers.actor import ActorWorker
-    from rlrunner.workers.rollout import RolloutWorker
+    from rlrunner.weight_sync.driver import connect_weight_sync, sync_weights
+    from rlrunner.backends.fsdp.worker import FSDPActorWorker
+    from rlrunner.rollout.worker import RolloutWorker
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import this module by name
     cfg = run_config(tmp_path, "actor.num_workers=2")
@@ -378,7 +427,7 @@ def test_ray_groups_sync_bit_exact_and_fail_fast(ray_session, tmp_path):
     }
     groups = []
     try:
-        actors = WorkerGroup("actor", ActorWorker, 2, worker_kwargs=actor_kwargs, cpus_per_worker=0.5, distributed=True,
+        actors = WorkerGroup("actor", FSDPActorWorker, 2, worker_kwargs=actor_kwargs, cpus_per_worker=0.5, distributed=True,
                              call_timeout_s=60, wait=False)
         groups.append(actors)
         rollouts = {}

@@ -44,7 +44,7 @@ from rlrunner.checkpoint.manifest import (
     write_manifest,
 )
 from rlrunner.checkpoint.policy import fingerprint_differences, should_save, steps_to_delete
-from rlrunner.errors import CheckpointError, CheckpointSaveError, is_storage_full_or_forbidden
+from rlrunner.errors import CheckpointError, CheckpointSaveError, describe, is_storage_full_or_forbidden
 from rlrunner.storage import Storage, basename, is_url, open_storage, parent
 from rlrunner.utils.fs import fsync_dir
 
@@ -502,5 +502,4 @@ def root_cause(exc: BaseException) -> str:
     cause = getattr(exc, "cause", None) or exc.__cause__
     if cause is not None and cause is not exc:
         return root_cause(cause)
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+    return describe(exc)

@@ -27,7 +27,8 @@ ABANDONED_DIR = "abandoned"
 MANIFEST_FILE = "manifest.json"
 ACTOR_DIR = "actor"
 DATA_FILE = "data/data.pt"
-HF_DIR = "actor/huggingface"
+HF_DIR = "huggingface"  # the HF config and tokenizer (no weights), beside a backend's actor files
+ACTOR_HF_DIR = f"{ACTOR_DIR}/{HF_DIR}"
 
 _STEP_NAME = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 

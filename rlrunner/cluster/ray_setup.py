@@ -1,6 +1,10 @@
 """Connecting the driver to Ray (a given address, a running `ray start` cluster, or an embedded local one),
 and telling when that cluster is gone.
 
+An embedded Ray is private to its driver: only a cluster a user started is joined (`cluster.ray_address`,
+`RAY_ADDRESS`, or `ray start` on this machine), never another driver's embedded Ray, which goes down
+with that driver.
+
 A lost cluster must end waits at once: with the embedded Ray's raylet dead (the OOM killer's usual
 victim) nobody will ever add the resources a restart waits for, and with the head of a joined
 cluster gone every GCS call blocks. `cluster_lost()` answers without calling the GCS: for the
@@ -40,9 +44,13 @@ _connection = _Connection()
 def init_ray(ray_address: str | None, num_cpus: int | None) -> str:
     """Initialise Ray once per process and say how; returns "existing", "connected" or "embedded".
 
+    Joins the cluster at `ray_address`, else at `RAY_ADDRESS`, else the one `ray start` runs on this
+    machine (if its head still answers); otherwise starts a new embedded Ray, private to this driver:
+    another driver's embedded Ray is never joined (it goes down with that driver). `local` starts a
+    new embedded instance even when a cluster runs on this machine.
+
     Token authentication stays as Ray configures it (on by default): connecting to a cluster uses
-    the token Ray keeps for it, and the embedded cluster generates its own. `local` starts a new
-    embedded instance even when a cluster runs on this machine.
+    the token Ray keeps for it, and the embedded cluster generates its own.
     """
     if ray.is_initialized():
         if _connection.mode is not None and _current_gcs_address() == _connection.gcs_address:
@@ -54,9 +62,12 @@ def init_ray(ray_address: str | None, num_cpus: int | None) -> str:
         ray.init(address=address, **quiet)
         logger.info("connected to the Ray cluster at %s", address)
         return _remember(CONNECTED, num_cpus)
-    if address is None:
+    if address is None and _ray_start_cluster_answers():
+        # address=None, not "auto": both join the cluster `ray start` recorded, but "auto" falls back to ANY
+        # Ray GCS process on this machine (Ray's legacy rule), e.g. another driver's embedded Ray, which
+        # dies with that driver. Either lets Ray turn token auth on as it does for a cluster found here.
         try:
-            ray.init(address="auto", **quiet)
+            ray.init(address=None, **quiet)
             logger.info("connected to the running Ray cluster on this machine")
             return _remember(CONNECTED, num_cpus)
         except ConnectionError:
@@ -64,9 +75,27 @@ def init_ray(ray_address: str | None, num_cpus: int | None) -> str:
     return start_embedded(num_cpus)
 
 
+def _ray_start_cluster_answers() -> bool:
+    """Whether `ray start` recorded a cluster on this machine whose GCS still accepts connections.
+
+    `ray start --head` writes its GCS address to Ray's bootstrap file (/tmp/ray/ray_current_cluster)
+    and `ray stop` removes it; an embedded `ray.init` never writes it. A file left by a cluster that
+    died without `ray stop` would make `ray.init` retry its GCS for many minutes before giving up:
+    a TCP probe tells that at once.
+    """
+    recorded = ray._private.utils.read_ray_address()
+    if not recorded:
+        return False
+    gone = _gcs_unreachable(recorded)
+    if gone is not None:
+        logger.warning("not joining the `ray start` cluster recorded on this machine, %s; starting an embedded Ray", gone)
+        return False
+    return True
+
+
 def start_embedded(num_cpus: int | None) -> str:
-    # address="local": a new instance even while another one's GCS still runs here (a killed driver's
-    # embedded Ray takes seconds to exit, and `ray.init()` with no address would join it).
+    # address="local": a new instance even while another one's GCS still runs here (a lost embedded Ray takes
+    # seconds to exit); `ray.init()` with no address would join RAY_ADDRESS's or `ray start`'s cluster instead.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
     logger.info("started an embedded local Ray (%s CPUs)", ray.cluster_resources().get("CPU", 0))
     return _remember(EMBEDDED, num_cpus)

@@ -12,7 +12,8 @@ import os
 import uuid
 from typing import Any, Sequence
 
-from rlrunner.errors import StorageNotSharedError
+from rlrunner.cluster.node import node_ip
+from rlrunner.errors import StorageNotSharedError, first_line
 from rlrunner.storage import Storage, join, open_storage
 
 logger = logging.getLogger(__name__)
@@ -25,9 +26,7 @@ _REMOTE_ADVICE = (
 
 def _cause(exc: BaseException) -> str:
     """The first line of why a storage call failed (storage errors are OSErrors whose strerror keeps the backend's words)."""
-    text = (exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)) or type(exc).__name__
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
+    return first_line(exc) or type(exc).__name__
 
 
 def _probe_name(token: str) -> str:
@@ -64,8 +63,6 @@ def answer_probe_at(storage_url: str, storage_options: dict[str, Any], url: str,
 def check_shared_folder(storage: Storage, url: str, groups: Sequence) -> None:
     """Driver side: raise StorageNotSharedError unless every worker of `groups` reads and writes `url` (a folder on
     `storage`) as the driver does. Workers answer through their `probe_storage` method."""
-    from rlrunner.cluster.worker import node_ip
-
     token = uuid.uuid4().hex
     probe = join(url, _probe_name(token))
     if storage.is_local:

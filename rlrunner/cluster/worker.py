@@ -6,6 +6,9 @@ import os
 import socket
 from datetime import timedelta
 
+from rlrunner.cluster.node import node_ip
+from rlrunner.cluster.shared_storage import answer_probe_at
+
 
 class Worker:
     """Plain Python class (no Ray imports), so a worker can also be built and tested in-process."""
@@ -25,8 +28,6 @@ class Worker:
 
     def probe_storage(self, storage_url: str, storage_options: dict, url: str, token: str) -> str | None:
         """Read the driver's probe under `url` and leave this worker's own (see `check_shared_folder`)."""
-        from rlrunner.cluster.shared_storage import answer_probe_at
-
         return answer_probe_at(storage_url, storage_options, url, token, node_ip())
 
     def free_address(self) -> tuple[str, int]:
@@ -47,15 +48,3 @@ class Worker:
             world_size=self.world_size,
             timeout=timedelta(seconds=timeout_s),
         )
-
-
-def node_ip() -> str:
-    """This node's IP as Ray knows it, or the hostname's when outside Ray."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except Exception:  # pragma: no cover - outside a Ray worker
-        pass
-    return socket.gethostbyname(socket.gethostname())

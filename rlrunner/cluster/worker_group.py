@@ -21,7 +21,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlrunner.cluster.ray_setup import cluster_lost
-from rlrunner.errors import ClusterLostError, ResourceError
+from rlrunner.errors import ClusterLostError, ResourceError, describe
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class WorkerGroup:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise CallTimeoutError(f"the {self.name} group did not answer within {limit:g}s (runner.recovery.step_timeout_s)")
         except BaseException:
-            _drain(pending)
+            drain(pending)
             raise
         values = [results[ref] for ref in order]
         return values[0] if single else values
@@ -203,8 +203,7 @@ class WorkerGroup:
                 raise
             where = f"{self.name} rank {order.index(ref)}" if len(order) == self.num_workers else f"{self.name} group"
             inner = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
-            lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
-            raise WorkerRaised(f"{where}: {type(inner).__name__}: {lines[0] if lines else ''}".rstrip(": ")) from exc
+            raise WorkerRaised(f"{where}: {describe(inner)}") from exc
 
     def call_all(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         return self.get(self.call_all_async(method, *args, **kwargs), timeout_s)
@@ -252,7 +251,7 @@ def remove_placement_group_quietly(group) -> None:
         pass
 
 
-def _drain(pending: list[ray.ObjectRef]) -> None:
+def drain(pending) -> None:
     """Read what other ranks already returned after one failed, so Ray does not log their errors as unhandled.
     Never waits: a failure must reach the caller at once."""
     if not pending:

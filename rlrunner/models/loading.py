@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
-from rlrunner.errors import ConfigError
+from rlrunner.checkpoint.layout import ACTOR_HF_DIR, HF_DIR
+from rlrunner.errors import ConfigError, describe
 from rlrunner.models.tokenizer import build_char_tokenizer
 
 TINY_CONFIG_PATH = Path(__file__).with_name("tiny_qwen2.json")
@@ -29,44 +30,32 @@ def torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def megatron_root(path: str) -> Path | None:
-    """The folder holding a Megatron checkpoint's latest_checkpointed_iteration.txt (`path` itself, or its `actor/` for a
-    global_step_N folder), or None when `path` is not a Megatron checkpoint."""
-    from rlrunner.checkpoint.megatron_files import find_root
-    from rlrunner.storage import open_storage
-
-    folder = str(Path(path).expanduser())
-    try:
-        return Path(find_root(open_storage(folder), folder))
-    except FileNotFoundError:
-        return None
-
-
 def hf_folder(path: str) -> Path:
-    """Where the HF config and tokenizer of `model.path` are: the folder itself, or a Megatron checkpoint's `huggingface/`."""
-    from rlrunner.checkpoint.megatron_files import HF_DIR
+    """Where the HF config and tokenizer of `model.path` are: the folder itself, or the `huggingface/` folder a training
+    checkpoint keeps beside its weights (`<root>/huggingface`, or `actor/huggingface` of a global_step_N folder)."""
+    folder = Path(path).expanduser()
+    for candidate in (folder, folder / HF_DIR, folder / ACTOR_HF_DIR):
+        if (candidate / "config.json").is_file():
+            return candidate
+    return folder
 
-    root = megatron_root(path)
-    return root / HF_DIR if root is not None else Path(path).expanduser()
 
-
-def check_model_path(path: str) -> None:
-    """Raise ConfigError unless `path` is a local HF causal-LM folder with config, weights and tokenizer, or a Megatron
-    checkpoint (toolkits/ckpt_convertor/convert_hf_to_megatron.py's output, or a megatron backend's global_step_N)
-    with its `huggingface/` config and tokenizer."""
+def check_model_folder(path: str, checkpoint: bool = False) -> None:
+    """Raise ConfigError unless `path` is a local HF causal-LM folder with config, weights and tokenizer, or (with
+    `checkpoint`: a training backend recognised its files) a training checkpoint or a converter's output with its
+    `huggingface/` config and tokenizer."""
     folder = Path(path).expanduser()
     if not folder.exists():
         raise ConfigError(f"model.path does not exist: {path}")
     if not folder.is_dir():
         raise ConfigError(f"model.path is not a directory: {path}")
-    megatron = megatron_root(path) is not None
-    if megatron:
+    if checkpoint:
         folder = hf_folder(path)
         if not (folder / "config.json").is_file():
-            raise ConfigError(f"model.path is a Megatron checkpoint without {folder.name}/config.json (its HF config): {path}")
+            raise ConfigError(f"model.path is a training checkpoint without {HF_DIR}/config.json (its HF config): {path}")
     elif not (folder / "config.json").is_file():
         raise ConfigError(f"model.path is not a Hugging Face model folder (no config.json): {path}")
-    if not megatron and not any(any(folder.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
+    if not checkpoint and not any(any(folder.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
         raise ConfigError(f"model.path has no weights (*.safetensors or pytorch_model*.bin): {path}")
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         raise ConfigError(f"model.path has no tokenizer (tokenizer.json, tokenizer.model or vocab.json): {path}")
@@ -75,7 +64,7 @@ def check_model_path(path: str) -> None:
 
         config = AutoConfig.from_pretrained(str(folder))
     except Exception as exc:  # transformers raises several types for unreadable configs
-        raise ConfigError(f"model.path has an unreadable config.json ({type(exc).__name__}: {str(exc).splitlines()[0]}): {path}") from None
+        raise ConfigError(f"model.path has an unreadable config.json ({describe(exc)}): {path}") from None
     if not getattr(config, "architectures", None) or not any("CausalLM" in a for a in config.architectures):
         raise ConfigError(f"model.path is not a causal language model (architectures={config.architectures}): {path}")
 
@@ -122,8 +111,15 @@ def build_hf_config(model_cfg: Mapping[str, Any], tokenizer):
     return config
 
 
-def build_model(model_cfg: Mapping[str, Any], tokenizer, seed: int, dtype: str | None = None) -> torch.nn.Module:
-    """The causal LM on CPU: pretrained weights from `model.path`, or a random init seeded by `seed`.
+def build_model(
+    model_cfg: Mapping[str, Any],
+    tokenizer,
+    seed: int,
+    dtype: str | None = None,
+    read_weights: Callable[[Any], dict[str, torch.Tensor]] | None = None,
+) -> torch.nn.Module:
+    """The causal LM on CPU: the weights `read_weights(config)` returns (model.path is a training checkpoint), or
+    pretrained weights from the `model.path` HF folder, or a random init seeded by `seed`.
 
     Every rank that calls this with the same arguments gets bit-identical weights.
     """
@@ -132,13 +128,15 @@ def build_model(model_cfg: Mapping[str, Any], tokenizer, seed: int, dtype: str |
     config = build_hf_config(model_cfg, tokenizer)
     torch_type = torch_dtype(dtype or model_cfg["dtype"])
     attn = model_cfg["attn_implementation"]
-    root = megatron_root(model_cfg["path"]) if model_cfg["path"] is not None else None
-    if model_cfg["path"] is None:
-        with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG
-            torch.manual_seed(seed)
+    if read_weights is not None:
+        state = read_weights(config)
+        with torch.random.fork_rng(devices=[]):  # the init is overwritten; it must not move the caller's RNG
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch_type)
-    elif root is not None:
-        model = _from_megatron(root, config, attn, torch_type)
+        if config.tie_word_embeddings:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        model.load_state_dict({k: v.to(torch_type) for k, v in state.items()}, strict=True)
+    elif model_cfg["path"] is None:
+        model = random_model(config, seed, attn, torch_type)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             str(Path(model_cfg["path"]).expanduser()), config=config, attn_implementation=attn, dtype=torch_type
@@ -147,17 +145,12 @@ def build_model(model_cfg: Mapping[str, Any], tokenizer, seed: int, dtype: str |
     return model
 
 
-def _from_megatron(root: Path, config, attn: str, dtype: torch.dtype) -> torch.nn.Module:
-    """The HF model with the weights merged from a Megatron checkpoint's tensor-parallel shards (any split)."""
+def random_model(config: Any, seed: int, attn_implementation: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The causal LM of `config` with random weights seeded by `seed` (the caller's RNG is left as it was)."""
     from transformers import AutoModelForCausalLM
 
-    from rlrunner.checkpoint.megatron_files import read_hf_weights
-    from rlrunner.storage import open_storage
-
-    state = read_hf_weights(open_storage(str(root)), str(root), config, mmap=True)
-    with torch.random.fork_rng(devices=[]):  # the init is overwritten; it must not move the caller's RNG
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
-    if config.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    model.config.use_cache = False
     return model

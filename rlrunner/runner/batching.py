@@ -70,8 +70,3 @@ def shard_actor_batch(batch: dict[str, torch.Tensor], num_ranks: int, num_miniba
         shard["token_counts"] = token_counts.clone()
         shards.append(shard)
     return shards
-
-
-def per_rank_shards(shards: Sequence[T], tp: int) -> list[T]:
-    """Each data-parallel shard repeated for the `tp` tensor-parallel ranks that compute on it (rank = dp * tp + tp_rank)."""
-    return [shard for shard in shards for _ in range(tp)]

@@ -18,7 +18,8 @@ import os
 import re
 from typing import Any, Mapping
 
-from rlrunner.runner.metrics_logger import METRICS_FILE
+from rlrunner.errors import first_line
+from rlrunner.runner.metrics import METRICS_FILE
 from rlrunner.runner.recovery import RECOVERY_FILE
 from rlrunner.storage import join, open_storage
 
@@ -93,7 +94,7 @@ class ExperimentLogs:
                 left = len(pending) - index - 1
                 logger.warning(
                     "could not upload %s to %s (%s)%s; will retry at the next upload",
-                    name, self.url, _first_line(exc), f", nor {left} more log files" if left else "",
+                    name, self.url, first_line(exc) or type(exc).__name__, f", nor {left} more log files" if left else "",
                 )
                 break
             self._uploaded[name] = stamp
@@ -104,9 +105,3 @@ class ExperimentLogs:
 def _stamp(path: str) -> tuple[int, int]:
     stat = os.stat(path)
     return stat.st_size, stat.st_mtime_ns
-
-
-def _first_line(exc: BaseException) -> str:
-    text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__

@@ -6,13 +6,14 @@ import json
 import os
 import re
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import ray
 
-from rlrunner.cluster.worker_group import CallTimeoutError
-from rlrunner.errors import ClusterLostError, exception_chain
-from rlrunner.runner.metrics_logger import local_folder
+from rlrunner.cluster.ray_setup import cluster_lost
+from rlrunner.cluster.worker_group import CallTimeoutError, WorkerRaised
+from rlrunner.errors import ClusterLostError, WorkerError, describe, exception_chain, user_error
+from rlrunner.runner.metrics import local_folder
 
 RECOVERY_FILE = "recovery.jsonl"
 
@@ -27,18 +28,6 @@ _COLLECTIVE_FAILURE_MARKERS = (
     "connection refused",
 )
 _DIST_ERROR_NAMES = {"DistBackendError", "DistNetworkError", "DistStoreError", "DistError"}
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def describe(err: BaseException) -> str:
-    """`Type: first line` of the error itself (for a Ray task error: of the exception the worker raised)."""
-    inner = getattr(err, "cause", None)
-    if isinstance(inner, BaseException) and inner is not err:
-        err = inner
-    lines = [line.strip() for line in _ANSI.sub("", str(err)).splitlines() if line.strip()]
-    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
 def failure_cause(exc: BaseException) -> str | None:
@@ -59,6 +48,33 @@ def failure_cause(exc: BaseException) -> str | None:
         if type(err).__name__ in _DIST_ERROR_NAMES or any(marker in text for marker in _COLLECTIVE_FAILURE_MARKERS):
             return f"collective failed (a peer is gone or stuck): {describe(err)}"
     return None
+
+
+def repairable_cause(exc: BaseException, groups: Sequence[Any]) -> str | None:
+    """Why `exc` is a lost or hung worker, node or cluster the run can repair, or None (a bug or bad input).
+
+    A worker is lost only when Ray reports it dead, or a call passed its time bound; ranks of `groups` that are
+    busy or stuck in a collective behind a peer that raised are alive. The dead workers are named: the error
+    that arrives first often comes from a surviving peer whose collective broke.
+    """
+    cause = failure_cause(exc)
+    lost = cluster_lost(force=True)
+    if lost is not None:  # the root cause: every worker error that follows comes from it
+        return f"cluster lost: {lost} (then {cause or describe(exc)})"
+    dead = [f"{g.name} rank {r}" for g in groups for r in g.dead_ranks(timeout_s=1.0)]
+    if cause is None and not dead:
+        return None
+    if cause is None:
+        cause = f"worker lost after {describe(exc)}"
+    return f"{cause} [dead: {', '.join(dead)}]" if dead else cause
+
+
+def unrepairable(exc: BaseException) -> BaseException:
+    """The error to end the run with: worker code that raised becomes a one-line WorkerError (not retried)."""
+    raised = next((err for err in exception_chain(exc) if isinstance(err, WorkerRaised)), None)
+    if raised is not None and user_error(exc) is None:
+        return WorkerError(f"{raised} (an error in worker code: not retried)")
+    return exc
 
 
 class RecoveryLog:

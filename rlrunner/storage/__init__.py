@@ -19,7 +19,7 @@ import os
 import re
 from typing import Any, Mapping
 
-from rlrunner.errors import ConfigError
+from rlrunner.errors import ConfigError, first_line
 from rlrunner.storage.base import ChecksumWriter, FileRecord, Storage, basename, join, parent
 from rlrunner.storage.local import LocalStorage, local_path
 
@@ -71,9 +71,8 @@ def open_storage(url: str | os.PathLike, storage_options: Mapping[str, Any] | No
     try:
         fs = cls(**{**cls._get_kwargs_from_urls(text), **options})
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [""])[0]
         hint = _fsspec_hint(protocol) if isinstance(exc, (ImportError, OSError)) else ""  # e.g. HDFS's libjvm
-        raise ConfigError(f"{text}: cannot open the {protocol}:// filesystem ({type(exc).__name__}: {first}){hint}") from exc
+        raise ConfigError(f"{text}: cannot open the {protocol}:// filesystem ({type(exc).__name__}: {first_line(str(exc))}){hint}") from exc
     from rlrunner.storage.remote import FsspecStorage  # fsspec's heavier imports only when a store is used
 
     return FsspecStorage(text.rstrip("/"), protocol, fs, options)

@@ -25,10 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from rlrunner.checkpoint.megatron_files import HF_DIR, TRACKER_FILE, write_model_checkpoint  # noqa: E402
+from rlrunner.checkpoint.layout import HF_DIR  # noqa: E402
+from rlrunner.backends.megatron.files import TRACKER_FILE, write_model_checkpoint  # noqa: E402
 from rlrunner.errors import ConfigError  # noqa: E402
-from rlrunner.models.loading import check_model_path  # noqa: E402
-from rlrunner.models.megatron_layout import DEFAULT_VOCAB_DIVISIBLE_BY, Qwen2Dims, check_splittable  # noqa: E402
+from rlrunner.models.loading import check_model_folder  # noqa: E402
+from rlrunner.backends.megatron.layout import DEFAULT_VOCAB_DIVISIBLE_BY, Qwen2Dims, check_splittable  # noqa: E402
 from rlrunner.storage import Storage, add_storage_options_argument, open_storage  # noqa: E402
 
 # Files of an HF folder that are weights (or their indexes), not copied beside the shards.
@@ -69,7 +70,7 @@ def convert(hf_path: str, output: str, tp: int, divisible_by: int = DEFAULT_VOCA
     """Write the Megatron shards of `hf_path` under `output`; {relative file: size and CRC-32}."""
     from transformers import AutoConfig
 
-    check_model_path(hf_path)
+    check_model_folder(hf_path)
     folder = Path(hf_path).expanduser()
     config = AutoConfig.from_pretrained(str(folder))
     check_splittable(Qwen2Dims.from_config(config), tp)  # before reading any weights

@@ -114,3 +114,45 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+# -- one step's metrics from its samples and the actor ranks' sums (pure) -----------------------------
+
+
+def rollout_metrics(samples: list[dict[str, Any]]) -> dict[str, float]:
+    import torch
+
+    rewards = torch.tensor([s["reward"] for s in samples], dtype=torch.float64)
+    lengths = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.float64)
+    return {
+        "rollout/reward_mean": rewards.mean().item(),
+        "rollout/reward_std": rewards.std().item(),
+        "rollout/reward_max": rewards.max().item(),
+        "rollout/reward_min": rewards.min().item(),
+        "rollout/accuracy": (rewards == 1.0).double().mean().item(),
+        "rollout/response_length_mean": lengths.mean().item(),
+        "rollout/eos_frac": sum(s["finished"] for s in samples) / len(samples),
+    }
+
+
+def actor_metrics(per_rank: list[dict[str, float]], use_kl_loss: bool, kl_coef: float, entropy_coef: float) -> dict[str, float]:
+    """Token means over all data-parallel ranks (sums added in rank order, so the result is reproducible)."""
+    total = {key: sum(stats[key] for stats in per_rank) for key in per_rank[0]}
+    tokens = max(total["tokens"], 1.0)
+    pg_loss = total["pg_loss"] / tokens
+    metrics = {
+        "actor/pg_loss": pg_loss,
+        "actor/entropy": total["entropy"] / tokens,
+        "actor/pg_clipfrac": total["clipped"] / tokens,
+        "actor/ppo_kl": total["ppo_kl"] / tokens,
+        "actor/grad_norm": per_rank[0]["grad_norm"],
+        "actor/lr": per_rank[0]["lr"],
+        "actor/skipped_steps": per_rank[0]["skipped_steps"],
+    }
+    loss = pg_loss
+    if use_kl_loss:
+        metrics["actor/kl"] = total["kl"] / tokens
+        loss += kl_coef * metrics["actor/kl"]
+    if entropy_coef:
+        loss -= entropy_coef * metrics["actor/entropy"]
+    return {"actor/loss": loss, **metrics}

@@ -22,7 +22,7 @@ from torch import nn
 from transformers import Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, Qwen2RotaryEmbedding, apply_rotary_pos_emb
 
-from rlrunner.models.megatron_layout import (
+from rlrunner.backends.megatron.layout import (
     DEFAULT_VOCAB_DIVISIBLE_BY,
     EXTRA_STATE,
     Qwen2Dims,

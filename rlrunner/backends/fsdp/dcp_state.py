@@ -9,7 +9,7 @@ The folder is a local path or any URL (s3://, gs://, ...): every rank writes its
 the store, so no node needs a shared disk. Local folders use DCP's file writer (fsync'd files); a
 remote store goes through `StorageFileSystem` (each object whole or not at all).
 
-A save can run in the background (`ShardSaver.start(..., background=True)`): the state is copied
+A save can run in the background (`start_dcp_save(..., background=True)`): the state is copied
 off the training tensors first (pinned host memory on GPU, a host copy on CPU), then DCP writes (or
 uploads) the copy in a thread, with its collectives on a gloo group of their own so they never
 interleave with training's. Every file's size and CRC-32 are computed from the bytes as they are
@@ -21,10 +21,7 @@ from __future__ import annotations
 import io
 import logging
 import os
-import random
 import re
-import time
-from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -41,39 +38,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from rlrunner.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, StorageFileSystem, saved_keys
+from rlrunner.backends.background_save import BackgroundSave
+from rlrunner.backends.fsdp.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, StorageFileSystem, saved_keys
 from rlrunner.storage import ChecksumWriter, open_storage
+from rlrunner.utils.rng import capture_rng, restore_rng
 
 logger = logging.getLogger(__name__)
 
 _RNG_KEY = re.compile(r"^rng\.rank_(\d+)\.")
-
-
-def capture_rng() -> dict[str, Any]:
-    """This process's RNG states, as tensors and plain tuples (loadable with weights_only=True)."""
-    import numpy as np
-
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    import numpy as np
-
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss_next = state["python"]
-    random.setstate((version, tuple(internal), gauss_next))
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(state["cuda"]))
 
 
 def saved_world_size(dcp_url: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> int:
@@ -136,64 +108,36 @@ def fsdp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedul
     }
 
 
-class ShardSaver:
-    """One rank's save in flight (at most one): started, then finished (waited for, or polled)."""
+def new_stager() -> DefaultStager:
+    """DCP's stager for background saves: host copies (pinned where CUDA is), kept by a rank for every save."""
+    return DefaultStager(StagingOptions(torch.cuda.is_available(), False, False, False))
 
-    def __init__(self, process_group=None):
-        self.process_group = process_group  # a gloo group of the actor ranks for checkpoint collectives only
-        self._future: Future | None = None
-        self._writer: FileSystemWriter | None = None
-        self._started = 0.0
-        self._write_s: float | None = None
-        self._stager: DefaultStager | None = None  # kept: its host (pinned on GPU) buffers are reused by every save
 
-    @property
-    def written(self) -> bool:
-        """Whether the save in flight is done writing (or failed): `finish` will not wait."""
-        if self._future is None:
-            raise RuntimeError("no checkpoint save in flight on this rank")
-        return self._future.done()
+def start_dcp_save(
+    saver: BackgroundSave,
+    url: str,
+    state: dict[str, Any],
+    background: bool,
+    storage_options: dict[str, Any] | None,
+    process_group: Any,
+    stager: DefaultStager | None,
+) -> None:
+    """Write `state` under `url` (a local folder or any store's URL) through `saver`: with `background` (and a
+    `stager`, whose host buffers are reused by every save) DCP's async_save returns once the state is copied off the
+    live tensors and writes in its own thread; else the write happens here. Collectives go over `process_group`."""
+    writer = checksumming_writer(url, storage_options)
+    if background:
+        saver.track(
+            lambda: dcp.async_save(state, storage_writer=writer, process_group=process_group, async_stager=stager),
+            lambda: writer.fs.records,
+        )
+    else:
+        saver.run(lambda: _save(state, writer, process_group), background=False)
 
-    def start(
-        self, url: str, state: dict[str, Any], background: bool, storage_options: dict[str, Any] | None = None
-    ) -> None:
-        """Write `state` under `url` (a local folder or any store's URL); with `background`, return once it is
-        copied off the live tensors (the write or upload then goes on in a thread)."""
-        if self._future is not None:
-            raise RuntimeError("a checkpoint save is already in flight on this rank")
-        self._writer = checksumming_writer(url, storage_options)
-        self._started, self._write_s = time.monotonic(), None
-        if background:
-            if self._stager is None:
-                self._stager = DefaultStager(StagingOptions(torch.cuda.is_available(), False, False, False))
-            self._future = dcp.async_save(
-                state, storage_writer=self._writer, process_group=self.process_group, async_stager=self._stager
-            )
-            self._future.add_done_callback(self._record_time)
-        else:
-            future: Future = Future()
-            try:
-                dcp.save(state, storage_writer=self._writer, process_group=self.process_group)
-                future.set_result(None)
-            except BaseException as exc:  # DCP raises CheckpointException, a BaseException
-                future.set_exception(exc)
-            self._record_time(future)
-            self._future = future
 
-    def _record_time(self, _future: Future) -> None:
-        self._write_s = time.monotonic() - self._started
-
-    def finish(self) -> dict[str, Any]:
-        """Wait for the save in flight: {"files": {name: {size, crc32}}, "write_s": seconds}, or its error.
-
-        The files are the ones this rank wrote (its shard; rank 0 also `.metadata`).
-        """
-        if self._future is None:
-            raise RuntimeError("no checkpoint save in flight on this rank")
-        future, writer = self._future, self._writer
-        self._future = self._writer = None
-        future.result()
-        return {"files": dict(sorted(writer.fs.records.items())), "write_s": self._write_s}
+def _save(state: dict[str, Any], writer: FileSystemWriter, process_group: Any) -> dict[str, dict[str, Any]]:
+    dcp.save(state, storage_writer=writer, process_group=process_group)
+    return writer.fs.records
 
 
 def load_fsdp_state(

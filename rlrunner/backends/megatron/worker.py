@@ -6,9 +6,9 @@ its tensor-parallel shard of the model (`TPQwen2ForCausalLM`, megatron-core's la
 the ranks of a tensor-parallel group get the same rows of the batch and compute the same loss; gradients are
 averaged over the data-parallel group, and AdamW's state is sharded over it (`DistributedAdamW`).
 
-The update loop is the FSDP actor's (`ActorWorker.update`); this class supplies the model, the gradient
-reduction and step, the checkpoint files (`rlrunner.checkpoint.megatron_state`) and the weights the rollout
-workers get, gathered into the HF layout.
+The update loop is every backend's (`rlrunner.backends.actor.ActorWorker.update`); this class supplies the
+model, the gradient reduction and step, the checkpoint files (`rlrunner.backends.megatron.rank_state`) and what
+each rank sends in a weight sync: its own tensor-parallel slices, in HF layout (data-parallel rank 0's group).
 """
 
 from __future__ import annotations
@@ -19,21 +19,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlrunner.checkpoint.megatron_files import capture_rng_state, megatron_args, restore_rng_state
-from rlrunner.checkpoint.megatron_state import BackgroundWrite, MegatronRankState, load_rank
-from rlrunner.models.loading import build_hf_config, build_model, build_tokenizer, torch_dtype
-from rlrunner.models.megatron_layout import (
+from rlrunner.backends.actor import ActorWorker
+from rlrunner.backends.megatron.distrib_optim import DistributedAdamW
+from rlrunner.backends.megatron.files import megatron_args, megatron_rng_entry, rng_from_megatron_entry
+from rlrunner.backends.megatron.layout import (
     DEFAULT_VOCAB_DIVISIBLE_BY,
     EXTRA_STATE,
     Qwen2Dims,
     expected_megatron_keys,
+    hf_blocks,
     hf_to_megatron_rank,
     megatron_to_hf,
 )
-from rlrunner.models.tensor_parallel import TPQwen2ForCausalLM
-from rlrunner.workers.actor import ActorWorker
-from rlrunner.workers.distrib_optim import DistributedAdamW
-from rlrunner.workers.optim import apply_schedule, build_schedule
+from rlrunner.backends.megatron.model import TPQwen2ForCausalLM
+from rlrunner.backends.megatron.rank_state import MegatronRankState, load_rank
+from rlrunner.backends.optim import apply_schedule, build_schedule
+from rlrunner.models.loading import build_hf_config, build_model, build_tokenizer, torch_dtype
+from rlrunner.utils.rng import capture_rng, restore_rng
+from rlrunner.weight_sync.endpoints import Block, WeightSource
 
 
 def parallel_groups(world_size: int, tp: int, rank: int, timeout) -> tuple[Any, Any]:
@@ -77,15 +80,13 @@ class MegatronActorWorker(ActorWorker):
             lr=optim["lr"], betas=tuple(optim["betas"]), weight_decay=optim["weight_decay"],
         )
         self.scheduler = build_schedule(self.optimizer.optimizer, optim, self.total_optimizer_steps)
-        self.saver = BackgroundWrite()
-        self.ref_model = None
         if self.algorithm_cfg["use_kl_loss"]:
             self.ref_model = self._build_shard(tokenizer).requires_grad_(False)
             self.ref_model.eval()
 
     def _build_shard(self, tokenizer) -> TPQwen2ForCausalLM:
         # Every rank builds the same full HF model (the seeded init or model.path) and keeps its own shard of it.
-        hf = build_model(self.model_cfg, tokenizer, self.init_seed, dtype="float32")
+        hf = build_model(self.model_cfg, tokenizer, self.init_seed, dtype="float32", read_weights=self.read_weights)
         shard = hf_to_megatron_rank(hf.state_dict(), hf.config, self.tp, self.tp_rank, self.divisible_by)
         del hf
         model = TPQwen2ForCausalLM(self.hf_config, self.tp_group, self.divisible_by, device=self.device)
@@ -98,33 +99,31 @@ class MegatronActorWorker(ActorWorker):
     def data_parallel_size(self) -> int:
         return self.world_size // self.tp
 
-    def _logits(self, model: torch.nn.Module, input_ids: torch.Tensor, width: int) -> torch.Tensor:
+    def forward_logits(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         compute = torch_dtype(self.actor_cfg["param_dtype"])
         autocast = (
             torch.autocast(self.device.type, dtype=compute) if compute != torch.float32 else contextlib.nullcontext()
         )
         with autocast:
-            return model(input_ids[:, :width].to(self.device))[:, :-1]
+            return model(input_ids)
 
-    def _set_gradient_sync(self, enabled: bool) -> None:
+    def set_gradient_sync(self, enabled: bool) -> None:
         """Gradients accumulate locally; they are reduced once per mini-batch, before the step."""
 
-    def _clip_and_step(self) -> float:
+    def clip_and_step(self, max_norm: float) -> float:
         self.optimizer.reduce_gradients()
-        return self.optimizer.clip_and_step(self._max_grad_norm())
+        return self.optimizer.clip_and_step(max_norm)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def start_checkpoint(
-        self, path: str, background: bool, storage_options: dict[str, Any] | None = None, step: int = 0
-    ) -> None:
+    def start_checkpoint(self, url: str, step: int, background: bool, storage_options: dict[str, Any] | None) -> None:
         """Collective: copy this rank's state; data-parallel rank 0 of each tensor-parallel rank writes its files
-        under `path` (the checkpoint's actor folder), in a thread with `background`."""
+        under `url` (the checkpoint's actor folder), in a thread with `background`."""
         moments = self.optimizer.full_state()  # collective over the data-parallel group
         rng = [None] * self.data_parallel_size
-        dist.all_gather_object(rng, capture_rng_state(), group=self.dp_group)
+        dist.all_gather_object(rng, megatron_rng_entry(capture_rng()), group=self.dp_group)
         if self.dp_rank != 0:
-            self.saver.start(dict, background=False)  # nothing to write; finish reports no files
+            self.saver.run(dict, background=False)  # nothing to write; finish reports no files
             return
         state = MegatronRankState(
             iteration=step,
@@ -143,19 +142,13 @@ class MegatronActorWorker(ActorWorker):
             exp_avg=moments["exp_avg"],
             exp_avg_sq=moments["exp_avg_sq"],
         )
-        self.saver.start(lambda: state.write(path, storage_options), background)
+        self.saver.run(lambda: state.write(url, storage_options), background)
 
-    def checkpoint_written(self) -> bool:
-        return self.saver.written
-
-    def finish_checkpoint(self) -> dict[str, Any]:
-        return self.saver.finish()
-
-    def load_checkpoint(self, path: str, storage_options: dict[str, Any] | None = None) -> bool:
-        """Load this rank's state from the checkpoint's actor folder `path`, resharding over tensor-parallel sizes;
+    def load_checkpoint(self, url: str, storage_options: dict[str, Any] | None) -> bool:
+        """Load this rank's state from the checkpoint's actor folder `url`, resharding over tensor-parallel sizes;
         returns whether RNG was restored (only when the parallel sizes are the saved ones)."""
         loaded = load_rank(
-            path, storage_options, self.hf_config, self.tp, self.tp_rank, self.data_parallel_size, self.dp_rank,
+            url, storage_options, self.hf_config, self.tp, self.tp_rank, self.data_parallel_size, self.dp_rank,
             self.divisible_by,
         )
         self.model.load_megatron_shard(loaded.model)
@@ -163,14 +156,16 @@ class MegatronActorWorker(ActorWorker):
         self.scheduler.load_state_dict(loaded.scheduler)
         apply_schedule(self.optimizer.optimizer, self.scheduler)  # this run's schedule, not the saved run's
         if loaded.rng_state is not None:
-            restore_rng_state(loaded.rng_state)
+            restore_rng(rng_from_megatron_entry(loaded.rng_state))
         return loaded.rng_state is not None
 
     # -- weights out ---------------------------------------------------------------------------
 
-    def _gather_hf_state(self) -> dict[str, torch.Tensor] | None:
-        """Collective over this rank's tensor-parallel group: the full weights in the HF layout on its tensor-parallel
-        rank 0 (tied output included under its HF name, as the rollout model's state dict lists it), None elsewhere."""
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Collective over data-parallel rank 0's tensor-parallel group: the full weights in the HF layout (tied output
+        included under its HF name, as an HF model's state dict lists it) on rank 0, None elsewhere."""
+        if self.dp_rank != 0:
+            return None  # the other data-parallel replicas hold the same weights
         own = {k: v.detach() for k, v in self.model.state_dict().items()}
         if self.tp == 1:
             shards = [own]
@@ -186,27 +181,25 @@ class MegatronActorWorker(ActorWorker):
         state = megatron_to_hf(shards, self.hf_config)
         if self.hf_config.tie_word_embeddings:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
-        return state
+        return {k: v.cpu() for k, v in state.items()}
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The unsharded weights with HF key names on rank 0 (None elsewhere). Every rank must call it."""
-        if self.dp_rank != 0:
-            return None  # the other data-parallel replicas hold the same weights
-        state = self._gather_hf_state()
-        return {k: v.cpu() for k, v in state.items()} if state is not None else None
+    def weight_source(self) -> WeightSource:
+        return MegatronWeightSource(self)
 
-    def _weight_sync_state(self) -> dict[str, torch.Tensor]:
-        """What this rank offers the weight sync: actor rank 0 sends the gathered HF weights whole; every other rank
-        sends nothing and offers only their shapes (meta tensors), which is all the sync's layout check needs."""
-        state = self._gather_hf_state() if self.dp_rank == 0 else None  # collective over data-parallel rank 0's group
-        if state is not None:
-            return state
-        if getattr(self, "_weight_sync_meta", None) is None:
-            from transformers import AutoModelForCausalLM
 
-            with torch.device("meta"):
-                self._weight_sync_meta = dict(AutoModelForCausalLM.from_config(self.hf_config).state_dict())
-        return self._weight_sync_meta
+class MegatronWeightSource(WeightSource):
+    """Data-parallel rank 0's tensor-parallel ranks each send their own slices, in HF layout; the other data-parallel
+    replicas hold the same weights and send nothing."""
+
+    def __init__(self, worker: MegatronActorWorker):
+        self.worker = worker
+
+    def blocks(self) -> list[Block]:
+        worker = self.worker
+        if worker.dp_rank != 0:
+            return []
+        shard = {k: v.detach() for k, v in worker.model.state_dict().items()}
+        return [Block(*block) for block in hf_blocks(shard, worker.hf_config, worker.tp, worker.tp_rank)]
 
 
 def _extra_state_keys(worker: MegatronActorWorker) -> list[str]:

@@ -10,7 +10,7 @@
 Each `model_optim_rng.pt` holds what Megatron-LM's own `--ckpt-format torch` checkpoints hold
 (`generate_state_dict` in megatron/training/checkpointing.py): `args` (an argparse.Namespace with the
 model's dimensions, the padded vocabulary and the parallel sizes), `checkpoint_version` (3.0),
-`iteration`, `model` (megatron-core key names, see rlrunner.models.megatron_layout), `optimizer` and
+`iteration`, `model` (megatron-core key names, see rlrunner.backends.megatron.layout), `optimizer` and
 `opt_param_scheduler` (left out for a model-only checkpoint) and `rng_state`.
 
 `rng_state` has Megatron's shape: a list with one dict per data-parallel rank, each with
@@ -31,15 +31,14 @@ import argparse
 import collections
 import contextlib
 import os
-import random
 import re
 import tempfile
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from rlrunner.checkpoint.layout import ACTOR_DIR
-from rlrunner.models.megatron_layout import (
+from rlrunner.checkpoint.layout import ACTOR_DIR, HF_DIR
+from rlrunner.backends.megatron.layout import (
     DEFAULT_VOCAB_DIVISIBLE_BY,
     Qwen2Dims,
     check_splittable,
@@ -51,7 +50,6 @@ from rlrunner.storage import FileRecord, Storage
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
-HF_DIR = "huggingface"  # beside iter_*/: the HF config and tokenizer (no weights), as in actor/huggingface
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"  # the sharded optimizer state beside it (its layout is the backend's)
 CHECKPOINT_VERSION = 3.0
 ALLOWED_GLOBALS: tuple[type, ...] = (argparse.Namespace,)  # all a model_optim_rng.pt needs beyond weights_only's own
@@ -146,33 +144,31 @@ def megatron_args(
 # -- RNG ---------------------------------------------------------------------------------------------
 
 
-def capture_rng_state() -> dict[str, Any]:
-    """This process's RNG states as one entry of Megatron's `rng_state` list (loadable with weights_only)."""
-    import numpy as np
-
-    kind, key, pos, has_gauss, gauss = np.random.get_state()
-    state: dict[str, Any] = {
-        "random_rng_state": random.getstate(),
-        "np_rng_state": (kind, torch.from_numpy(key.astype("int64")), int(pos), int(has_gauss), float(gauss)),
-        "torch_rng_state": torch.get_rng_state(),
+def megatron_rng_entry(state: Mapping[str, Any]) -> dict[str, Any]:
+    """One entry of Megatron's `rng_state` list from `rlrunner.utils.rng.capture_rng()`'s state."""
+    entry: dict[str, Any] = {
+        "random_rng_state": state["python"],
+        "np_rng_state": state["numpy"],
+        "torch_rng_state": state["torch"],
     }
-    if torch.cuda.is_available():
-        state["cuda_rng_state"] = torch.cuda.get_rng_state()
-    state["rng_tracker_states"] = {}  # megatron's named CUDA RNG streams; a backend with its own fills this in
+    if "cuda" in state:
+        entry["cuda_rng_state"] = state["cuda"][torch.cuda.current_device()]  # Megatron keeps the current device's
+    entry["rng_tracker_states"] = {}  # megatron's named CUDA RNG streams; a backend with its own fills this in
+    return entry
+
+
+def rng_from_megatron_entry(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """The state `rlrunner.utils.rng.restore_rng` puts back, from one entry of Megatron's `rng_state` list."""
+    state: dict[str, Any] = {
+        "python": entry["random_rng_state"],
+        "numpy": entry["np_rng_state"],
+        "torch": entry["torch_rng_state"],
+    }
+    if "cuda_rng_state" in entry and torch.cuda.is_available():
+        devices = torch.cuda.get_rng_state_all()
+        devices[torch.cuda.current_device()] = entry["cuda_rng_state"]
+        state["cuda"] = torch.stack(devices)
     return state
-
-
-def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Put back the RNG states of one entry of `rng_state` (the CUDA one only where CUDA is)."""
-    import numpy as np
-
-    version, internal, gauss_next = state["random_rng_state"]
-    random.setstate((version, tuple(internal), gauss_next))
-    kind, key, pos, has_gauss, gauss = state["np_rng_state"]
-    np.random.set_state((kind, np.asarray(key, dtype=np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch_rng_state"])
-    if "cuda_rng_state" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
 
 
 # -- writing -----------------------------------------------------------------------------------------

@@ -1,18 +1,13 @@
-"""One run per experiment folder, on any storage.
+"""The experiment lock on object stores: a lease made of generation objects.
 
-Local disks: an exclusive flock on `<experiment>/.rlrunner.lock`, which the kernel releases when its holder
-dies, so a crashed run never leaves it stuck (flock is per host on some network filesystems; NFS v4 and Lustre
-enforce it across nodes).
-
-Object stores: a lease made of generation objects `<experiment>/.rlrunner.lock/<12-digit generation>.json`;
-the highest generation is the current lease. A run takes the lease by creating the next generation with a
-conditional create (`write_if_absent`: S3's `If-None-Match: *`, GCS's `ifGenerationMatch=0`), so of several
-racers exactly one wins, and only when the current lease is released, stale (no heartbeat for the holder's
-`stale_after_s`, measured on the store's clock), or held by a process of this machine that has exited (so a
-driver relaunched by the launch script need not wait). The holder rewrites its own object every `heartbeat_s`
-from a daemon thread, and on each beat looks for a higher generation: one appears only when another run found
-this lease stale, which this holder learns from `lost()`. Nothing is ever overwritten but one's own object.
-The new holder deletes all but the last KEEP_GENERATIONS generations.
+`<experiment>/.rlrunner.lock/<12-digit generation>.json`; the highest generation is the current lease. A run
+takes the lease by creating the next generation with a conditional create (`write_if_absent`: S3's
+`If-None-Match: *`, GCS's `ifGenerationMatch=0`), so of several racers exactly one wins, and only when the current
+lease is released, stale (no heartbeat for the holder's `stale_after_s`, measured on the store's clock), or held by
+a process of this machine that has exited (so a driver relaunched by the launch script need not wait). The holder
+rewrites its own object every `heartbeat_s` from a daemon thread, and on each beat looks for a higher generation:
+one appears only when another run found this lease stale, which this holder learns from `lost()`. Nothing is ever
+overwritten but one's own object. The new holder deletes all but the last KEEP_GENERATIONS generations.
 
 Stores without a conditional create: write, wait SETTLE_S, read back; best effort (two runs that start within
 the settle time of each other may both think they hold it), with a warning.
@@ -20,7 +15,6 @@ the settle time of each other may both think they hold it), with a warning.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -33,7 +27,6 @@ from typing import Any
 
 from rlrunner.errors import ExperimentLockedError
 from rlrunner.storage import Storage
-from rlrunner.storage.local import local_path
 
 logger = logging.getLogger(__name__)
 
@@ -45,126 +38,7 @@ _GENERATION = re.compile(r"^(\d{12})\.json$")
 _warned_best_effort: set[str] = set()
 
 
-class ExperimentLock:
-    """Held by at most one run per experiment: `with ExperimentLock(storage, url): ...` or acquire()/release().
-
-    While it is held, `lost()` says why this holder no longer owns it (None while it does): the runner should
-    check it before it commits anything to the experiment.
-    """
-
-    def __init__(self, storage: Storage, experiment_url: str, heartbeat_s: float = 30.0, stale_after_s: float = 300.0):
-        if heartbeat_s <= 0 or stale_after_s <= 2 * heartbeat_s:
-            raise ValueError(
-                f"experiment lock: stale_after_s ({stale_after_s}) must be more than twice heartbeat_s ({heartbeat_s}) "
-                "and heartbeat_s positive, so that one late heartbeat does not lose the lock"
-            )
-        self.storage = storage
-        self.experiment_url = experiment_url
-        self._impl: _Flock | _Lease = (
-            _Flock(experiment_url) if storage.is_local else _Lease(storage, experiment_url, heartbeat_s, stale_after_s)
-        )
-
-    def acquire(self) -> None:
-        """Take the lock, or raise ExperimentLockedError naming the holder."""
-        self._impl.acquire()
-
-    def release(self) -> None:
-        """Give the lock up (nothing to do when not held). Never raises: a lease that cannot be marked
-        released lapses after stale_after_s."""
-        self._impl.release()
-
-    def lost(self) -> str | None:
-        """Why this holder no longer owns the lock; None while it does (and always on local disks). Never blocks."""
-        return self._impl.lost()
-
-    def __enter__(self) -> "ExperimentLock":
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.release()
-
-
-def describe_holder(storage: Storage, experiment_url: str) -> str | None:
-    """Who holds the experiment's lock ("pid 12 on host-a, since ..."), or None when no one does. Reads only."""
-    if storage.is_local:
-        return _Flock(experiment_url).holder()
-    lock_dir = storage.join(experiment_url, LOCK_NAME)
-    current = _current(storage, lock_dir)
-    if current is None or (current.record or {}).get("released"):
-        return None
-    text = current.describe(age=None)
-    if current.record is not None:  # no clock probe here (it would write): this host's clock, and said so
-        age = time.time() - float(current.record.get("heartbeat_unix", 0))
-        text += f", {age:.0f} s ago by this host's clock"
-        if age > float(current.record.get("stale_after_s", 0)) + CLOCK_SLACK_S:
-            text += " (looks stale: the next run will take it over)"
-    return text
-
-
-# -- local disks: flock -----------------------------------------------------------------------------
-
-
-class _Flock:
-    def __init__(self, experiment_url: str):
-        self.folder = local_path(experiment_url)
-        self.path = os.path.join(self.folder, LOCK_NAME)
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        os.makedirs(self.folder, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _flock_holder(fd)
-            os.close(fd)
-            raise ExperimentLockedError(
-                f"experiment folder {self.folder} is in use by another run ({holder}); "
-                "wait for it to end or choose another runner.experiment_name"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since_unix": time.time()}).encode())
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
-
-    def lost(self) -> None:
-        return None  # the kernel holds it for as long as we live
-
-    def holder(self) -> str | None:
-        """A shared flock succeeds only when no one holds the exclusive one (held for microseconds, then dropped)."""
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _flock_holder(fd)
-        else:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return None
-        finally:
-            os.close(fd)
-
-
-def _flock_holder(fd: int) -> str:
-    try:
-        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        return f"pid {info['pid']} on {info['host']}, since {_clock(info['since_unix'])}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "holder unknown"
-
-
-# -- object stores: a lease of generation objects ----------------------------------------------------
-
-
-class _Current:
+class Current:
     """The highest generation of a lease folder: its number, URL and record (None when unreadable)."""
 
     def __init__(self, generation: int, url: str, record: dict[str, Any] | None):
@@ -174,11 +48,11 @@ class _Current:
         record = self.record
         if record is None:
             return f"an unreadable lease {self.url}"
-        beat = f"last heartbeat {_clock(record.get('heartbeat_unix'))}" + (f" ({age})" if age else "")
-        return f"pid {record.get('pid')} on {record.get('host')}, since {_clock(record.get('since_unix'))}, {beat}"
+        beat = f"last heartbeat {clock(record.get('heartbeat_unix'))}" + (f" ({age})" if age else "")
+        return f"pid {record.get('pid')} on {record.get('host')}, since {clock(record.get('since_unix'))}, {beat}"
 
 
-class _Lease:
+class Lease:
     def __init__(self, storage: Storage, experiment_url: str, heartbeat_s: float, stale_after_s: float):
         self.storage = storage
         self.experiment_url = experiment_url
@@ -201,7 +75,7 @@ class _Lease:
     def acquire(self) -> None:
         waited_for: int | None = None  # the generation whose lapse we are waiting for
         while True:
-            current = _current(self.storage, self.lock_dir)
+            current = current_lease(self.storage, self.lock_dir)
             free_because = None
             if current is None:
                 break
@@ -234,7 +108,7 @@ class _Lease:
         }
         started = time.monotonic()
         if not self._create(url, record):
-            winner = _current(self.storage, self.lock_dir)
+            winner = current_lease(self.storage, self.lock_dir)
             raise ExperimentLockedError(self._held_message(winner, None) if winner else f"lost the race for {url}")
         if current is not None and free_because != "released":
             logger.warning("took over the experiment lock of %s: %s", current.describe(None), free_because)
@@ -311,7 +185,7 @@ class _Lease:
         try:
             newer = [g for g in _generations(self.storage, self.lock_dir) if g > self._generation]
             if newer:
-                winner = _current(self.storage, self.lock_dir)
+                winner = current_lease(self.storage, self.lock_dir)
                 who = winner.describe(None) if winner else "another run"
                 self._set_lost(
                     f"the experiment lock {self.lock_dir} was taken over by {who} (lease generation {max(newer)}; "
@@ -323,7 +197,7 @@ class _Lease:
             if not self.storage.supports_exclusive_create:  # racers may have written our key: is it still ours?
                 back = _read_record(self.storage, self._url)
                 if back is not None and back.get("owner") != record["owner"]:
-                    who = _Current(self._generation, self._url, back).describe(None)
+                    who = Current(self._generation, self._url, back).describe(None)
                     self._set_lost(f"the experiment lock {self._url} was overwritten by {who}")
                     return False
             with self._write:
@@ -342,7 +216,7 @@ class _Lease:
 
     # what the current lease is worth
 
-    def _assess(self, current: _Current) -> tuple[str | None, str | None, float | None]:
+    def _assess(self, current: Current) -> tuple[str | None, str | None, float | None]:
         """(why the current lease may be taken, or None; its age as text; its age in seconds where known)."""
         record = current.record
         if record is not None and record.get("released"):
@@ -362,7 +236,7 @@ class _Lease:
             return f"its last heartbeat was {text} (stale after {stale_after:.0f} s)", text, age
         return None, text, age
 
-    def _lapse_in(self, current: _Current, age: float | None) -> float | None:
+    def _lapse_in(self, current: Current, age: float | None) -> float | None:
         """Seconds until a lease that has stopped beating lapses; None while its holder still beats (or unknown).
 
         A holder beats every heartbeat_s: one that missed two beats is most likely dead (a driver killed on
@@ -376,7 +250,7 @@ class _Lease:
             return None
         return max(0.0, float(record.get("stale_after_s", self.stale_after_s)) + CLOCK_SLACK_S - age)
 
-    def _held_message(self, current: _Current, age: str | None) -> str:
+    def _held_message(self, current: Current, age: str | None) -> str:
         lapse = float((current.record or {}).get("stale_after_s", self.stale_after_s))
         remedy = "wait for it to end" if current.record is not None else f"delete {current.url} if no run uses it"
         return (
@@ -406,7 +280,7 @@ def _generations(storage: Storage, lock_dir: str) -> list[int]:
     return sorted(int(match.group(1)) for match in found if match)
 
 
-def _current(storage: Storage, lock_dir: str) -> _Current | None:
+def current_lease(storage: Storage, lock_dir: str) -> Current | None:
     """The highest generation, or None when there is none. Re-lists if it vanishes under us (deleted by hand)."""
     for _ in range(3):
         generations = _generations(storage, lock_dir)
@@ -417,7 +291,7 @@ def _current(storage: Storage, lock_dir: str) -> _Current | None:
             data = storage.read_bytes(url)
         except FileNotFoundError:
             continue
-        return _Current(generations[-1], url, _decode(data))
+        return Current(generations[-1], url, _decode(data))
     raise OSError(f"the experiment lock {lock_dir} keeps changing under us; retry")
 
 
@@ -477,7 +351,7 @@ def _holder_exited(record: dict[str, Any]) -> bool:
         return False
 
 
-def _clock(unix: Any) -> str:
+def clock(unix: Any) -> str:
     try:
         return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(unix)))
     except (TypeError, ValueError, OverflowError):

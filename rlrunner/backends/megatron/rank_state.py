@@ -6,8 +6,8 @@
 
 Data-parallel rank 0 of each tensor-parallel rank writes that rank's two files; `rng_state` holds one entry per
 data-parallel rank (Megatron's list-of-dicts), gathered before the write. The state is copied off the training
-tensors on the training thread (`MegatronRankState`); the files are written, or uploaded, in a thread
-(`BackgroundWrite`), so a save blocks training only for the copy.
+tensors on the training thread (`MegatronRankState`); the files are written, or uploaded, in a thread (the
+worker's `BackgroundSave`), so a save blocks training only for the copy.
 
 A load reads this rank's files when the tensor-parallel size is the saved one; with another size it merges every
 saved rank's model and Adam moments into the HF layout and splits them again for this size (the converters'
@@ -17,14 +17,12 @@ functions), so tp=2 resumes at tp=1 and back. RNG states are restored only when 
 from __future__ import annotations
 
 import argparse
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
-from rlrunner.checkpoint.megatron_files import (
+from rlrunner.backends.megatron.files import (
     distrib_optim_file,
     distrib_optim_state,
     rank_dirs,
@@ -35,7 +33,7 @@ from rlrunner.checkpoint.megatron_files import (
     read_tracker,
     write_state_file,
 )
-from rlrunner.models.megatron_layout import EXTRA_STATE, hf_to_megatron_rank, megatron_to_hf
+from rlrunner.backends.megatron.layout import EXTRA_STATE, hf_to_megatron_rank, megatron_to_hf
 from rlrunner.storage import FileRecord, open_storage
 
 
@@ -65,52 +63,6 @@ class MegatronRankState:
         )
         records.update(write_state_file(storage, url, distrib_optim_file(self.iteration, self.tp_rank), moments))
         return records
-
-
-class BackgroundWrite:
-    """One rank's save in flight (at most one): started, then finished (waited for, or polled)."""
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlrunner-ckpt")
-        self._future: Future | None = None
-        self._started = 0.0
-        self._write_s: float | None = None
-
-    @property
-    def written(self) -> bool:
-        if self._future is None:
-            raise RuntimeError("no checkpoint save in flight on this rank")
-        return self._future.done()
-
-    def start(self, write: Callable[[], dict[str, FileRecord]], background: bool) -> None:
-        """Run `write` in the thread (`background`) or here; its error is raised by `finish`."""
-        if self._future is not None:
-            raise RuntimeError("a checkpoint save is already in flight on this rank")
-        self._started, self._write_s = time.monotonic(), None
-
-        def timed() -> dict[str, FileRecord]:
-            try:
-                return write()
-            finally:
-                self._write_s = time.monotonic() - self._started
-
-        if background:
-            self._future = self._pool.submit(timed)
-            return
-        future: Future = Future()
-        try:
-            future.set_result(timed())
-        except BaseException as exc:
-            future.set_exception(exc)
-        self._future = future
-
-    def finish(self) -> dict[str, Any]:
-        """Wait for the save in flight: {"files": {name: {size, crc32}}, "write_s": seconds}, or its error."""
-        if self._future is None:
-            raise RuntimeError("no checkpoint save in flight on this rank")
-        future, self._future = self._future, None
-        records = future.result()
-        return {"files": {name: record.as_dict() for name, record in sorted(records.items())}, "write_s": self._write_s}
 
 
 # -- loading -----------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
     sync_weights(actor_group, rollout_group, bucket_bytes)       # after each update (and after a restore)
 
 The weights never pass through the driver or the object store: each actor rank broadcasts its own shards,
-in the rollout dtype, to every rollout worker (rlrunner.workers.weight_sync). Both calls are collectives of
+in the rollout dtype, to every rollout worker (rlrunner.weight_sync.transport). Both calls are collectives of
 the two groups together; a rank that fails or dies is reported at once, whichever group it is in, and
 every wait is bounded. After a failure the channels are broken: connect again (the runner's recovery
 rebuilds both groups, and build_groups connects them).
@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import ray
 
-from rlrunner.cluster.worker_group import CallTimeoutError, WorkerGroup
+from rlrunner.cluster.worker_group import CallTimeoutError, WorkerGroup, drain
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 _POLL_S = 0.2
@@ -75,12 +75,12 @@ def wait_both(
                 try:
                     results[i] = group.get(refs, remaining)  # returns at once, or raises the failed rank's error
                 except BaseException:
-                    _drain(pending)
+                    drain(pending)
                     raise
         if all(r is not None for r in results):
             break
         if deadline is not None and time.monotonic() >= deadline:
-            _drain(pending)
+            drain(pending)
             raise CallTimeoutError(
                 f"the {first.name} and {second.name} groups did not finish their weight sync within {limit:g}s"
             )
@@ -97,15 +97,3 @@ def _failed(ref: ray.ObjectRef) -> bool:
     except Exception:
         return True
     return False
-
-
-def _drain(pending) -> None:
-    """Read the calls that already finished, so Ray does not log their errors as unhandled; never waits."""
-    if not pending:
-        return
-    ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
-    for ref in ready:
-        try:
-            ray.get(ref, timeout=0)
-        except Exception:
-            pass

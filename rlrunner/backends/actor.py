@@ -1,0 +1,234 @@
+"""The actor worker every training backend subclasses: one rank of the policy, its optimizer and LR schedule.
+
+The GRPO update is written once, here. The driver sends each rank its shard of the step's batch (see
+`rlrunner.runner.batching` and `RankMap`): `num_minibatches` equal slices, one optimizer step each, every slice
+split into micro-batches whose gradients accumulate. The loss is a token mean over the whole mini-batch on all
+data-parallel ranks: each rank divides its token sum by the mini-batch's global token count, known in advance.
+
+A backend supplies, as abstract methods: building the model (`setup`), the forward pass, when gradients are
+reduced, the clipped optimizer step, the checkpoint files, the full weights (`full_state_dict`) and what this rank
+sends in a weight sync (`weight_source`). The weight-sync endpoints and the save in flight are shared.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Iterator
+
+import torch
+
+from rlrunner.algorithms.grpo import clipped_policy_loss, kl_penalty, masked_sum, token_entropy, token_log_probs
+from rlrunner.backends.background_save import BackgroundSave
+from rlrunner.cluster.node import node_ip
+from rlrunner.cluster.worker import Worker
+from rlrunner.weight_sync.channels import connect_store, serve_store
+from rlrunner.weight_sync.endpoints import WeightSource
+from rlrunner.weight_sync.transport import WeightSender
+
+WeightsReader = Callable[[Any], dict[str, torch.Tensor]]  # HF config -> the full HF state dict of model.path's checkpoint
+
+
+class ActorWorker(Worker, ABC):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        model_cfg: dict[str, Any],
+        actor_cfg: dict[str, Any],
+        algorithm_cfg: dict[str, Any],
+        init_seed: int,
+        total_optimizer_steps: int,
+        read_weights: WeightsReader | None = None,
+        threads: int = 1,
+        use_gpu: bool = False,
+    ):
+        super().__init__(rank, world_size, threads, use_gpu)
+        self.model_cfg = model_cfg
+        self.actor_cfg = actor_cfg
+        self.algorithm_cfg = algorithm_cfg
+        self.init_seed = init_seed
+        self.total_optimizer_steps = total_optimizer_steps
+        self.read_weights = read_weights  # set when model.path is a training checkpoint (of any backend)
+        self.saver = BackgroundSave()
+        self.weight_sync: WeightSender | None = None
+        self._weight_sync_store = None
+        self.model: torch.nn.Module
+        self.ref_model: torch.nn.Module | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR
+
+    # -- what each backend supplies --------------------------------------------------------------
+
+    @abstractmethod
+    def setup(self) -> None:
+        """Build this rank's part of the policy (and of the frozen reference when KL is on), its optimizer and LR
+        schedule. Called once the process group is up."""
+
+    @property
+    @abstractmethod
+    def data_parallel_size(self) -> int:
+        """The ranks that see different rows of the batch (gradients are averaged over them)."""
+
+    @abstractmethod
+    def forward_logits(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [rows, width, vocab] of `model` (the policy or the reference) for `input_ids` [rows, width]."""
+
+    @abstractmethod
+    def set_gradient_sync(self, enabled: bool) -> None:
+        """Called before each micro-batch's backward: `enabled` on the last one of a mini-batch."""
+
+    @abstractmethod
+    def clip_and_step(self, max_norm: float) -> float:
+        """Reduce the gradients if not done yet, clip them to `max_norm`, step the optimizer unless their norm is not
+        finite (then no rank steps); returns the norm of the whole model's gradient."""
+
+    @abstractmethod
+    def start_checkpoint(self, url: str, step: int, background: bool, storage_options: dict[str, Any] | None) -> None:
+        """Collective: save this rank's state under `url` (the checkpoint's actor folder: a local path or any store's
+        URL), through `self.saver`; with `background`, return once the state is copied off the live tensors."""
+
+    @abstractmethod
+    def load_checkpoint(self, url: str, storage_options: dict[str, Any] | None) -> bool:
+        """Collective: load the state saved under `url`, resharding as needed; returns whether RNG was restored."""
+
+    @abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole policy's weights in HF layout on rank 0, None elsewhere. Every rank must call it."""
+
+    @abstractmethod
+    def weight_source(self) -> WeightSource:
+        """What this rank sends to the rollout workers in a weight sync."""
+
+    # -- checkpoint writes in flight ---------------------------------------------------------------
+
+    def checkpoint_written(self) -> bool:
+        """Whether the save in flight has finished writing (or failed); never waits."""
+        return self.saver.written
+
+    def finish_checkpoint(self) -> dict[str, Any]:
+        """Wait for the save in flight; the files this rank wrote: {"files": {name: {size, crc32}}, "write_s"}."""
+        return self.saver.finish()
+
+    # -- the update ----------------------------------------------------------------------------
+
+    def _micro_batches(self, shard: dict[str, torch.Tensor], rows: range) -> Iterator[tuple[slice, int]]:
+        micro = self.actor_cfg["micro_batch_size"]
+        for start in range(rows.start, rows.stop, micro):
+            index = slice(start, start + micro)
+            width = int(shard["lengths"][index].max())
+            yield index, width
+
+    def _logits(self, model: torch.nn.Module, input_ids: torch.Tensor, width: int) -> torch.Tensor:
+        """Next-token logits for positions 0..width-2 of the (right-padded) rows."""
+        return self.forward_logits(model, input_ids[:, :width].to(self.device))[:, :-1]
+
+    @torch.no_grad()
+    def _log_probs(self, model: torch.nn.Module, shard: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Token log-probs of every row under `model`, with the same micro-batching as the update."""
+        out = torch.zeros_like(shard["loss_mask"], dtype=torch.float32)
+        for index, width in self._micro_batches(shard, range(shard["input_ids"].shape[0])):
+            logits = self._logits(model, shard["input_ids"][index], width)
+            targets = shard["input_ids"][index, 1:width].to(self.device)
+            out[index, : width - 1] = token_log_probs(logits, targets).cpu()
+        return out
+
+    def update(self, shard: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One GRPO policy update on this rank's shard; returns sums for the driver to combine."""
+        cfg, algo = self.actor_cfg, self.algorithm_cfg
+        rows = shard["input_ids"].shape[0]
+        token_counts = shard["token_counts"].tolist()
+        num_minibatches = len(token_counts)
+        rows_per_minibatch = rows // num_minibatches
+        # With one on-policy pass the old policy is the current one: its log-probs are the live ones, detached.
+        reuse_live = num_minibatches == 1 and cfg["ppo_epochs"] == 1
+        old_log_probs = None if reuse_live else self._log_probs(self.model, shard)
+        ref_log_probs = self._log_probs(self.ref_model, shard) if self.ref_model is not None else None
+        clip_low = algo["clip_ratio"]
+        clip_high = algo["clip_ratio_high"] if algo["clip_ratio_high"] is not None else clip_low
+        max_norm = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
+
+        sums = {"pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clipped": 0.0, "ppo_kl": 0.0, "tokens": 0.0}
+        grad_norms: list[float] = []
+        skipped = 0
+        for _ in range(cfg["ppo_epochs"]):
+            for mb, global_tokens in enumerate(token_counts):
+                rows_mb = range(mb * rows_per_minibatch, (mb + 1) * rows_per_minibatch)
+                micro_batches = list(self._micro_batches(shard, rows_mb))
+                for i, (index, width) in enumerate(micro_batches):
+                    self.set_gradient_sync(i == len(micro_batches) - 1)
+                    logits = self._logits(self.model, shard["input_ids"][index], width)
+                    targets = shard["input_ids"][index, 1:width].to(self.device)
+                    mask = shard["loss_mask"][index, : width - 1].to(self.device)
+                    log_probs = token_log_probs(logits, targets)
+                    old = log_probs.detach() if reuse_live else old_log_probs[index, : width - 1].to(self.device)
+                    terms = clipped_policy_loss(
+                        log_probs, old, shard["advantages"][index].to(self.device), clip_low, clip_high
+                    )
+                    per_token = terms.loss
+                    if ref_log_probs is not None:
+                        kl = kl_penalty(log_probs, ref_log_probs[index, : width - 1].to(self.device))
+                        per_token = per_token + algo["kl_coef"] * kl
+                        sums["kl"] += masked_sum(kl.detach(), mask).item()
+                    if algo["entropy_coef"]:
+                        entropy = token_entropy(logits)
+                        per_token = per_token - algo["entropy_coef"] * entropy
+                    else:
+                        with torch.no_grad():
+                            entropy = token_entropy(logits)
+                    # Gradients are averaged over the data-parallel ranks; scaling by their number makes the result the
+                    # global token mean.
+                    loss = masked_sum(per_token, mask) * (self.data_parallel_size / global_tokens)
+                    loss.backward()
+                    sums["pg_loss"] += masked_sum(terms.loss.detach(), mask).item()
+                    sums["entropy"] += masked_sum(entropy.detach(), mask).item()
+                    sums["clipped"] += masked_sum(terms.clipped, mask).item()
+                    sums["ppo_kl"] += masked_sum(terms.approx_kl, mask).item()
+                    sums["tokens"] += mask.sum().item()
+                grad_norm = self.clip_and_step(max_norm)
+                if not math.isfinite(grad_norm):
+                    skipped += 1  # a non-finite gradient would poison the weights: the step was dropped
+                self.optimizer.zero_grad()
+                self.scheduler.step()
+                grad_norms.append(grad_norm)
+        return {
+            **sums,
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "lr": self.scheduler.get_last_lr()[0],
+            "skipped_steps": float(skipped),
+        }
+
+    # -- weight sync (see rlrunner.weight_sync) --------------------------------------------------
+
+    def weight_sync_address(self) -> tuple[str, int]:
+        """Rank 0: start a new rendezvous store for the weight-sync channels on a free port; its (host, port)."""
+        self.close_weight_sync()
+        host = node_ip()
+        self._weight_sync_store = serve_store(host)  # kept alive as long as this rank's channel
+        return host, self._weight_sync_store.port
+
+    def join_weight_sync(self, host: str, port: int, num_actor_ranks: int, num_rollout_workers: int, timeout_s: float) -> str:
+        """Collective with every actor rank and rollout worker: build this rank's channel; returns its backend."""
+        if num_actor_ranks != self.world_size:
+            raise ValueError(f"join_weight_sync: {num_actor_ranks} actor ranks given, the actor group has {self.world_size}")
+        self._drop_weight_sync_channels()
+        store = connect_store(host, port, timeout_s)
+        self.weight_sync = WeightSender(
+            store, self.rank, num_actor_ranks, num_rollout_workers, self.weight_source(), self.device, timeout_s, node_ip()
+        )
+        return self.weight_sync.backend
+
+    def send_weights(self, bucket_bytes: int) -> dict[str, float]:
+        """Collective with every rollout worker's `receive_weights`: broadcast this rank's blocks in the rollout dtype."""
+        if self.weight_sync is None:
+            raise RuntimeError("send_weights before join_weight_sync")
+        return self.weight_sync.send(bucket_bytes)
+
+    def _drop_weight_sync_channels(self) -> None:
+        sync, self.weight_sync = self.weight_sync, None
+        if sync is not None:
+            sync.close()
+
+    def close_weight_sync(self) -> None:
+        """Drop the channel and (rank 0) the store; a later sync needs a new address and join."""
+        self._drop_weight_sync_channels()
+        self._weight_sync_store = None

@@ -1,0 +1,41 @@
+"""The FSDP backend: the policy sharded with PyTorch FSDP2 over every actor rank (data parallel), AdamW, and
+checkpoints in torch.distributed.checkpoint's format (one `.distcp` file per rank and a `.metadata`)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from rlrunner.backends.base import RankMap, TrainingBackend
+from rlrunner.backends.checkpoints import ActorCheckpointManager
+from rlrunner.backends.fsdp.weights import find_dcp_dir, read_dcp_weights
+from rlrunner.backends.fsdp.worker import FSDPActorWorker
+from rlrunner.errors import ConfigError
+from rlrunner.storage import Storage
+
+
+class FSDPBackend(TrainingBackend):
+    name = "fsdp"
+    checkpoint_format = "fsdp2-dcp"
+
+    @property
+    def worker_class(self) -> type:
+        return FSDPActorWorker
+
+    def check_config(self, cfg: Any) -> None:
+        tp = cfg.actor.tensor_model_parallel_size
+        if tp > 1:
+            raise ConfigError(
+                f"actor.tensor_model_parallel_size={tp} needs actor.training_backend=megatron (fsdp shards, it does not split layers)"
+            )
+
+    def checkpoint_manager(self, actor_group: Any, rank_map: RankMap, timeout_s: float | None, background: bool,
+                           storage_options: Mapping[str, Any] | None) -> ActorCheckpointManager:
+        return ActorCheckpointManager(actor_group, self.checkpoint_format, timeout_s, background, storage_options)
+
+    def find_checkpoint(self, storage: Storage, url: str) -> str | None:
+        return find_dcp_dir(storage, url)
+
+    def read_hf_weights(self, storage: Storage, root: str, config: Any) -> dict[str, torch.Tensor]:
+        return read_dcp_weights(storage, root)

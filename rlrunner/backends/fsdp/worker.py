@@ -1,0 +1,104 @@
+"""The FSDP backend's actor worker: one rank of the policy sharded with FSDP2, AdamW, checkpoints through DCP."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlrunner.backends.actor import ActorWorker
+from rlrunner.backends.fsdp.dcp_state import fsdp_state, load_fsdp_state, new_stager, start_dcp_save
+from rlrunner.backends.fsdp.weights import FSDPWeightSource
+from rlrunner.backends.optim import apply_schedule, build_optimizer
+from rlrunner.models.loading import build_model, build_tokenizer, torch_dtype
+from rlrunner.weight_sync.endpoints import WeightSource
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks (each becomes its own FSDP unit), found by class name for any HF decoder."""
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+def shard_model(model: torch.nn.Module, param_dtype: str, reduce_dtype: str, trainable: bool = True) -> torch.nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch_dtype(param_dtype), reduce_dtype=torch_dtype(reduce_dtype))
+    for layer in decoder_layers(model):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    model.requires_grad_(trainable)
+    return model
+
+
+class FSDPActorWorker(ActorWorker):
+    def setup(self) -> None:
+        """Build and shard the policy (and the frozen reference when KL is on). Needs the process group."""
+        tokenizer = build_tokenizer(self.model_cfg)
+        # Master weights stay float32; FSDP computes in actor.param_dtype.
+        self.model = self._build(tokenizer, trainable=True)
+        self.model.train()
+        self.optimizer, self.scheduler = build_optimizer(
+            self.model.parameters(), self.actor_cfg["optim"], self.total_optimizer_steps
+        )
+        # Checkpoint collectives get a gloo group of their own: a save written in the background must never
+        # interleave its collectives with training's (and DCP's background path needs a CPU backend on GPU too).
+        self.checkpoint_group = dist.new_group(backend="gloo", timeout=self.dist_timeout)
+        self.stager = None  # made at the first background save; its host buffers are reused by every later one
+        if self.algorithm_cfg["use_kl_loss"]:
+            self.ref_model = self._build(tokenizer, trainable=False)
+            self.ref_model.eval()
+
+    def _build(self, tokenizer, trainable: bool) -> torch.nn.Module:
+        model = build_model(self.model_cfg, tokenizer, self.init_seed, dtype="float32", read_weights=self.read_weights)
+        return shard_model(model.to(self.device), self.actor_cfg["param_dtype"], self.actor_cfg["reduce_dtype"], trainable)
+
+    # -- the update's backend parts ------------------------------------------------------------
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size
+
+    def forward_logits(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=input_ids, use_cache=False).logits
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        """FSDP reduces gradients in backward: only on the last micro-batch of a mini-batch."""
+        self.model.set_requires_gradient_sync(enabled)
+
+    def clip_and_step(self, max_norm: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        norm = float(norm)
+        if math.isfinite(norm):
+            self.optimizer.step()
+        return norm
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def start_checkpoint(self, url: str, step: int, background: bool, storage_options: dict[str, Any] | None) -> None:
+        """Collective: every rank writes its DCP shard under `url`, straight there (a local folder or a store)."""
+        state = fsdp_state(self.model, self.optimizer, self.scheduler, self.rank)
+        if background and self.stager is None:
+            self.stager = new_stager()
+        start_dcp_save(self.saver, url, state, background, storage_options, self.checkpoint_group, self.stager)
+
+    def load_checkpoint(self, url: str, storage_options: dict[str, Any] | None) -> bool:
+        restored_rng = load_fsdp_state(
+            url, self.model, self.optimizer, self.scheduler, self.rank, self.world_size, storage_options
+        )
+        apply_schedule(self.optimizer, self.scheduler)  # this run's schedule, not the saved run's
+        return restored_rng
+
+    # -- weights out ---------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if self.rank == 0 else None
+
+    def weight_source(self) -> WeightSource:
+        return FSDPWeightSource(self.model)

@@ -1,0 +1,58 @@
+"""The rollout-engine seam: what a rollout worker needs from the engine that generates for it.
+
+An engine is built from the model config (its weights do not matter: the actor's are pushed before the first
+generation), generates response token ids for fixed chunks of prompts with one seed per sample, takes new weights
+through its weight sink, and is closed when its worker goes. A new engine is one module (or package) under
+`rlrunner/rollout/` and one line in `rlrunner/rollout/registry.py`. Rewards are not the engine's business: the
+rollout worker scores every response in one place (`RolloutWorker._score`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from rlrunner.models.loading import TokenIds
+from rlrunner.weight_sync.endpoints import WeightSink
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One sample to generate: its prompt's token ids and the seed of its own random stream."""
+
+    prompt_ids: Sequence[int]
+    seed: int
+
+
+class RolloutEngine(ABC):
+    def __init__(
+        self,
+        model_cfg: Mapping[str, Any],
+        rollout_cfg: Mapping[str, Any],
+        tokenizer: Any,
+        token_ids: TokenIds,
+        seed: int,
+        device: torch.device,
+    ):
+        """Build the engine for `model.*` (its dtype is the rollout's) and `rollout.*`; `seed` seeds anything random
+        at build time. A response ends with its first id in `token_ids.eos` (kept) or after `rollout.max_new_tokens`."""
+        self.model_cfg = model_cfg
+        self.rollout_cfg = rollout_cfg
+        self.tokenizer = tokenizer
+        self.token_ids = token_ids
+        self.device = device
+
+    @abstractmethod
+    def generate(self, chunks: Sequence[Sequence[SampleRequest]]) -> list[list[list[int]]]:
+        """The response token ids of every request, chunk by chunk, in order. The chunks are fixed by the driver; what
+        a request gets may depend on its chunk (its batch) but never on how chunks are shared between workers."""
+
+    @abstractmethod
+    def weight_sink(self) -> WeightSink:
+        """Where a weight sync delivers the policy's tensors (HF names), to be loaded the engine's way."""
+
+    def close(self) -> None:
+        """Free what the engine holds (processes, device memory); the worker is going away."""

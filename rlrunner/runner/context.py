@@ -1,0 +1,95 @@
+"""What a run sets up once and keeps across its attempts: the config, the data, the model's config, the training
+backend and its rank layout, the experiment folder with its checkpoint handler, lock and logs.
+
+Building it checks everything that can be checked before Ray starts (a model the backend cannot split, say);
+an attempt (`rlrunner.runner.trainer.Trainer`) takes it and adds the worker groups and the step counter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlrunner.backends.registry import checkpoint_weights_reader, get_backend
+from rlrunner.checkpoint import layout
+from rlrunner.checkpoint.handler import CheckpointHandler
+from rlrunner.checkpoint.manager import CheckpointManager
+from rlrunner.checkpoint.policy import flatten
+from rlrunner.config import mini_batch_prompts
+from rlrunner.data.datasets import build_dataset
+from rlrunner.data.loader import PromptLoader
+from rlrunner.experiment.lock import ExperimentLock
+from rlrunner.models.loading import build_hf_config, build_tokenizer, token_ids
+from rlrunner.runner.experiment_logs import ExperimentLogs
+from rlrunner.runner.recovery import RecoveryLog
+from rlrunner.runner.stopping import StopRequest
+from rlrunner.storage import open_storage
+
+# HF config keys that do not shape the weights (or are bookkeeping) and may differ between saves.
+_VOLATILE_HF_KEYS = {"transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache", "_commit_hash"}
+
+
+def reward_verifier(cfg: DictConfig) -> str:
+    """`reward.verifier`, or the natural one for the data: arithmetic for the synthetic task, math for files."""
+    if cfg.reward.verifier:
+        return cfg.reward.verifier
+    return "math" if cfg.data.train_files else "arithmetic"
+
+
+def model_optimizer_fingerprint(cfg: DictConfig, hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The settings a checkpoint's model and optimizer state depend on; a resume must match them all."""
+    architecture = {k: v for k, v in hf_config.items() if k not in _VOLATILE_HF_KEYS and not k.startswith("_attn")}
+    return {**flatten("model.config", architecture), **flatten("actor.optim", OmegaConf.to_container(cfg.actor.optim))}
+
+
+class RunContext:
+    def __init__(self, cfg: DictConfig, stop: StopRequest | None = None):
+        self.cfg = cfg
+        self.stop = stop or StopRequest(cfg.runner.max_wall_time_s)
+        self.storage_options = OmegaConf.to_container(cfg.runner.storage_options, resolve=True)
+        # logs are written locally (a cache folder when log_path is on a store) and uploaded at every commit
+        self.logs = ExperimentLogs(cfg.runner.logger.log_path, self.storage_options, cfg.runner.local_cache_dir, cfg.runner.experiment_name)
+        self.log_path = self.logs.local_dir
+        self.recovery_log = RecoveryLog(self.log_path)
+        self.tokenizer = build_tokenizer(cfg.model)
+        self.token_ids = token_ids(cfg.model, self.tokenizer)
+        self.dataset = build_dataset(cfg.data, self.tokenizer, cfg.runner.seed)
+        self.total_steps = min(cfg.runner.max_steps, cfg.runner.max_epochs * self.new_loader().steps_per_epoch)
+        self.num_minibatches = cfg.data.batch_size // mini_batch_prompts(cfg)
+        self.optimizer_steps = self.total_steps * self.num_minibatches * cfg.actor.ppo_epochs
+        self.backend = get_backend(cfg.actor.training_backend)
+        self.rank_map = self.backend.rank_map(cfg.actor)
+        self.hf_config = build_hf_config(cfg.model, self.tokenizer)
+        self.backend.check_model(self.hf_config, cfg.actor)
+        # model.path may be a training checkpoint of any backend: its weights are read by the backend that wrote it
+        self.read_weights = None
+        if cfg.model.path is not None:
+            storage = open_storage(str(Path(cfg.model.path).expanduser()))
+            self.read_weights = checkpoint_weights_reader(storage, storage.url)
+        self.storage, self.experiment = layout.experiment_url(cfg.runner.output_dir, cfg.runner.experiment_name, self.storage_options)
+        self.handler = CheckpointHandler(
+            self.storage,
+            self.experiment,
+            cfg.runner.save_interval,
+            cfg.runner.max_ckpt_to_keep,
+            model_optimizer_fingerprint(cfg, self.hf_config.to_dict()),
+            verify_checksums=cfg.runner.verify_checksums,
+        )
+        self.lock = ExperimentLock(self.storage, self.experiment)
+
+    def new_loader(self) -> PromptLoader:
+        return PromptLoader(self.dataset, self.cfg.data.batch_size, self.cfg.runner.seed, self.cfg.data.shuffle)
+
+    def checkpoint_manager(self, actor_group: Any) -> CheckpointManager:
+        return self.backend.checkpoint_manager(
+            actor_group, self.rank_map, self.cfg.runner.recovery.checkpoint_timeout_s, self.cfg.runner.async_save,
+            self.storage_options,
+        )
+
+    def write_hf_files(self, local_folder: str) -> None:
+        """HF config and tokenizer beside the actor's files, so converters need nothing but the checkpoint."""
+        folder = Path(local_folder) / layout.ACTOR_HF_DIR
+        self.hf_config.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)

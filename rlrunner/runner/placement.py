@@ -1,0 +1,70 @@
+"""How a run's two worker groups are placed and built: the WorkerGroup arguments of the actor and rollout groups."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from omegaconf import OmegaConf
+
+from rlrunner.rollout.worker import RolloutWorker
+from rlrunner.runner.context import RunContext, reward_verifier
+from rlrunner.utils.seeding import derive_seed
+
+START_TIMEOUT_S = 300.0  # bound on starting workers (imports, model build), whatever the step timeout
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True)
+
+
+def group_specs(ctx: RunContext, placement_timeout_s: float, abandon: Callable[[], bool]) -> tuple[dict, dict]:
+    """The keyword arguments of `WorkerGroup` for the actor group and for the rollout group. Both start without
+    waiting (`wait=False`), so that they start side by side; `abandon()` turning true ends a wait for resources."""
+    cfg = ctx.cfg
+    cluster, recovery = cfg.cluster, cfg.runner.recovery
+    common = {"threads": cluster.threads_per_worker, "use_gpu": cluster.gpus_per_worker > 0}
+    placement = {
+        "gpus_per_worker": cluster.gpus_per_worker,
+        "placement_strategy": cluster.placement_strategy,
+        "placement_timeout_s": placement_timeout_s,
+        "call_timeout_s": recovery.step_timeout_s,
+        # a collective inside a save or load may wait as long as the slowest rank's I/O
+        "dist_timeout_s": max(recovery.step_timeout_s, recovery.checkpoint_timeout_s),
+        "abandon": abandon,
+        "start_timeout_s": START_TIMEOUT_S,
+        "wait": False,
+    }
+    actor = {
+        "name": "actor",
+        "worker_cls": ctx.backend.worker_class,
+        "num_workers": cfg.actor.num_workers,
+        "worker_kwargs": {
+            "model_cfg": _plain(cfg.model),
+            "actor_cfg": _plain(cfg.actor),
+            "algorithm_cfg": _plain(cfg.algorithm),
+            "init_seed": derive_seed(cfg.runner.seed, "model_init"),
+            "total_optimizer_steps": ctx.optimizer_steps,
+            "read_weights": ctx.read_weights,
+            **common,
+        },
+        "cpus_per_worker": cluster.cpus_per_actor_worker,
+        "distributed": True,
+        "workers_per_bundle": ctx.rank_map.tp,  # a tensor-parallel group is one bundle: never split across nodes
+        **placement,
+    }
+    rollout = {
+        "name": "rollout",
+        "worker_cls": RolloutWorker,
+        "num_workers": cfg.rollout.num_workers,
+        "worker_kwargs": {
+            "model_cfg": _plain(cfg.model),
+            "rollout_cfg": _plain(cfg.rollout),
+            "group_size": cfg.algorithm.group_size,
+            "verifier": reward_verifier(cfg),
+            "seed": cfg.runner.seed,
+            **common,
+        },
+        "cpus_per_worker": cluster.cpus_per_rollout_worker,
+        **placement,
+    }
+    return actor, rollout

@@ -1,0 +1,154 @@
+"""The supervisor: holds the experiment lock and makes attempts at the run until it ends.
+
+    Supervisor(cfg).run(connect)
+
+Each attempt is a fresh `Trainer`: its groups start, the checkpoint (if any) is restored, and it trains. When a
+worker, a node, a collective or the embedded Ray fails, the failure is classified (`rlrunner.runner.recovery`):
+a lost or hung worker is repaired by a new attempt from the newest complete checkpoint, up to
+`runner.recovery.max_restarts` times in a row without a new checkpoint committed in between; an exception in
+worker code, a bad input or a lost joined cluster ends the run with its exit code. A stop request (SIGTERM,
+SIGINT, `runner.max_wall_time_s`) ends the loop with an emergency checkpoint.
+
+Callbacks see each attempt once it is ready to train (`on_train_start`) and once it has trained to the end,
+before its groups go (`on_train_end`): e.g. to evaluate or export the policy, or to look inside in a test.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from omegaconf import DictConfig
+
+from rlrunner.cluster.ray_setup import cluster_lost, is_embedded, restart_embedded
+from rlrunner.checkpoint.handler import Checkpoint
+from rlrunner.cluster.worker_group import CallAbandoned
+from rlrunner.errors import ClusterLostError, RecoveryExhaustedError, StoppedEarly
+from rlrunner.runner.context import RunContext
+from rlrunner.runner.recovery import RestartBudget, repairable_cause, same_failure, unrepairable
+from rlrunner.runner.stopping import StopRequest
+from rlrunner.runner.trainer import Trainer
+from rlrunner.storage import basename
+
+logger = logging.getLogger(__name__)
+
+
+class Callback(Protocol):
+    def on_train_start(self, trainer: Trainer) -> None:
+        """The attempt's groups are up, its checkpoint restored and the weights pushed; no step of it has run."""
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        """The attempt trained to the end (the last save committed); its groups are still up."""
+
+
+class Supervisor:
+    def __init__(self, cfg: DictConfig, stop: StopRequest | None = None, callbacks: Sequence[Callback] = ()):
+        self.ctx = RunContext(cfg, stop)
+        self.cfg = cfg
+        self.stop = self.ctx.stop
+        self.callbacks = list(callbacks)
+        self.trainer: Trainer | None = None  # the current attempt (the last one once `run` returns)
+
+    def run(self, connect: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Train to the end, repairing the worker groups in-job after worker, node or collective failures; returns
+        the last step's metrics.
+
+        `connect` (start or join Ray) is called once the lock is held and the checkpoint is chosen, so that a
+        bad `runner.resume_dir` or a locked experiment is reported before Ray's start-up, not after it.
+        """
+        with self.ctx.lock:
+            self.ctx.logs.restore()  # once per driver: an in-job restart must not drop log lines not yet uploaded
+            try:
+                return self._attempts(connect)
+            finally:
+                self.ctx.logs.upload()
+
+    def _attempts(self, connect: Callable[[], None] | None) -> dict[str, Any]:
+        ctx, recovery = self.ctx, self.cfg.runner.recovery
+        handler = ctx.handler
+        handler.remove_leftovers()
+        initial = handler.find_resume(self.cfg.runner.resume_dir)
+        if initial is not None and self.cfg.runner.resume_dir != "auto":
+            handler.start_branch(initial)
+        if connect is not None:
+            connect()
+        checkpoint, placement_timeout_s = initial, self.cfg.cluster.placement_timeout_s
+        budget = RestartBudget(recovery.max_restarts)
+        while True:
+            trainer = self.trainer = Trainer(ctx)
+            try:
+                return self._attempt(trainer, checkpoint, placement_timeout_s, budget)
+            except StoppedEarly:
+                raise
+            except CallAbandoned:  # stopped while the workers were starting: nothing new to save
+                raise StoppedEarly(f"{self.stop.reason} while starting the workers; {self._newest_checkpoint_note()}; "
+                                   "resume with runner.resume_dir=auto") from None
+            except Exception as exc:
+                failure = self._repairable_failure(exc, trainer, budget)  # or raises the error that ends the run
+            finally:
+                teardown_started = time.monotonic()
+                trainer.close()
+                teardown_s = time.monotonic() - teardown_started
+            ctx.recovery_log.write("failure", restart=budget.total, **failure, teardown_s=teardown_s)
+            lost_cluster = cluster_lost(force=True)
+            if lost_cluster is not None:  # the embedded Ray lost its node: nobody else will bring it back
+                logger.error("%s: restarting the embedded Ray", lost_cluster)
+                restart_embedded()
+                if connect is not None:
+                    connect()  # signal handlers again (ray.init installs its own)
+            handler.remove_leftovers()
+            checkpoint = handler.find_resume("auto") or initial
+            placement_timeout_s = recovery.wait_timeout_s
+
+    def _attempt(self, trainer: Trainer, checkpoint: Checkpoint | None, placement_timeout_s: float,
+                 budget: RestartBudget) -> dict[str, Any]:
+        """One attempt: start, restore, train to the end; the last step's metrics."""
+        trainer.start(checkpoint, placement_timeout_s)
+        if budget.total:
+            self.ctx.recovery_log.write("resumed", restart=budget.total, step=trainer.global_step, **trainer.start_timings)
+            trainer.restart_to_report = budget.total
+        for callback in self.callbacks:
+            callback.on_train_start(trainer)
+        last = trainer.train()
+        for callback in self.callbacks:
+            callback.on_train_end(trainer)
+        return last
+
+    def _repairable_failure(self, exc: Exception, trainer: Trainer, budget: RestartBudget) -> dict[str, Any]:
+        """The record of a failure the next attempt repairs, or the error that ends the run, raised."""
+        failed_at = time.time()
+        recovery = self.cfg.runner.recovery
+        cause = repairable_cause(exc, trainer.groups())
+        if cause is None:
+            error = unrepairable(exc)
+            if error is exc:
+                raise exc
+            raise error from exc
+        lost_cluster = cluster_lost(force=True)
+        if lost_cluster is not None and not is_embedded():
+            raise ClusterLostError(f"{lost_cluster}; the driver exits so that it can be relaunched") from exc
+        if not recovery.enabled:
+            raise exc
+        if self.stop.requested:  # no restart once a stop was asked for: the newest checkpoint stands
+            raise StoppedEarly(f"{self.stop.reason}, then a failure ({cause}); {self._newest_checkpoint_note()}; "
+                               "resume with runner.resume_dir=auto") from exc
+        newest = self.ctx.handler.newest_complete()
+        if not budget.spend(str(newest) if newest else None, cause):
+            same = same_failure(budget.causes)
+            raise RecoveryExhaustedError(
+                f"giving up after {recovery.max_restarts} in-job restarts without a new checkpoint in between "
+                f"(runner.recovery.max_restarts); last failure{' (the same each time)' if same else ''}: {cause}",
+                same_error=same,
+            ) from exc
+        lost = trainer.global_step - (trainer.last_saved_step or 0)
+        logger.error(
+            "restart %d (%d of %d since the last new checkpoint; last completed step %d, %d steps to redo): %s",
+            budget.total, budget.count, recovery.max_restarts, trainer.global_step, lost, cause,
+        )
+        return {"cause": cause, "step": trainer.global_step, "lost_steps": lost, "failed_at_unix": failed_at}
+
+    def _newest_checkpoint_note(self) -> str:
+        newest = self.ctx.handler.newest_complete()
+        return f"the newest checkpoint is {basename(newest)}" if newest else "there is no checkpoint yet"

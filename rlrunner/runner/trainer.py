@@ -1,0 +1,252 @@
+"""One attempt at the run: the worker groups, the GRPO step loop, saves and the restore.
+
+    trainer = Trainer(ctx)
+    trainer.start(checkpoint, placement_timeout_s)  # groups up, storage checked, checkpoint restored, weights pushed
+    trainer.train()                                 # steps up to the end, or until a stop request
+    trainer.close()                                 # the groups go
+
+Each step reads top to bottom: rollout -> reward (scored by the rollout workers) -> advantages -> policy update ->
+weight sync, then the metrics line and, when the handler says so, a save. The supervisor
+(`rlrunner.runner.supervisor`) makes a new Trainer for every attempt after a failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from rlrunner.algorithms.grpo import group_advantages
+from rlrunner.checkpoint.handler import Checkpoint, PendingSave
+from rlrunner.cluster.shared_storage import check_shared_folder
+from rlrunner.cluster.worker_group import CallAbandoned, WorkerGroup
+from rlrunner.errors import CheckpointError, ExperimentLockedError, StoppedEarly
+from rlrunner.runner.batching import build_actor_batch, chunk, shard_actor_batch, split_evenly
+from rlrunner.runner.context import RunContext
+from rlrunner.runner.metrics import MetricsLogger, Progress, actor_metrics, rollout_metrics
+from rlrunner.runner.placement import START_TIMEOUT_S, group_specs
+from rlrunner.storage import basename
+from rlrunner.weight_sync.driver import DEFAULT_BUCKET_BYTES, connect_weight_sync, sync_weights
+
+logger = logging.getLogger(__name__)
+
+
+class Trainer:
+    def __init__(self, ctx: RunContext):
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.loader = ctx.new_loader()
+        self.global_step = 0
+        self.last_saved_step: int | None = None  # the newest committed checkpoint's step
+        self.pending_save: PendingSave | None = None  # a save whose files are still being written
+        self.actor_group: WorkerGroup | None = None
+        self.rollout_group: WorkerGroup | None = None
+        self.start_timings: dict[str, float] = {}
+        self.restart_to_report: int | None = None  # a restart whose first completed step is still to be logged
+
+    # -- the attempt's groups --------------------------------------------------------------------
+
+    def start(self, checkpoint: Checkpoint | None, placement_timeout_s: float) -> None:
+        """Groups up, storage checked, `checkpoint` restored (if any), the actor's weights pushed to the rollout group."""
+        started = time.monotonic()
+        self._start_groups(placement_timeout_s)
+        built = time.monotonic()
+        check_shared_folder(self.ctx.storage, self.ctx.handler.root, self.groups())
+        if checkpoint is not None:
+            self._raise_if_stopping()
+            self.restore(checkpoint)
+        self._raise_if_stopping()
+        self.sync_weights()
+        waited = sum(g.placement_wait_s for g in self.groups())
+        self.start_timings = {"wait_s": waited, "rebuild_s": built - started - waited, "load_s": time.monotonic() - built}
+
+    def _start_groups(self, placement_timeout_s: float) -> None:
+        actor, rollout = group_specs(self.ctx, placement_timeout_s, self._stop_requested)
+        self.actor_group = WorkerGroup(**actor)
+        self.rollout_group = WorkerGroup(**rollout)
+        self.actor_group.wait_ready(self._stop_requested)
+        # Building and sharding the model is start-up work (bounded like it), overlapping the rollout workers' start.
+        setup = self.actor_group.call_all_async("setup")
+        self.rollout_group.wait_ready(self._stop_requested)
+        step_timeout_s = self.cfg.runner.recovery.step_timeout_s
+        self.actor_group.get(setup, max(step_timeout_s, START_TIMEOUT_S), self._stop_requested)
+        # The direct channels from the actor ranks to every rollout worker (rebuilt with the groups on every attempt).
+        connect_weight_sync(self.actor_group, self.rollout_group, timeout_s=step_timeout_s)
+
+    def groups(self) -> list[WorkerGroup]:
+        return [g for g in (self.actor_group, self.rollout_group) if g is not None]
+
+    def close(self) -> None:
+        for group in self.groups():
+            group.shutdown()
+        self.actor_group = self.rollout_group = None
+
+    def _stop_requested(self) -> bool:
+        return self.ctx.stop.requested
+
+    def _raise_if_stopping(self) -> None:
+        if self.ctx.stop.requested:
+            raise CallAbandoned("stopped while starting the workers")
+
+    def _raise_if_lock_lost(self, before: str) -> None:
+        """A run whose experiment lease lapsed or was taken over must not write on: another run owns the folder."""
+        lost = self.ctx.lock.lost()
+        if lost is not None:
+            raise ExperimentLockedError(f"stopping before {before}: the experiment lock was lost ({lost})")
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def sync_weights(self) -> None:
+        """Every actor rank sends its own part of the weights, in the rollout's dtype, to every rollout worker, straight
+        from worker to worker over collective channels: nothing passes through the driver or the object store."""
+        sync_weights(self.actor_group, self.rollout_group, DEFAULT_BUCKET_BYTES)
+
+    def generate(self, step: int, prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Scored samples in prompt order; chunks of prompts are fixed here, so the result is the same for any worker
+        count. A stop request abandons the generation in flight (CallAbandoned): nothing has changed yet."""
+        chunks = chunk(prompts, self.cfg.rollout.generation_batch_size)
+        assignment = split_evenly(chunks, self.rollout_group.num_workers)
+        refs = self.rollout_group.call_each_async("generate", [(step, part) for part in assignment])
+        results = self.rollout_group.get(refs, abandon=self._stop_requested)
+        return [sample for part in results for sample in part]
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        cfg, ctx = self.cfg, self.ctx
+        started = time.perf_counter()
+        prompts = self.loader.next_batch()
+        epoch = self.loader.epoch
+
+        samples = self.generate(step, prompts)
+        rollout_done = time.perf_counter()
+
+        rewards = torch.tensor([s["reward"] for s in samples], dtype=torch.float32)
+        advantages = group_advantages(rewards, cfg.algorithm.group_size, cfg.algorithm.norm_adv_by_std)
+        batch = build_actor_batch(samples, advantages, ctx.token_ids.pad)
+        shards = shard_actor_batch(batch, ctx.rank_map.dp, ctx.num_minibatches)
+        per_rank = self.actor_group.call_each("update", [(shard,) for shard in ctx.rank_map.scatter(shards)])
+        actor_stats = ctx.rank_map.collect(per_rank)
+        update_done = time.perf_counter()
+
+        self.sync_weights()
+        sync_done = time.perf_counter()
+
+        algorithm = cfg.algorithm
+        metrics = {
+            "data/epoch": epoch,
+            **rollout_metrics(samples),
+            **actor_metrics(actor_stats, algorithm.use_kl_loss, algorithm.kl_coef, algorithm.entropy_coef),
+            "time/rollout_s": rollout_done - started,
+            "time/update_s": update_done - rollout_done,
+            "time/weight_sync_s": sync_done - update_done,
+            "time/step_s": sync_done - started,
+        }
+        return metrics
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def train(self) -> dict[str, Any]:
+        """Run the steps up to the end; returns the last step's metrics. StoppedEarly after a stop request."""
+        cfg, ctx = self.cfg.runner, self.ctx
+        logger.info("run %s: steps %d..%d, logs in %s", cfg.experiment_name, self.global_step + 1, ctx.total_steps, ctx.log_path)
+        logger.info(ctx.handler.describe_schedule())
+        if self.global_step >= ctx.total_steps:
+            logger.info("nothing to do: the resumed checkpoint is at step %d of %d", self.global_step, ctx.total_steps)
+        metrics_log = MetricsLogger(ctx.log_path, self.global_step, cfg.logger.tensorboard)
+        progress = Progress(ctx.total_steps, self.global_step, cfg.logger.progress_bar)
+        last: dict[str, Any] = {}
+        try:
+            while self.global_step < ctx.total_steps and not ctx.stop.requested:
+                step = self.global_step + 1
+                committed_before = self.last_saved_step
+                self._raise_if_lock_lost(f"step {step}")
+                position = self.loader.state_dict()
+                try:
+                    last = self.train_step(step)
+                except CallAbandoned:
+                    self.loader.load_state_dict(position)  # the abandoned step never happened
+                    break
+                self.global_step = step
+                try:
+                    save_started = time.perf_counter()
+                    committed = self.commit_pending_save(wait=False)  # a background save that finished writing
+                    saving = ctx.handler.should_save(step, ctx.total_steps)
+                    if saving:
+                        self.save_checkpoint(step)
+                    if saving or committed:
+                        last["time/save_s"] = time.perf_counter() - save_started  # what the loop was blocked for
+                finally:  # the step happened even if its save failed: log it
+                    metrics_log.log(step, last)
+                    progress.update(step, last)
+                if self.last_saved_step != committed_before:
+                    ctx.logs.upload()  # the logs on the store reach at least the newest checkpoint
+                if self.restart_to_report is not None:
+                    ctx.recovery_log.write("first_step", restart=self.restart_to_report, step=step)
+                    self.restart_to_report = None
+        finally:
+            progress.close()
+            metrics_log.close()
+            ctx.logs.upload()
+        self.commit_pending_save(wait=True)  # the last step's save, or the one in flight when a stop came
+        if self.global_step < ctx.total_steps:  # the loop ended on a stop request
+            self.emergency_stop()
+        return last
+
+    def emergency_stop(self) -> None:
+        step = self.global_step
+        if step == 0:
+            saved = "no step had finished, so there is nothing to save"
+        elif self.last_saved_step == step:
+            saved = f"global_step_{step} is already saved"
+        else:
+            self.save_checkpoint(step)
+            saved = f"saved {basename(self.commit_pending_save(wait=True))}"
+        raise StoppedEarly(f"{self.ctx.stop.reason} at step {step}; {saved}; resume with runner.resume_dir=auto")
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(self, step: int) -> None:
+        """Save `step`: committed before returning, or (`runner.async_save`) written in the background and
+        committed by `commit_pending_save` once every rank's write has finished. One save in flight at a time."""
+        self.commit_pending_save(wait=True)
+        data_state = {
+            "dataloader": self.loader.state_dict(),
+            "runner": {"global_step": step, "epoch": self.loader.epoch, "total_steps": self.ctx.total_steps},
+        }
+        self.pending_save = self.ctx.handler.begin_save(
+            step,
+            self.ctx.checkpoint_manager(self.actor_group),
+            data_state,
+            write_extra=self.ctx.write_hf_files,
+            extra_manifest={"epoch": self.loader.epoch, "experiment_name": self.cfg.runner.experiment_name},
+        )
+        if not self.cfg.runner.async_save:
+            self.commit_pending_save(wait=True)
+
+    def commit_pending_save(self, wait: bool) -> str | None:
+        """Commit the save in flight once its writes are done (waiting for them with `wait`); its URL, or None.
+
+        Only a committed checkpoint counts: `last_saved_step` moves here, never when a save begins.
+        """
+        if self.pending_save is None:
+            return None
+        self._raise_if_lock_lost(f"committing global_step_{self.pending_save.step}")
+        path = self.ctx.handler.finish_save(self.pending_save, wait)
+        if path is not None:
+            self.last_saved_step = self.pending_save.step
+            self.pending_save = None
+        return path
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        data_state = self.ctx.handler.load(checkpoint, self.ctx.checkpoint_manager(self.actor_group))
+        try:
+            self.loader.load_state_dict(data_state["dataloader"])
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint {checkpoint.url} does not fit this run's data: {exc}") from None
+        self.global_step = int(data_state["runner"]["global_step"])
+        self.last_saved_step = self.global_step
+
+    def policy_weights(self) -> dict[str, torch.Tensor]:
+        """The actor's full weights (HF key names), gathered from the ranks."""
+        return self.actor_group.call_all("full_state_dict")[0]
