@@ -6,10 +6,9 @@
 #
 # If the driver dies (exit code 1, or killed), it is relaunched with runner.resume_dir=auto, up to
 # RLRUNNER_MAX_RESTARTS times (default 3; 0 = never), after RLRUNNER_RESTART_BACKOFF_S seconds
-# (default 10, doubling each time, at most RLRUNNER_RESTART_BACKOFF_MAX_S, default 300). It is not
-# relaunched after success (0), a configuration error (2), a requested stop (3: SIGTERM, SIGINT
-# or runner.max_wall_time_s, after an emergency checkpoint), or a failure a relaunch cannot mend
-# (4: an exception in worker code, a save without space or permission, restarts used up on one error). SIGTERM / SIGINT sent to this script
+# (default 10, doubling each time, at most RLRUNNER_RESTART_BACKOFF_MAX_S, default 300). The other
+# exit codes end it (the `case` below; what each means: `python -m rlrunner.main_grpo --help`, from
+# rlrunner/errors.py, which a test checks this script against). SIGTERM / SIGINT sent to this script
 # are passed on to the driver, which saves and exits; a second one makes it exit at once.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

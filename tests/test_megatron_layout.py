@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from conftest import TINY_MODEL_CFG
 from rlrunner.backends.megatron import files as mf
 from rlrunner.models.loading import build_hf_config, build_model
+from rlrunner.backends.megatron.weights import hf_blocks
 from rlrunner.backends.megatron.layout import (
     Qwen2Dims,
     check_splittable,
     expected_megatron_keys,
     hf_to_megatron,
-    hf_blocks,
     hf_to_megatron_rank,
     iter_megatron_to_hf,
     megatron_to_hf,

@@ -22,12 +22,11 @@ from __future__ import annotations
 import io
 import logging
 import os
-import shutil
 import tempfile
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -35,57 +34,15 @@ import torch
 
 from rlrunner.checkpoint import layout
 from rlrunner.checkpoint.manager import CheckpointManager
-from rlrunner.checkpoint.manifest import (
-    ManifestError,
-    build_manifest,
-    read_manifest,
-    relative_files,
-    verify_files,
-    write_manifest,
-)
+from rlrunner.checkpoint.diagnostics import FULL_NOTE, free_space, root_cause
+from rlrunner.checkpoint.manifest import build_manifest, relative_files, write_manifest
 from rlrunner.checkpoint.policy import fingerprint_differences, should_save, steps_to_delete
-from rlrunner.errors import CheckpointError, CheckpointSaveError, describe, is_storage_full_or_forbidden
-from rlrunner.storage import Storage, basename, is_url, open_storage, parent
+from rlrunner.checkpoint.status import COMPLETE, CORRUPT, INCOMPLETE, CheckpointStatus, inspect_checkpoint, scan_checkpoints
+from rlrunner.errors import CheckpointError, CheckpointSaveError, is_storage_full_or_forbidden
+from rlrunner.storage import Storage, basename, is_url, open_storage
 from rlrunner.utils.fs import fsync_dir
 
 logger = logging.getLogger(__name__)
-
-COMPLETE, INCOMPLETE, CORRUPT = "complete", "incomplete", "corrupt"
-
-
-@dataclass
-class CheckpointStatus:
-    """What a folder under `checkpoints/` is: a complete checkpoint, or why it is not one."""
-
-    url: str
-    status: str
-    step: int | None
-    size_bytes: int
-    reasons: list[str] = field(default_factory=list)
-    manifest: dict[str, Any] | None = None
-
-    @property
-    def name(self) -> str:
-        return basename(self.url)
-
-
-def inspect_checkpoint(storage: Storage, url: str, checksums: bool) -> CheckpointStatus:
-    """Verify one folder against its manifest (sizes always, CRC-32s when `checksums`)."""
-    present = storage.walk(url)  # one listing for the size and the verification (a request per call on a store)
-    size = sum(present.values())
-    try:
-        manifest = read_manifest(storage, url)
-    except ManifestError as exc:
-        return CheckpointStatus(url, INCOMPLETE, layout.step_from_name(basename(url)), size, [str(exc)])
-    problems = verify_files(storage, url, manifest, checksums, present)
-    status = CORRUPT if problems else COMPLETE
-    return CheckpointStatus(url, status, int(manifest["step"]), size, [str(p) for p in problems], manifest)
-
-
-def scan_checkpoints(storage: Storage, root: str, checksums: bool = False) -> list[CheckpointStatus]:
-    """Every `global_step_N` folder under `root`, newest first, with its status."""
-    return [inspect_checkpoint(storage, url, checksums) for url in layout.step_dirs(storage, root)]
-
 
 @dataclass
 class PendingSave:
@@ -248,7 +205,7 @@ class CheckpointHandler:
                 raise
             newest = self.newest_complete()
             kept = f"the newest complete checkpoint is still {basename(newest)}" if newest else "there is no complete checkpoint yet"
-            permanent = is_storage_full_or_forbidden(exc) or space.endswith(_FULL_NOTE)
+            permanent = is_storage_full_or_forbidden(exc) or space.endswith(FULL_NOTE)
             name = layout.step_dir_name(pending.step)
             raise CheckpointSaveError(f"saving {name} failed: {root_cause(exc)} ({space}); {kept}", permanent) from exc
 
@@ -464,42 +421,3 @@ def _torch_bytes(obj: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
-
-
-_NEARLY_FULL_BYTES = 64 << 20
-_FULL_NOTE = ": the disk is probably full"
-
-
-def free_space(storage: Storage, url: str) -> str:
-    """How much room is left where checkpoints go: libraries do not always pass ENOSPC on as such."""
-    if not storage.is_local:
-        return f"free space of {storage.protocol}:// storage not measured"
-    path = url
-    while not os.path.exists(path) and parent(path) != path:  # the folder may not exist yet
-        path = parent(path)
-    try:
-        free = shutil.disk_usage(path).free
-    except OSError:
-        return f"free space of {url} unknown"
-    note = f"{human_bytes(free)} free on the disk holding {url}"
-    return f"{note}{_FULL_NOTE}" if free < _NEARLY_FULL_BYTES else note
-
-def human_bytes(count: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if count < 1000 or unit == "GB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1000
-    return f"{count:.1f} TB"
-
-
-def root_cause(exc: BaseException) -> str:
-    """The innermost error's one-line description, through Ray's and DCP's wrapping (first failing rank)."""
-    failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
-    if isinstance(failures, dict) and failures:
-        rank = min(failures)
-        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
-        return f"rank {rank}: {root_cause(inner)}"
-    cause = getattr(exc, "cause", None) or exc.__cause__
-    if cause is not None and cause is not exc:
-        return root_cause(cause)
-    return describe(exc)

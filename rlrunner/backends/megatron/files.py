@@ -37,7 +37,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from rlrunner.checkpoint.layout import ACTOR_DIR, HF_DIR
+from rlrunner.checkpoint.layout import ACTOR_DIR
 from rlrunner.backends.megatron.layout import (
     DEFAULT_VOCAB_DIVISIBLE_BY,
     Qwen2Dims,

@@ -108,7 +108,7 @@ def check_splittable(dims: Qwen2Dims, tp: int) -> None:
             raise ValueError(f"cannot split {name}={value} over tensor_model_parallel_size={tp}: not divisible")
 
 
-def _layer_keys(layer: int) -> dict[str, str]:
+def layer_keys(layer: int) -> dict[str, str]:
     hf, mc = f"model.layers.{layer}.", f"decoder.layers.{layer}."
     return {
         "hf": hf,
@@ -143,7 +143,7 @@ def expected_megatron_keys(dims: Qwen2Dims) -> list[str]:
     """Every key of one rank's dict, `_extra_state` entries included, in megatron-core's state_dict order."""
     keys = ["embedding.word_embeddings.weight"]
     for layer in range(dims.num_layers):
-        k = _layer_keys(layer)
+        k = layer_keys(layer)
         keys += [k["input_norm"], k["proj"] + "weight", k["proj"] + EXTRA_STATE, k["qkv"] + "weight"]
         if dims.qkv_bias:
             keys.append(k["qkv"] + "bias")
@@ -217,7 +217,7 @@ def hf_to_megatron_rank(
         "embedding.word_embeddings.weight": _vocab_piece(state["model.embed_tokens.weight"], padded, rank, tp)
     }
     for layer in range(dims.num_layers):
-        k = _layer_keys(layer)
+        k = layer_keys(layer)
         attn, mlp = k["hf"] + "self_attn.", k["hf"] + "mlp."
         out[k["input_norm"]] = state[k["hf"] + "input_layernorm.weight"].clone()
         out[k["proj"] + "weight"] = _piece(state[attn + "o_proj.weight"], 1, rank, tp)
@@ -254,7 +254,7 @@ def rank_shapes(dims: Qwen2Dims, tp: int) -> dict[str, tuple[int, ...]]:
     qkv_rows = (dims.num_heads + 2 * dims.num_kv_heads) * head_dim // tp
     shapes: dict[str, tuple[int, ...]] = {}
     for layer in range(dims.num_layers):
-        k = _layer_keys(layer)
+        k = layer_keys(layer)
         shapes[k["input_norm"]] = (hidden,)
         shapes[k["proj"] + "weight"] = (hidden, dims.num_heads * head_dim // tp)
         shapes[k["qkv"] + "weight"] = (qkv_rows, hidden)
@@ -348,7 +348,7 @@ def iter_megatron_to_hf(
     yield "model.embed_tokens.weight", _vocab_rows(shards, "embedding.word_embeddings.weight", dims.vocab_size)
     done("embedding.word_embeddings.weight")
     for layer in range(dims.num_layers):
-        k = _layer_keys(layer)
+        k = layer_keys(layer)
         attn, mlp = k["hf"] + "self_attn.", k["hf"] + "mlp."
         for suffix in ("weight", "bias") if dims.qkv_bias else ("weight",):
             q, key, v = _unfuse_qkv([shard[k["qkv"] + suffix] for shard in shards], dims)
@@ -381,58 +381,3 @@ def megatron_to_hf(shards: Sequence[Mapping[str, Any]], config: Any) -> dict[str
     """The full HF Qwen2 state dict from every tensor-parallel rank's dict, in rank order (the exact inverse of
     `hf_to_megatron`: vocabulary padding stripped, no `lm_head.weight` when the embeddings are tied)."""
     return dict(iter_megatron_to_hf(shards, config))
-
-
-def hf_blocks(shard: Mapping[str, torch.Tensor], config: Any, tp: int, rank: int) -> list[tuple[str, tuple[int, ...], int, int, int, torch.Tensor]]:
-    """What tensor-parallel rank `rank`'s megatron-core dict holds of each HF tensor, without gathering anything:
-    (HF key, full HF shape, dim, start, stop, block) with the block = rows [start, stop) of the HF tensor along
-    `dim`. Column-parallel weights give dim-0 blocks (q, k, v, gate, up: per query group or per chunk), row-parallel
-    ones dim-1 blocks (o_proj, down_proj), vocabulary-parallel ones their rows below the vocabulary size (none for a
-    rank holding only padding); replicated norms come from rank 0 only. Assembling every rank's blocks gives
-    `megatron_to_hf` of the shards, exactly."""
-    dims = Qwen2Dims.from_config(config)
-    check_splittable(dims, tp)
-    hidden, head_dim = dims.hidden_size, dims.head_dim
-    out: list[tuple[str, tuple[int, ...], int, int, int, torch.Tensor]] = []
-
-    def vocab(name: str, key: str) -> None:
-        weight = shard[key]
-        rows = weight.shape[0]
-        first = rank * rows
-        count = max(0, min(rows, dims.vocab_size - first))
-        if count:
-            out.append((name, (dims.vocab_size, hidden), 0, first, first + count, weight[:count]))
-
-    def split(name: str, full: tuple[int, ...], dim: int, block: torch.Tensor) -> None:
-        size = block.shape[dim]
-        out.append((name, full, dim, rank * size, (rank + 1) * size, block))
-
-    vocab("model.embed_tokens.weight", "embedding.word_embeddings.weight")
-    groups = dims.num_kv_heads // tp
-    q_rows = dims.heads_per_group * head_dim
-    for layer in range(dims.num_layers):
-        k = _layer_keys(layer)
-        attn, mlp = k["hf"] + "self_attn.", k["hf"] + "mlp."
-        for suffix in ("weight", "bias") if dims.qkv_bias else ("weight",):
-            fused = shard[k["qkv"] + suffix]
-            tail = tuple(fused.shape[1:])
-            grouped = fused.reshape(groups, q_rows + 2 * head_dim, *tail)
-            split(attn + f"q_proj.{suffix}", (dims.num_heads * head_dim, *tail), 0, grouped[:, :q_rows].reshape(-1, *tail))
-            split(attn + f"k_proj.{suffix}", (dims.num_kv_heads * head_dim, *tail), 0,
-                  grouped[:, q_rows : q_rows + head_dim].reshape(-1, *tail))
-            split(attn + f"v_proj.{suffix}", (dims.num_kv_heads * head_dim, *tail), 0,
-                  grouped[:, q_rows + head_dim :].reshape(-1, *tail))
-        split(attn + "o_proj.weight", (hidden, dims.num_heads * head_dim), 1, shard[k["proj"] + "weight"])
-        gate, up = shard[k["fc1"] + "weight"].chunk(2, dim=0)
-        split(mlp + "gate_proj.weight", (dims.intermediate_size, hidden), 0, gate)
-        split(mlp + "up_proj.weight", (dims.intermediate_size, hidden), 0, up)
-        split(mlp + "down_proj.weight", (hidden, dims.intermediate_size), 1, shard[k["fc2"] + "weight"])
-        if rank == 0:
-            out.append((k["hf"] + "input_layernorm.weight", (hidden,), 0, 0, hidden, shard[k["input_norm"]]))
-            out.append((k["hf"] + "post_attention_layernorm.weight", (hidden,), 0, 0, hidden, shard[k["mlp_norm"]]))
-    if rank == 0:
-        out.append(("model.norm.weight", (hidden,), 0, 0, hidden, shard["decoder.final_layernorm.weight"]))
-    if not dims.tie_word_embeddings:
-        vocab("lm_head.weight", "output_layer.weight")
-    return out
-

@@ -27,7 +27,6 @@ from rlrunner.backends.megatron.layout import (
     EXTRA_STATE,
     Qwen2Dims,
     expected_megatron_keys,
-    hf_blocks,
     hf_to_megatron_rank,
     megatron_to_hf,
 )
@@ -36,7 +35,8 @@ from rlrunner.backends.megatron.rank_state import MegatronRankState, load_rank
 from rlrunner.backends.optim import apply_schedule, build_schedule
 from rlrunner.models.loading import build_hf_config, build_model, build_tokenizer, torch_dtype
 from rlrunner.utils.rng import capture_rng, restore_rng
-from rlrunner.weight_sync.endpoints import Block, WeightSource
+from rlrunner.backends.megatron.weights import MegatronWeightSource
+from rlrunner.weight_sync.endpoints import WeightSource
 
 
 def parallel_groups(world_size: int, tp: int, rank: int, timeout) -> tuple[Any, Any]:
@@ -185,21 +185,6 @@ class MegatronActorWorker(ActorWorker):
 
     def weight_source(self) -> WeightSource:
         return MegatronWeightSource(self)
-
-
-class MegatronWeightSource(WeightSource):
-    """Data-parallel rank 0's tensor-parallel ranks each send their own slices, in HF layout; the other data-parallel
-    replicas hold the same weights and send nothing."""
-
-    def __init__(self, worker: MegatronActorWorker):
-        self.worker = worker
-
-    def blocks(self) -> list[Block]:
-        worker = self.worker
-        if worker.dp_rank != 0:
-            return []
-        shard = {k: v.detach() for k, v in worker.model.state_dict().items()}
-        return [Block(*block) for block in hf_blocks(shard, worker.hf_config, worker.tp, worker.tp_rank)]
 
 
 def _extra_state_keys(worker: MegatronActorWorker) -> list[str]:
