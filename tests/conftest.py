@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 def _local_storage():
     from rlrunner.storage import open_storage
@@ -39,6 +40,14 @@ TINY_MODEL = [
     "+model.override_config.num_attention_heads=2",
     "+model.override_config.num_key_value_heads=1",
 ]
+
+
+@pytest.fixture(scope="module")
+def megatron_models():
+    """The shared tiny test models of the Megatron-layout tests, by shape name (tests/megatron_models.py)."""
+    from megatron_models import SHAPES, build_test_model
+
+    return {name: build_test_model(overrides)[0] for name, overrides in SHAPES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +100,29 @@ class Inspect:
             self.on_end(trainer)
 
 
+def error_line(capsys) -> str:
+    """The one `rlrunner: error:` line the driver printed (and no traceback)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("rlrunner: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The raw bits, so that equality is bit for bit (signed zeros, NaN payloads included)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return tensor.contiguous().view(ints[tensor.element_size()]) if tensor.is_floating_point() else tensor
+
+
+def assert_bit_equal(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(expected)
+    for name in expected:
+        assert got[name].dtype == expected[name].dtype, name
+        assert got[name].shape == expected[name].shape, name
+        assert torch.equal(bits(got[name]), bits(expected[name])), f"{name} differs"
+
+
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -99,9 +131,22 @@ def without_time(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load_toolkit(name: str):
+    """A script of toolkits/ckpt_convertor/ imported as a module (its main() called in-process)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "toolkits" / "ckpt_convertor" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture
 def repo_root() -> Path:
-    return Path(__file__).resolve().parent.parent
+    return REPO
 
 
 @pytest.fixture

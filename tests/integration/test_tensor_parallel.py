@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from rlrunner.backends.megatron.layout import hf_to_megatron_rank
 from rlrunner.backends.megatron.model import TPQwen2ForCausalLM
-from test_megatron_layout import SHAPES, _build, _free_port
+from megatron_models import SHAPES, build_test_model, free_port
 
 # left padding on the first row: its padding queries see no key at all (HF and we must agree there too)
 IDS = torch.tensor([[0, 0, 0, 12, 40, 98, 7, 3], [5, 17, 42, 61, 2, 9, 0, 0]])
@@ -39,7 +39,7 @@ def _worker(rank: int, world: int, port: int, shape: str) -> None:
 
 
 def _check_rank(rank: int, world: int, shape: str) -> None:
-    hf, _ = _build(SHAPES[shape])  # the same seed on every rank: the same model
+    hf, _ = build_test_model(SHAPES[shape])  # the same seed on every rank: the same model
     hf.train()
     config = hf.config
     tp_model = TPQwen2ForCausalLM(config, dist.group.WORLD)
@@ -107,4 +107,4 @@ def _check_rank(rank: int, world: int, shape: str) -> None:
 
 @pytest.mark.parametrize("tp, shape", [(2, "gqa"), (2, "tied"), (1, "tied")])
 def test_tp_model_matches_hf_forward_gradients_and_sgd_step(tp: int, shape: str) -> None:
-    mp.spawn(_worker, args=(tp, _free_port(), shape), nprocs=tp)  # raises with the rank's traceback if it fails
+    mp.spawn(_worker, args=(tp, free_port(), shape), nprocs=tp)  # raises with the rank's traceback if it fails

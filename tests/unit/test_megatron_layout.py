@@ -1,16 +1,11 @@
-"""The Megatron-LM layout: HF <-> tensor-parallel shards, the per-rank files, the converters, and megatron-core's own
-reading of our files (when megatron-core is installed: the `megatron` test extra)."""
+"""The Megatron-LM layout: HF <-> tensor-parallel shards, what each rank sends in a weight sync, the per-rank files and
+the converters (megatron-core's own reading of our files: tests/integration/test_megatron_core.py)."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.util
-import os
 import pickle
 import random
-import socket
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TINY_MODEL_CFG
+from conftest import TINY_MODEL_CFG, load_toolkit
+from megatron_models import GQA, SHAPES, TIED, build_test_model, model_cfg, save_hf_folder
 from rlrunner.backends.megatron import files as mf
-from rlrunner.models.loading import build_hf_config, build_model
+from rlrunner.models.loading import build_hf_config
 from rlrunner.backends.megatron.weights import hf_blocks
 from rlrunner.backends.megatron.layout import (
     Qwen2Dims,
@@ -35,45 +31,6 @@ from rlrunner.backends.megatron.layout import (
 from rlrunner.models.tokenizer import build_char_tokenizer
 from rlrunner.storage import open_storage
 from rlrunner.utils.rng import capture_rng, restore_rng
-
-REPO = Path(__file__).resolve().parent.parent
-# Two tiny Qwen2 shapes that split 1, 2 and 4 ways: grouped-query attention with an untied output layer, and
-# plain multi-head attention with tied embeddings. The vocabulary is the character tokenizer's 99 tokens.
-GQA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8,
-       "num_key_value_heads": 4, "tie_word_embeddings": False}
-TIED = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 4, "tie_word_embeddings": True}
-SHAPES = {"gqa": GQA, "tied": TIED}
-
-
-def _model_cfg(overrides: dict) -> dict:
-    return {**TINY_MODEL_CFG, "override_config": overrides}
-
-
-def _build(overrides: dict, seed: int = 0):
-    """A tiny Qwen2 model whose biases and norm weights are random too (HF initializes them to 0 and 1, which would
-    hide a misplaced bias or norm)."""
-    tokenizer = build_char_tokenizer()
-    model = build_model(_model_cfg(overrides), tokenizer, seed=seed)
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                param.copy_(torch.randn(param.shape, generator=generator))
-    return model.eval(), tokenizer
-
-
-@pytest.fixture(scope="module")
-def models():
-    return {name: _build(overrides)[0] for name, overrides in SHAPES.items()}
-
-
-def _toolkit(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "toolkits" / "ckpt_convertor" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 # --- vocabulary padding and the split's preconditions ------------------------------------------------
 
@@ -99,21 +56,21 @@ def test_padded_vocab_size_is_megatrons() -> None:
     ],
 )
 def test_unsplittable_configs_are_named(overrides, tp, message) -> None:
-    config = build_hf_config(_model_cfg({**TINY_MODEL_CFG["override_config"], "num_attention_heads": 4, **overrides}),
+    config = build_hf_config(model_cfg({**TINY_MODEL_CFG["override_config"], "num_attention_heads": 4, **overrides}),
                              build_char_tokenizer())
     with pytest.raises(ValueError, match=message):
         check_splittable(Qwen2Dims.from_config(config), tp)
 
 
 def test_the_repo_tiny_test_model_cannot_split_its_single_kv_head() -> None:
-    model, _ = _build(TINY_MODEL_CFG["override_config"])
+    model, _ = build_test_model(TINY_MODEL_CFG["override_config"])
     with pytest.raises(ValueError, match=r"num_key_value_heads \(query groups\)=1 over tensor_model_parallel_size=2"):
         hf_to_megatron(model.state_dict(), model.config, 2)
     assert len(hf_to_megatron(model.state_dict(), model.config, 1)) == 1
 
 
-def test_other_model_families_and_incomplete_states_are_refused(models) -> None:
-    model = models["gqa"]
+def test_other_model_families_and_incomplete_states_are_refused(megatron_models) -> None:
+    model = megatron_models["gqa"]
     llama = {**model.config.to_dict(), "model_type": "llama"}
     with pytest.raises(ValueError, match="covers model types \\('qwen2',\\), not 'llama'"):
         hf_to_megatron(model.state_dict(), llama, 1)
@@ -129,8 +86,8 @@ def test_other_model_families_and_incomplete_states_are_refused(models) -> None:
 # --- the layout of one rank ------------------------------------------------------------------------
 
 
-def test_rank_dict_has_megatron_core_local_spec_names_and_shapes(models) -> None:
-    model = models["gqa"]
+def test_rank_dict_has_megatron_core_local_spec_names_and_shapes(megatron_models) -> None:
+    model = megatron_models["gqa"]
     shards = hf_to_megatron(model.state_dict(), model.config, 2)
     layer = "decoder.layers.1."
     # megatron-core's GPTModel(local spec).state_dict() names, for the last layer and the model's ends
@@ -145,7 +102,7 @@ def test_rank_dict_has_megatron_core_local_spec_names_and_shapes(models) -> None
     ]
     assert list(shards[0])[0] == "embedding.word_embeddings.weight"
     assert list(shards[0])[-3:] == ["decoder.final_layernorm.weight", "output_layer.weight", "output_layer._extra_state"]
-    tied = models["tied"]
+    tied = megatron_models["tied"]
     assert list(hf_to_megatron(tied.state_dict(), tied.config, 2)[1])[-2:] == [
         "decoder.final_layernorm.weight", "output_layer._extra_state"]  # as megatron-core's tied GPTModel has them
     assert all(shards[r][k] is None for r in range(2) for k in shards[r] if k.endswith("_extra_state"))
@@ -163,8 +120,8 @@ def test_rank_dict_has_megatron_core_local_spec_names_and_shapes(models) -> None
     assert all(v.untyped_storage().nbytes() == v.numel() * v.element_size() for v in shards[1].values() if v is not None)
 
 
-def test_fused_qkv_is_interleaved_per_query_group_and_fc1_is_gate_then_up_per_rank(models) -> None:
-    model = models["gqa"]
+def test_fused_qkv_is_interleaved_per_query_group_and_fc1_is_gate_then_up_per_rank(megatron_models) -> None:
+    model = megatron_models["gqa"]
     state, d = model.state_dict(), 8  # head_dim
     shards = hf_to_megatron(state, model.config, 2)
     q, k, v = (state[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
@@ -183,8 +140,8 @@ def test_fused_qkv_is_interleaved_per_query_group_and_fc1_is_gate_then_up_per_ra
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_round_trip_hf_to_tp_to_hf_is_bit_exact(models, shape, tp) -> None:
-    model = models[shape]
+def test_round_trip_hf_to_tp_to_hf_is_bit_exact(megatron_models, shape, tp) -> None:
+    model = megatron_models[shape]
     state = model.state_dict()
     shards = hf_to_megatron(state, model.config, tp)
     assert len(shards) == tp and set(shards[0]) == set(expected_megatron_keys(Qwen2Dims.from_config(model.config)))
@@ -197,10 +154,10 @@ def test_round_trip_hf_to_tp_to_hf_is_bit_exact(models, shape, tp) -> None:
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_each_ranks_hf_blocks_assemble_into_the_merged_weights(models, shape, tp) -> None:
+def test_each_ranks_hf_blocks_assemble_into_the_merged_weights(megatron_models, shape, tp) -> None:
     """What the weight sync sends from each tensor-parallel rank (its own slices, nothing gathered) tiles every HF
     tensor exactly once and gives megatron_to_hf's weights, bit for bit (vocabulary padding never sent)."""
-    model = models[shape]
+    model = megatron_models[shape]
     shards = hf_to_megatron(model.state_dict(), model.config, tp)
     expected = megatron_to_hf(shards, model.config)
     assembled = {name: torch.full_like(tensor, float("nan")) for name, tensor in expected.items()}
@@ -218,8 +175,8 @@ def test_each_ranks_hf_blocks_assemble_into_the_merged_weights(models, shape, tp
         assert torch.equal(assembled[name], tensor), name
 
 
-def test_streamed_merge_consumes_the_shards_and_its_meta_run_predicts_the_output(models) -> None:
-    model = models["gqa"]
+def test_streamed_merge_consumes_the_shards_and_its_meta_run_predicts_the_output(megatron_models) -> None:
+    model = megatron_models["gqa"]
     shards = hf_to_megatron(model.state_dict(), model.config, 2)
     meta = [{k: v.to("meta") if v is not None else v for k, v in shard.items()} for shard in shards]
     layout = [(k, v.dtype, v.shape) for k, v in iter_megatron_to_hf(meta, model.config)]
@@ -231,8 +188,8 @@ def test_streamed_merge_consumes_the_shards_and_its_meta_run_predicts_the_output
     assert all(v is None for shard in shards for v in shard.values())  # every tensor released once merged
 
 
-def test_bfloat16_weights_round_trip_in_their_dtype(models) -> None:
-    model = models["gqa"]
+def test_bfloat16_weights_round_trip_in_their_dtype(megatron_models) -> None:
+    model = megatron_models["gqa"]
     state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
     shards = hf_to_megatron(state, model.config, 2)
     assert shards[1]["embedding.word_embeddings.weight"].dtype == torch.bfloat16
@@ -240,8 +197,8 @@ def test_bfloat16_weights_round_trip_in_their_dtype(models) -> None:
     assert all(torch.equal(back[k], state[k]) for k in state)
 
 
-def test_megatron_to_hf_names_inconsistent_shards(models) -> None:
-    model = models["gqa"]
+def test_megatron_to_hf_names_inconsistent_shards(megatron_models) -> None:
+    model = megatron_models["gqa"]
     shards = hf_to_megatron(model.state_dict(), model.config, 2)
     with pytest.raises(ValueError, match="cannot split num_attention_heads=8 over tensor_model_parallel_size=3"):
         megatron_to_hf(shards + [shards[0]], model.config)
@@ -258,12 +215,12 @@ def test_megatron_to_hf_names_inconsistent_shards(models) -> None:
         megatron_to_hf([shards[0], missing], model.config)
 
 
-def test_tp2_shards_compute_the_hf_decoder_layer_embedding_and_logits(models) -> None:
+def test_tp2_shards_compute_the_hf_decoder_layer_embedding_and_logits(megatron_models) -> None:
     """The split is the right math: running column-parallel pieces side by side (outputs concatenated) and
     row-parallel pieces (partial outputs summed, as the all-reduce would) reproduces HF's modules."""
     from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
-    model = models["gqa"]
+    model = megatron_models["gqa"]
     config, tp, d = model.config, 2, 8
     shards = hf_to_megatron(model.state_dict(), config, tp)
     hf_layer = model.model.layers[0]
@@ -324,8 +281,8 @@ def test_names_follow_megatron() -> None:
     assert mf.TRACKER_FILE == "latest_checkpointed_iteration.txt"
 
 
-def test_args_record_dimensions_padding_and_parallel_sizes(models) -> None:
-    args = mf.megatron_args(models["gqa"].config, tp=2, dp=2)
+def test_args_record_dimensions_padding_and_parallel_sizes(megatron_models) -> None:
+    args = mf.megatron_args(megatron_models["gqa"].config, tp=2, dp=2)
     assert isinstance(args, argparse.Namespace)
     assert (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.num_attention_heads) == (2, 64, 128, 8)
     assert (args.num_query_groups, args.group_query_attention, args.kv_channels) == (4, True, 8)
@@ -333,7 +290,7 @@ def test_args_record_dimensions_padding_and_parallel_sizes(models) -> None:
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size) == (2, 1, 2)
     assert args.untie_embeddings_and_output_weights and args.add_qkv_bias and not args.add_bias_linear and args.swiglu
     assert (args.normalization, args.rotary_base, args.params_dtype) == ("RMSNorm", 10000, torch.float32)
-    assert not mf.megatron_args(models["tied"].config, tp=1).untie_embeddings_and_output_weights
+    assert not mf.megatron_args(megatron_models["tied"].config, tp=1).untie_embeddings_and_output_weights
 
 
 def _rank_file_round_trip(storage, root, model) -> None:
@@ -367,9 +324,9 @@ def _rank_file_round_trip(storage, root, model) -> None:
         assert (random.random(), np.random.rand(), torch.rand(1)) == draws
 
 
-def test_rank_file_round_trip_local(tmp_path, models) -> None:
+def test_rank_file_round_trip_local(tmp_path, megatron_models) -> None:
     storage = open_storage(str(tmp_path))
-    _rank_file_round_trip(storage, storage.url, models["gqa"])
+    _rank_file_round_trip(storage, storage.url, megatron_models["gqa"])
     # the allow-list is exactly what the file needs: weights_only's own types plus argparse.Namespace
     path = tmp_path / "iter_0000050/mp_rank_01/model_optim_rng.pt"
     assert torch.serialization.get_unsafe_globals_in_checkpoint(str(path)) == ["argparse.Namespace"]
@@ -378,10 +335,10 @@ def test_rank_file_round_trip_local(tmp_path, models) -> None:
         torch.load(path, weights_only=True)
 
 
-def test_rank_file_round_trip_on_s3(s3_store, models) -> None:
+def test_rank_file_round_trip_on_s3(s3_store, megatron_models) -> None:
     url, options = s3_store
     storage = open_storage(url, options)
-    _rank_file_round_trip(storage, storage.url, models["tied"])
+    _rank_file_round_trip(storage, storage.url, megatron_models["tied"])
 
 
 class _Planted:
@@ -408,11 +365,11 @@ def test_a_file_holding_another_class_is_refused_and_not_run(tmp_path) -> None:
     assert not marker.exists()
 
 
-def test_save_refuses_what_the_reader_would_refuse(tmp_path, models) -> None:
+def test_save_refuses_what_the_reader_would_refuse(tmp_path, megatron_models) -> None:
     from fractions import Fraction
 
     storage = open_storage(str(tmp_path))
-    args = mf.megatron_args(models["gqa"].config, tp=1)
+    args = mf.megatron_args(megatron_models["gqa"].config, tp=1)
     with pytest.raises(TypeError, match=r"\['opt_param_scheduler'\]\['ratio'\] holds a fractions.Fraction"):
         mf.write_rank_file(storage, storage.url, 1, 0, {}, args, opt_param_scheduler={"ratio": Fraction(1, 2)})
     with pytest.raises(ValueError, match="tensor-parallel rank 1 is outside 0..0"):
@@ -420,8 +377,8 @@ def test_save_refuses_what_the_reader_would_refuse(tmp_path, models) -> None:
     assert storage.walk(storage.url) == {}
 
 
-def test_reading_checks_tracker_ranks_and_iteration(tmp_path, models) -> None:
-    model = models["gqa"]
+def test_reading_checks_tracker_ranks_and_iteration(tmp_path, megatron_models) -> None:
+    model = megatron_models["gqa"]
     storage = open_storage(str(tmp_path))
     root = storage.url
     records = mf.write_model_checkpoint(storage, root, model.state_dict(), model.config, tp=2, iteration=3)
@@ -457,18 +414,11 @@ def test_reading_checks_tracker_ranks_and_iteration(tmp_path, models) -> None:
 # --- the converters ---------------------------------------------------------------------------------
 
 
-def _hf_folder(folder: Path, overrides: dict) -> tuple[Path, torch.nn.Module]:
-    model, tokenizer = _build(overrides, seed=5)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder, model
-
-
 def test_streamed_safetensors_file_is_what_safetensors_reads(tmp_path) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    tool = _toolkit("convert_megatron_to_hf")
+    tool = load_toolkit("convert_megatron_to_hf")
     state = {"b.weight": torch.randn(3, 5).to(torch.bfloat16), "a.bias": torch.arange(7, dtype=torch.int64),
              "c.scale": torch.randn(()), "d.empty": torch.zeros(0, 4, dtype=torch.float16), "e.t": torch.randn(4, 6).t()}
     record = tool.write_safetensors(open_storage(str(tmp_path)), str(tmp_path / "w.safetensors"), list(state.items()))
@@ -501,8 +451,8 @@ def _assert_same_model(folder: Path, model) -> None:
 
 
 def test_converters_end_to_end_local(tmp_path, capsys) -> None:
-    to_megatron, to_hf = _toolkit("convert_hf_to_megatron"), _toolkit("convert_megatron_to_hf")
-    hf, model = _hf_folder(tmp_path / "hf", TIED)
+    to_megatron, to_hf = load_toolkit("convert_hf_to_megatron"), load_toolkit("convert_megatron_to_hf")
+    hf, model = save_hf_folder(tmp_path / "hf", TIED)
     actor = tmp_path / "global_step_0" / "actor"
     assert to_megatron.main(["--hf_path", str(hf), "--output_path", str(actor), "--tensor_model_parallel_size", "4"]) == 0
     files = sorted(str(p.relative_to(actor)) for p in actor.rglob("*") if p.is_file())
@@ -532,8 +482,8 @@ def test_converters_end_to_end_on_s3(tmp_path, s3_store) -> None:
     import json
 
     url, options = s3_store
-    to_megatron, to_hf = _toolkit("convert_hf_to_megatron"), _toolkit("convert_megatron_to_hf")
-    hf, model = _hf_folder(tmp_path / "hf", GQA)
+    to_megatron, to_hf = load_toolkit("convert_hf_to_megatron"), load_toolkit("convert_megatron_to_hf")
+    hf, model = save_hf_folder(tmp_path / "hf", GQA)
     flags = ["--storage_options", json.dumps(options)]
     assert to_megatron.main(["--hf_path", str(hf), "--output_path", url, "--tensor_model_parallel_size", "2", *flags]) == 0
     storage = open_storage(url, options)
@@ -546,74 +496,3 @@ def test_converters_end_to_end_on_s3(tmp_path, s3_store) -> None:
 # --- megatron-core reads our files (the `megatron` test extra) -------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _megatron_core_worker(rank: int, world: int, port: int, folder: str) -> None:
-    """One tensor-parallel rank: megatron-core's GPTModel (local spec, CPU, gloo) built from our file's `args`,
-    strictly loaded from its `model`, then run forward; writes what it loaded and its logits."""
-    warnings.simplefilter("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    storage = open_storage(folder)
-    _, states = mf.read_rank_states(storage, storage.url)
-    args = states[rank]["args"]
-    config = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
-        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, gated_linear_unit=args.swiglu,
-        activation_func=F.silu, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
-        tensor_model_parallel_size=args.tensor_model_parallel_size, params_dtype=args.params_dtype,
-        use_cpu_initialization=True, perform_initialization=False, hidden_dropout=0.0, attention_dropout=0.0,
-        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False,
-    )
-    model = GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
-        vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights, parallel_output=False,
-    ).eval()
-    model.load_state_dict(dict(states[rank]["model"]), strict=True)
-    # megatron-core assumes CUDA in two places of its forward: the rotary table's device and the dropout RNG fork
-    torch.cuda.current_device = lambda: "cpu"
-    import megatron.core.tensor_parallel.random as megatron_random
-
-    megatron_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
-    ids = torch.tensor([[3, 17, 42, 98, 0, 5, 61]])
-    mask = torch.triu(torch.ones(1, 1, 7, 7, dtype=torch.bool), diagonal=1)  # True = masked out
-    with torch.no_grad():
-        logits = model(ids, torch.arange(7)[None], mask)
-    torch.save({"model": model.state_dict(), "logits": logits}, os.path.join(folder, f"megatron_core_rank{rank}.pt"))
-    torch.distributed.destroy_process_group()
-
-
-@pytest.mark.parametrize("tp, shape", [(1, "tied"), (2, "gqa")])
-def test_megatron_core_gpt_model_loads_our_rank_files_strictly(tmp_path, models, tp, shape) -> None:
-    import megatron.core  # noqa: F401  (the test extra installs it: the check must run, never skip)
-    import torch.multiprocessing as mp
-
-    model = models[shape]
-    storage = open_storage(str(tmp_path))
-    mf.write_model_checkpoint(storage, storage.url, model.state_dict(), model.config, tp=tp)
-    mp.spawn(_megatron_core_worker, args=(tp, _free_port(), str(tmp_path)), nprocs=tp)  # raises if a rank fails
-    results = [torch.load(tmp_path / f"megatron_core_rank{r}.pt", weights_only=True) for r in range(tp)]
-    # what megatron-core loaded, merged back through our converter, is the HF model bit for bit
-    loaded = megatron_to_hf([r["model"] for r in results], model.config)
-    expected = {k: v for k, v in model.state_dict().items() if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
-    assert set(loaded) == set(expected) and all(torch.equal(loaded[k], v) for k, v in expected.items())
-    # and megatron-core's own forward over the shards gives HF's logits (the padding columns cut off)
-    logits = results[0]["logits"]
-    assert logits.shape == (1, 7, padded_vocab_size(99, tp))
-    with torch.no_grad():
-        reference = model(torch.tensor([[3, 17, 42, 98, 0, 5, 61]])).logits
-    assert torch.allclose(logits[..., :99], reference, atol=1e-5)

@@ -3,35 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import TINY_MODEL
+from conftest import error_line
 from rlrunner.main_grpo import main
-
-
-def error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.startswith("rlrunner: error:")]
-    assert len(lines) == 1, err
-    return lines[0]
-
-
-def test_unknown_key_through_the_launch_script(repo_root, subprocess_env, tmp_path):
-    result = subprocess.run(
-        ["bash", str(repo_root / "launch/run_main_grpo.sh"), "runner.save_intervall=5"],
-        cwd=tmp_path, env={**subprocess_env, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120,
-    )
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-2:] == [
-        "rlrunner: error: unknown config key 'runner.save_intervall' (check its spelling; `--cfg` prints every key)",
-        "run_main_grpo.sh: configuration error (exit code 2): not restarting",
-    ]
-    assert "Traceback" not in result.stderr
-    assert list(tmp_path.iterdir()) == [], "Hydra must not write output folders"
 
 
 def test_print_config_writes_nothing(tmp_path, monkeypatch, capsys):
@@ -91,17 +67,3 @@ def test_bad_resume_dir_is_reported_before_ray_starts(tmp_path, capsys):
     assert not ray.is_initialized(), "the error must come before Ray's start-up"
 
 
-def test_more_workers_than_the_cluster_can_place(ray_session, tmp_path, capsys):
-    code = main(
-        [
-            f"runner.output_dir={tmp_path}",
-            "actor.num_workers=4",
-            "cluster.cpus_per_actor_worker=4",
-            "cluster.placement_timeout_s=2",
-            "runner.logger.tensorboard=false",
-            *TINY_MODEL,
-        ]
-    )
-    assert code == 1
-    line = error_line(capsys)
-    assert "cannot place the actor group (4 workers x {CPU=4}) after waiting 2s: needs CPU 16" in line

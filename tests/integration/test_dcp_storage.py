@@ -8,7 +8,6 @@ halfway leaves no object, and the converters on s3:// URLs.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import multiprocessing
 import os
@@ -23,7 +22,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import S3_BUCKET, TINY_MODEL_CFG
+from conftest import S3_BUCKET, TINY_MODEL_CFG, load_toolkit
 from rlrunner.tools.convert import load_model_weights
 from rlrunner.backends.fsdp.dcp_state import checksumming_writer
 from rlrunner.checkpoint.handler import root_cause
@@ -34,7 +33,6 @@ WORLD = 2
 TIMEOUT_S = 120
 OPTIM_CFG = {"lr": 1e-2, "betas": [0.9, 0.99], "weight_decay": 0.01, "warmup_steps": 2, "lr_schedule": "cosine",
              "min_lr_ratio": 0.1}
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _s3_options(endpoint: str) -> dict:
@@ -224,13 +222,6 @@ class _Planted:
         return (open, (self.path, "w"))
 
 
-def _toolkit(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "toolkits" / "ckpt_convertor" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_planted_pickles_on_s3_are_refused_not_run(s3_store, tmp_path, capsys):
     url, options = s3_store
     storage = open_storage(url, options)
@@ -252,7 +243,7 @@ def test_planted_pickles_on_s3_are_refused_not_run(s3_store, tmp_path, capsys):
     assert refusal in root_cause(error.value)
     with pytest.raises(UnsafeMetadataError, match=refusal):
         load_model_weights(join(url, "global_step_1"), storage_options=options)
-    tool = _toolkit("convert_dcp_to_state_dict")
+    tool = load_toolkit("convert_dcp_to_state_dict")
     assert tool.main(["--dcp_path", actor, "--output_path", str(tmp_path / "w.pt")]) == 2
     assert capsys.readouterr().err.strip() == f"convert_dcp_to_state_dict: error: {refusal}"
     assert not marker.exists()
@@ -301,7 +292,7 @@ def test_the_converters_read_an_s3_checkpoint(s3_store, tmp_path, capsys):
     assert_bit_equal(load_model_weights(checkpoint, storage_options=options), weights)
 
     # credentials and endpoint from the AWS_* variables alone (s3_store sets them)
-    state_tool, hf_tool = _toolkit("convert_dcp_to_state_dict"), _toolkit("convert_dcp_to_hf")
+    state_tool, hf_tool = load_toolkit("convert_dcp_to_state_dict"), load_toolkit("convert_dcp_to_hf")
     assert state_tool.main(["--dcp_path", checkpoint, "--output_path", str(tmp_path / "w.pt")]) == 0
     assert_bit_equal(torch.load(tmp_path / "w.pt", weights_only=True), weights)
     argv = ["--ckpt_path", checkpoint, "--output_path", str(tmp_path / "hf"), "--storage_options", json.dumps(options)]

@@ -296,9 +296,9 @@ def test_a_run_starts_from_a_converted_megatron_folder(ray_session, tmp_path, re
     """model.path may point at convert_hf_to_megatron.py's output: the run starts from its weights exactly (the actor's
     shards and the rollout's copy are built from the merged weights)."""
     from rlrunner.backends.registry import check_model_path
-    from test_megatron_layout import TIED, _hf_folder
+    from megatron_models import TIED, save_hf_folder
 
-    hf_dir, hf_model = _hf_folder(tmp_path / "hf", TIED)  # tied embeddings: lm_head is the embedding
+    hf_dir, hf_model = save_hf_folder(tmp_path / "hf", TIED)  # tied embeddings: lm_head is the embedding
     megatron_dir = tmp_path / "megatron"
     subprocess.run(
         [sys.executable, str(repo_root / "toolkits/ckpt_convertor/convert_hf_to_megatron.py"), "--hf_path", str(hf_dir),
@@ -324,11 +324,12 @@ def test_megatron_core_loads_a_trained_checkpoint_strictly(reference, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from rlrunner.backends.megatron.layout import megatron_to_hf
-    from test_megatron_layout import _free_port, _megatron_core_worker
+    from megatron_models import free_port
+    from test_megatron_core import megatron_core_worker
 
     actor = tmp_path / "actor"
     shutil.copytree(reference.checkpoint(8) / "actor", actor)
-    mp.spawn(_megatron_core_worker, args=(2, _free_port(), str(actor)), nprocs=2)  # raises if a rank fails
+    mp.spawn(megatron_core_worker, args=(2, free_port(), str(actor)), nprocs=2)  # raises if a rank fails
     results = [torch.load(actor / f"megatron_core_rank{r}.pt", weights_only=True) for r in range(2)]
     config = json_config(actor / "huggingface" / "config.json")
     loaded = megatron_to_hf([r["model"] for r in results], config)

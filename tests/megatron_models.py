@@ -1,0 +1,51 @@
+"""Tiny Qwen2 models the Megatron-layout tests share (unit and integration): two shapes that split 1, 2 and 4 ways."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import torch
+
+from conftest import TINY_MODEL_CFG
+from rlrunner.models.loading import build_model
+from rlrunner.models.tokenizer import build_char_tokenizer
+
+# Grouped-query attention with an untied output layer, and plain multi-head attention with tied embeddings.
+# The vocabulary is the character tokenizer's 99 tokens.
+GQA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8,
+       "num_key_value_heads": 4, "tie_word_embeddings": False}
+TIED = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "tie_word_embeddings": True}
+SHAPES = {"gqa": GQA, "tied": TIED}
+
+
+def model_cfg(overrides: dict) -> dict:
+    return {**TINY_MODEL_CFG, "override_config": overrides}
+
+
+def build_test_model(overrides: dict, seed: int = 0):
+    """A tiny Qwen2 model whose biases and norm weights are random too (HF initializes them to 0 and 1, which would
+    hide a misplaced bias or norm); and its tokenizer."""
+    tokenizer = build_char_tokenizer()
+    model = build_model(model_cfg(overrides), tokenizer, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.copy_(torch.randn(param.shape, generator=generator))
+    return model.eval(), tokenizer
+
+
+def save_hf_folder(folder: Path, overrides: dict) -> tuple[Path, torch.nn.Module]:
+    """An HF model folder (config, weights, tokenizer) of a test model, and the model."""
+    model, tokenizer = build_test_model(overrides, seed=5)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, model
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
