@@ -29,18 +29,23 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ray import cloudpickle
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_checkpoint as shared  # noqa: E402  (the actor-group helpers of the save/load benchmark)
-
-# Ray workers cannot import the benchmark module by name: ship its functions by value.
-cloudpickle.register_pickle_by_value(shared)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, beside this script
+from benchlib.common import (  # noqa: E402
+    command_line,
+    filesystem_of,
+    folder_bytes,
+    make_workdir,
+    memory_gib,
+    ray_cpus,
+    start_local_ray,
+    stop_ray,
+)
+from benchlib.groups import create_optimizer_state, start_groups  # noqa: E402
+from benchlib.model import build_config, choose_shape, exact_param_count, tokenizer_vocab_size  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONVERTER = REPO_ROOT / "toolkits" / "ckpt_convertor" / "convert_dcp_to_state_dict.py"
@@ -73,29 +78,26 @@ class ChildRun:
 
 def write_checkpoint(params_millions: float, workers: int, cpus_per_worker: float, work: Path) -> tuple[Path, int]:
     """A committed `global_step_1` of a real actor group after one update; returns it and the exact parameter count."""
-    import ray
-
     from rlrunner.checkpoint.handler import CheckpointHandler
-    from rlrunner.checkpoint.manager import FSDPCheckpointManager
     from rlrunner.storage import open_storage
 
-    shape = shared.choose_shape(params_millions * 1e6, shared.tokenizer_vocab_size())
-    cfg = shared.build_config(shape, workers, cpus_per_worker, work)
-    params = shared.exact_param_count(dict(cfg.model))
+    shape = choose_shape(params_millions * 1e6, tokenizer_vocab_size())
+    cfg = build_config(shape, workers, cpus_per_worker, work)
+    params = exact_param_count(dict(cfg.model))
     print(f"model: Qwen2 {vars(shape)}, {params:,} parameters; {workers} actor ranks", flush=True)
-    shared.start_ray(workers, cpus_per_worker)
+    start_local_ray(ray_cpus(workers, cpus_per_worker))
     try:
-        group = shared.build_actor_group(cfg)
-        shared.create_optimizer_state(group, cfg)
+        groups = start_groups(cfg)  # as a run builds them (group_specs); the fsdp backend
+        create_optimizer_state(groups)
         storage = open_storage(str(work / "experiment"))
         handler = CheckpointHandler(
             storage, storage.url, save_interval=1, max_keep=None, fingerprint={"benchmark": "bench_convert_memory", "params": params}
         )
         data_state = {"runner": {"global_step": 1, "epoch": 0, "total_steps": 1}}
-        checkpoint = Path(handler.save(1, FSDPCheckpointManager(group), data_state))
-        group.shutdown()
+        checkpoint = Path(handler.save(1, groups.manager(), data_state))  # the backend's manager, a synchronous save
+        groups.shutdown()
     finally:
-        ray.shutdown()
+        stop_ray()
     return checkpoint, params
 
 
@@ -103,8 +105,8 @@ def model_weight_bytes(dcp_dir: Path) -> int:
     """Bytes of the `model.*` tensors recorded in the DCP metadata (the size of the full weights)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from rlrunner.tools.convert import MODEL_PREFIX
     from rlrunner.backends.fsdp.safe_dcp import read_metadata
+    from rlrunner.backends.fsdp.weights import MODEL_PREFIX
 
     total = 0
     for key, item in read_metadata(dcp_dir).state_dict_metadata.items():
@@ -171,15 +173,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    parent = args.dir or Path(tempfile.gettempdir())
-    parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="bench_convert_memory_", dir=parent))
+    work = make_workdir(args.dir, "bench_convert_memory_")
     started = time.perf_counter()
     try:
         checkpoint, _ = write_checkpoint(args.params, args.workers, args.cpus_per_worker, work)
         dcp_dir = checkpoint / "actor"
         runs = measure(dcp_dir, work)
-        weights, checkpoint_bytes = model_weight_bytes(dcp_dir), shared.folder_bytes(dcp_dir)
+        weights, checkpoint_bytes = model_weight_bytes(dcp_dir), folder_bytes(dcp_dir)
         print()
         print(markdown_table(weights, checkpoint_bytes, runs))
         print()
@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{run.name} {run.seconds:.1f}s" for run in runs.values())
             + "."
         )
-        print(f"machine: {os.cpu_count()} CPU cores, {shared.memory_gib():.0f} GiB RAM; folder {work} on {shared.filesystem_of(work)}")
-        print(f"command: {shared.command_line()}")
+        print(f"machine: {os.cpu_count()} CPU cores, {memory_gib():.0f} GiB RAM; folder {work} on {filesystem_of(work)}")
+        print(f"command: {command_line()}")
         print(f"total time: {time.perf_counter() - started:.0f}s")
     finally:
         shutil.rmtree(work, ignore_errors=True)

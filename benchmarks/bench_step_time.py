@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GRPO step time of the Megatron backend (tensor parallel) against FSDP on this machine, in one run.
 
-Both runs are real `GRPORunner` runs (rlrunner.runner.grpo_runner), built from `load_config` with the same
+Both runs are real runs (`rlrunner.runner.supervisor.Supervisor(cfg).run()`), built from `load_config` with the same
 overrides apart from the backend: the same model (the embedded tiny Qwen2, or `--hidden`/`--layers`), the same
 data, batch and seeds, the same number of actor ranks (`--tp` x `--dp`; FSDP shards over all of them, Megatron
 splits every layer over `--tp` of them) and one rollout worker, one after the other (`--first` picks the
@@ -28,12 +28,10 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
 import platform
-import shlex
 import shutil
 import statistics
 import sys
@@ -42,6 +40,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, beside this script
+from benchlib.common import command_line, cpu_model, make_workdir, read_jsonl, stop_ray  # noqa: E402
 
 TIMES = ["time/step_s", "time/update_s", "time/weight_sync_s", "time/rollout_s"]
 BACKENDS = ("fsdp", "megatron")
@@ -107,20 +108,21 @@ def run_overrides(args: argparse.Namespace, backend: str, output_dir: Path) -> l
 def read_metrics(log_path: Path) -> list[dict[str, Any]]:
     from rlrunner.runner.metrics import METRICS_FILE
 
-    return [json.loads(line) for line in (log_path / METRICS_FILE).read_text().splitlines()]
+    return read_jsonl(log_path / METRICS_FILE)
 
 
 def run_backend(args: argparse.Namespace, backend: str, output_dir: Path) -> BackendRun:
-    """One full GRPORunner run of `backend` on the Ray this process started; its per-step metrics."""
+    """One full run of `backend` (a Supervisor, as `python -m rlrunner.main_grpo` makes one) on the Ray this process
+    started; its per-step metrics."""
     from rlrunner.config import load_config
-    from rlrunner.runner.grpo_runner import GRPORunner
+    from rlrunner.runner.supervisor import Supervisor
 
     cfg = load_config(run_overrides(args, backend, output_dir))
-    runner = GRPORunner(cfg)
+    supervisor = Supervisor(cfg)
     started = time.perf_counter()
-    runner.run()
+    supervisor.run()
     wall = time.perf_counter() - started
-    steps = read_metrics(Path(runner.log_path))
+    steps = read_metrics(Path(supervisor.ctx.log_path))
     if len(steps) != args.warmup + args.steps:
         raise RuntimeError(f"{backend}: metrics.jsonl has {len(steps)} steps, expected {args.warmup + args.steps}")
     workers = cfg.actor.num_workers
@@ -131,13 +133,13 @@ def run_backend(args: argparse.Namespace, backend: str, output_dir: Path) -> Bac
 
 def model_description(args: argparse.Namespace) -> str:
     """The model both runs train, from the config the megatron run uses (checked splittable `--tp` ways)."""
+    from rlrunner.backends.registry import get_backend
     from rlrunner.config import load_config
     from rlrunner.models.loading import build_hf_config, build_tokenizer
-    from rlrunner.runner.grpo_runner import check_megatron_model
 
     cfg = load_config(run_overrides(args, "megatron", Path(tempfile.gettempdir())))
     config = build_hf_config(cfg.model, build_tokenizer(cfg.model))
-    check_megatron_model(config, args.tp)
+    get_backend("megatron").check_model(config, cfg.actor)  # the ConfigError a run raises, before Ray starts
     keys = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"]
     shape = ", ".join(f"{key}={getattr(config, key)}" for key in keys)
     batch = f"data.batch_size={cfg.data.batch_size} x algorithm.group_size={cfg.algorithm.group_size}"
@@ -167,17 +169,6 @@ def markdown_table(runs: dict[str, BackendRun], first_measured: int) -> str:
         f, m = fsdp.median(key, first_measured), megatron.median(key, first_measured)
         lines.append(f"| {key} | {f:.3f} | {m:.3f} | {m / f:.2f} |")
     return "\n".join(lines)
-
-
-def cpu_model() -> str:
-    """The processor's name from /proc/cpuinfo (Linux), else what the platform module knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown processor"
 
 
 def first_rollout(runs: dict[str, BackendRun]) -> str:
@@ -230,12 +221,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import ray
-
     from rlrunner.cluster.ray_setup import start_embedded
     from rlrunner.errors import ConfigError
 
-    print(f"command: {shlex.join([sys.executable, *sys.argv])}")
+    print(f"command: {command_line()}")
     print(f"machine: {machine()}")
     try:
         print(f"model: {model_description(args)}", flush=True)
@@ -243,9 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"bench_step_time: {exc}", file=sys.stderr)
         return 2
-    parent = args.dir or Path(tempfile.gettempdir())
-    parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="bench_step_time_", dir=parent))
+    work = make_workdir(args.dir, "bench_step_time_")
     order = [args.first, *(b for b in BACKENDS if b != args.first)]
     print(f"embedded Ray with {num_cpus} logical CPUs; runs in order {', '.join(order)}; output under {work}", flush=True)
     started = time.perf_counter()
@@ -253,8 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         start_embedded(num_cpus)
         runs = {backend: run_backend(args, backend, work) for backend in order}
     finally:
-        if ray.is_initialized():
-            ray.shutdown()
+        stop_ray()
         shutil.rmtree(work, ignore_errors=True)
 
     first_measured = args.warmup + 1

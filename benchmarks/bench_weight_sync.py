@@ -9,14 +9,16 @@ repeat (`--repeats`, medians reported) measures, from the driver, in turn:
   channels      rlrunner.weight_sync.driver.sync_weights: every actor rank broadcasts its own shards, cast to
                 the rollout dtype, in buckets of `--bucket-mb`, to every rollout worker (gloo on CPU; NCCL
                 between distinct GPUs; gloo over pinned host memory for a GPU shared by two members)
-  object store  the old path: ActorWorker.full_state_dict (FSDP gather of float32 on rank 0, to CPU) passed by
-                reference through the Ray object store to every RolloutWorker.load_weights
+  object store  the old path: FSDPActorWorker.full_state_dict (FSDP gather of float32 on rank 0, to CPU) passed
+                by reference through the Ray object store to every RolloutWorker.load_weights
   broadcast     torch.distributed.broadcast of as many bytes as the channels move into one rollout worker, from
                 one process to one other (gloo on CPU tensors; NCCL when --gpus-per-worker > 0 and the cluster
                 has two GPUs for it), in two more Ray actors of the same kind, timed the same way
 
 "bytes" is what reaches each rollout worker (the object-store row moves float32); "vs broadcast" is the row's
-time over the broadcast row's time. The channels are built once (connect_weight_sync, timed separately).
+time over the broadcast row's time. The channels are built once (connect_weight_sync, timed separately). Both
+groups are built as a run builds them (rlrunner.runner.placement.group_specs on the run's RunContext; the config
+sets the worker counts, `model.dtype` = `--dtype` for the rollout's model, and the per-worker resources).
 
 Run from the repository root:
 
@@ -28,20 +30,20 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import platform
-import shlex
+import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_checkpoint import choose_shape, exact_param_count, memory_gib, tokenizer_vocab_size  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, beside this script
+from benchlib.common import command_line, make_workdir, memory_gib, ray_cpus, start_local_ray, stop_ray, timed  # noqa: E402
+from benchlib.groups import start_groups  # noqa: E402
+from benchlib.model import build_config, choose_shape, exact_param_count, tokenizer_vocab_size  # noqa: E402
 
 from rlrunner.cluster.worker import Worker  # noqa: E402
 
@@ -80,48 +82,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def start_ray(args: argparse.Namespace) -> None:
-    """A new local Ray (never an existing cluster) with room for both groups and the broadcast pair."""
-    import ray
-
-    workers = args.actor_workers + args.rollout_workers + 2
-    ray.init(
-        address="local",
-        num_cpus=max(2, math.ceil(workers * args.cpus_per_worker) + 1),
-        include_dashboard=False,
-        logging_level="WARNING",
+def sync_config(args: argparse.Namespace, shape, work: Path):
+    """The run config of the two groups: the FSDP actor (float32 master weights) and the rollout in `--dtype`, with the
+    benchmark's worker counts, resources and time bound (the actor's training settings do not matter to a sync)."""
+    return build_config(
+        shape, args.actor_workers, args.cpus_per_worker, work,
+        extra=[
+            f"model.dtype={args.dtype}",  # the rollout's model; the actor builds its master weights in float32
+            f"rollout.num_workers={args.rollout_workers}",
+            f"cluster.cpus_per_rollout_worker={args.cpus_per_worker}",
+            f"cluster.gpus_per_worker={args.gpus_per_worker}",
+            f"cluster.threads_per_worker={args.threads}",
+            f"runner.recovery.step_timeout_s={args.timeout_s}",  # every call's bound
+        ],
     )
-
-
-def build_groups(args: argparse.Namespace, model_cfg: dict[str, Any]):
-    """The actor group (set up: model built and sharded) and the rollout group, as GRPORunner.build_groups makes them."""
-    from omegaconf import OmegaConf
-
-    from rlrunner.cluster.worker_group import WorkerGroup
-    from rlrunner.config import GRPOConfig
-    from rlrunner.backends.fsdp.worker import ActorWorker
-    from rlrunner.rollout.worker import RolloutWorker
-
-    cfg = OmegaConf.structured(GRPOConfig)  # the defaults (the actor's settings do not matter to a sync)
-    plain = lambda node: OmegaConf.to_container(node, resolve=True)  # noqa: E731
-    common = {"threads": args.threads, "use_gpu": args.gpus_per_worker > 0}
-    placement = {"cpus_per_worker": args.cpus_per_worker, "gpus_per_worker": args.gpus_per_worker,
-                 "call_timeout_s": args.timeout_s, "wait": False}
-    actors = WorkerGroup(
-        "actor", ActorWorker, args.actor_workers, distributed=True, **placement,
-        worker_kwargs={"model_cfg": model_cfg, "actor_cfg": plain(cfg.actor), "algorithm_cfg": plain(cfg.algorithm),
-                       "init_seed": 1, "total_optimizer_steps": 10, **common},
-    )
-    rollouts = WorkerGroup(
-        "rollout", RolloutWorker, args.rollout_workers, **placement,
-        worker_kwargs={"model_cfg": {**model_cfg, "dtype": args.dtype}, "rollout_cfg": plain(cfg.rollout),
-                       "group_size": 2, "verifier": "arithmetic", "seed": 1, **common},
-    )
-    actors.wait_ready()
-    setup = actors.call_all_async("setup")
-    rollouts.wait_ready()
-    actors.get(setup, args.timeout_s)
-    return actors, rollouts
 
 
 def build_probes(args: argparse.Namespace):
@@ -139,14 +113,9 @@ def build_probes(args: argparse.Namespace):
     return probes, "nccl (2 GPUs)" if nccl else "gloo (CPU tensors)"
 
 
-def timed(action) -> tuple[float, Any]:
-    started = time.perf_counter()
-    result = action()
-    return time.perf_counter() - started, result
-
-
 def old_path(actors, rollouts, timeout_s: float) -> None:
-    """What GRPORunner.sync_weights did: rank 0's full float32 state dict, by reference, into every load_weights."""
+    """What the runner's weight sync did before the channels: rank 0's full float32 state dict, by reference, into
+    every RolloutWorker.load_weights."""
     refs = actors.call_all_async("full_state_dict")
     loads = rollouts.call_all_async("load_weights", refs[0])
     actors.get(refs[1:], timeout_s)
@@ -156,7 +125,7 @@ def old_path(actors, rollouts, timeout_s: float) -> None:
 def check_bit_exact(actors, rollouts, dtype: torch.dtype) -> None:
     """Every rollout worker holds the actor's weights cast to its dtype, bit for bit (after the channel sync)."""
     def rollout_state(worker):
-        return {n: t.detach().cpu() for n, t in worker.model.state_dict().items()}
+        return {n: t.detach().cpu() for n, t in worker.engine.model.state_dict().items()}  # the hf engine's model
 
     full = actors.call_all("full_state_dict")[0]
     for state in rollouts.get([w.__ray_call__.remote(rollout_state) for w in rollouts.workers]):
@@ -176,17 +145,19 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     shape = choose_shape(args.params * 1e6, tokenizer_vocab_size())
-    model_cfg = {"path": None, "dtype": "float32", "attn_implementation": "sdpa", "override_config": vars(shape)}
-    params = exact_param_count(model_cfg)
-    print(
-        f"model: Qwen2 {vars(shape)}, {params:,} parameters; {args.actor_workers} actor ranks (FSDP2, float32 master) -> "
-        f"{args.rollout_workers} rollout workers ({args.dtype}); {args.cpus_per_worker:g} CPU, {args.gpus_per_worker:g} GPU "
-        f"and {args.threads} thread(s) per worker",
-        flush=True,
-    )
+    work = make_workdir(None, "bench_weight_sync_")  # the config's output_dir (nothing is written there)
     try:
-        start_ray(args)
-        actors, rollouts = build_groups(args, model_cfg)
+        cfg = sync_config(args, shape, work)
+        params = exact_param_count(dict(cfg.model))
+        print(
+            f"model: Qwen2 {vars(shape)}, {params:,} parameters; {args.actor_workers} actor ranks (FSDP2, float32 master) -> "
+            f"{args.rollout_workers} rollout workers ({args.dtype}); {args.cpus_per_worker:g} CPU, {args.gpus_per_worker:g} GPU "
+            f"and {args.threads} thread(s) per worker",
+            flush=True,
+        )
+        start_local_ray(ray_cpus(args.actor_workers + args.rollout_workers + 2, args.cpus_per_worker))
+        groups = start_groups(cfg, rollout=True)
+        actors, rollouts = groups.actor, groups.rollout
         probes, probe_backend = build_probes(args)
         print(f"groups ready ({time.perf_counter() - started:.0f}s elapsed)", flush=True)
 
@@ -235,13 +206,13 @@ def main(argv: list[str] | None = None) -> int:
             f"machine: {os.cpu_count()} CPU cores ({platform.machine()}), {memory_gib():.0f} GiB RAM, {gpu}, "
             f"torch {torch.__version__}, ray {ray.__version__}"
         )
-        print(f"command: {shlex.join([sys.executable, *sys.argv])}")
+        print(f"command: {command_line()}")
         print(f"total time: {time.perf_counter() - started:.0f}s")
         for group in (probes, rollouts, actors):
             group.shutdown()
     finally:
-        if ray.is_initialized():
-            ray.shutdown()
+        stop_ray()
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

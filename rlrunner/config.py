@@ -14,7 +14,9 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlrunner.backends.registry import get_backend
 from rlrunner.errors import ConfigError, first_line
+from rlrunner.rollout.registry import check_engine
 
 # ---------------------------------------------------------------------------------------------
 # Schema
@@ -310,13 +312,9 @@ def validate_config(cfg: DictConfig) -> None:
 
 
 def _validate_parallel_sizes(cfg: DictConfig) -> None:
-    # The registries import torch and the backends' modules: only when a config is checked, not for --help.
-    from rlrunner.backends.registry import get_backend
-    from rlrunner.rollout.registry import get_engine
-
     actor = cfg.actor
     backend = get_backend(actor.training_backend)
-    get_engine(cfg.rollout.engine)
+    check_engine(cfg.rollout.engine)
     tp = actor.tensor_model_parallel_size
     if tp < 1:
         raise ConfigError(f"actor.tensor_model_parallel_size must be positive, got {tp}")
@@ -333,8 +331,6 @@ def _validate_batch_divisibility(cfg: DictConfig) -> None:
     batch = cfg.data.batch_size
     mini = mini_batch_prompts(cfg)
     group = cfg.algorithm.group_size
-    from rlrunner.backends.registry import get_backend
-
     ranks = get_backend(cfg.actor.training_backend).rank_map(cfg.actor)
     workers, tp = ranks.dp, ranks.tp
     ranks_key = "actor.num_workers" if tp == 1 else "data-parallel ranks (actor.num_workers / actor.tensor_model_parallel_size)"

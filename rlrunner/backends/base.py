@@ -6,19 +6,24 @@ A backend is one package under `rlrunner/backends/` with a `TrainingBackend` sub
     model, gradient reduction, optimizer step, checkpoint files and weight-sync source are the backend's);
   * its checkpoint manager (what the handler calls to write and read the actor's files);
   * how actor ranks are laid out (`RankMap`: which ranks see the same data) and its config and model checks;
-  * the reader of its checkpoints' weights, which the converters, the inspector and `model.path` use.
+  * the reader of its checkpoints' weights, which the converters and `model.path` use.
 Nothing outside a backend's package branches on which backend runs.
+
+A backend's `TrainingBackend` subclass is what the config checks use before anything starts, so its module
+imports the backend's heavy parts (torch.distributed, the model, the file formats) inside the methods that
+need them: `python -m rlrunner.main_grpo --cfg` or a mistyped key need not load them.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from rlrunner.storage import Storage
+    from rlrunner.storage import Storage
 
 T = TypeVar("T")
 

@@ -5,13 +5,10 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-import torch
-
 from rlrunner.backends.base import TrainingBackend
 from rlrunner.backends.fsdp import FSDPBackend
 from rlrunner.backends.megatron import MegatronBackend
 from rlrunner.errors import ConfigError
-from rlrunner.models.loading import check_model_folder
 from rlrunner.storage import Storage, open_storage
 
 BACKENDS: dict[str, TrainingBackend] = {backend.name: backend for backend in (FSDPBackend(), MegatronBackend())}
@@ -34,7 +31,7 @@ def find_checkpoint(storage: Storage, url: str) -> tuple[TrainingBackend, str] |
     return None
 
 
-def checkpoint_weights_reader(storage: Storage, url: str) -> Callable[[Any], dict[str, torch.Tensor]] | None:
+def checkpoint_weights_reader(storage: Storage, url: str) -> Callable[[Any], dict[str, Any]] | None:
     """For `model.path` (any backend starts from any backend's checkpoint): a picklable function from the HF config to
     the checkpoint's full HF weights, or None when `url` is not a checkpoint."""
     found = find_checkpoint(storage, url)
@@ -47,5 +44,7 @@ def checkpoint_weights_reader(storage: Storage, url: str) -> Callable[[Any], dic
 def check_model_path(path: str) -> None:
     """ConfigError (one line) unless `model.path` is a usable HF folder, or any backend's checkpoint with its
     `huggingface/` config and tokenizer (any backend starts from any backend's checkpoint)."""
+    from rlrunner.models.loading import check_model_folder  # transformers: only when a model path is checked
+
     storage = open_storage(str(path))
     check_model_folder(path, checkpoint=find_checkpoint(storage, storage.url) is not None)

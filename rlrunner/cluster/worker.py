@@ -22,6 +22,10 @@ class Worker:
         torch.set_num_threads(threads)
         self.device = torch.device("cuda" if use_gpu and torch.cuda.is_available() else "cpu")
 
+    def close(self) -> None:
+        """Free what this worker holds before its process is killed (called by `WorkerGroup.shutdown` on a graceful
+        end; never after a failure, when it may not answer). Nothing by default."""
+
     def ping(self) -> dict:
         """Where this worker runs: used for placement checks and logs."""
         return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "node_ip": node_ip()}

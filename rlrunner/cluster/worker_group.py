@@ -232,10 +232,15 @@ class WorkerGroup:
                 pass
         return dead
 
-    def shutdown(self) -> None:
-        """Kill every actor and free the placement group; safe to call on a half-dead group."""
+    def shutdown(self, close_timeout_s: float = 0.0) -> None:
+        """Kill every actor and free the placement group; safe to call on a half-dead group. With `close_timeout_s`,
+        first ask every worker to `close` (free what it holds, e.g. an engine's processes), waiting at most that."""
         if cluster_lost() is not None:
             return  # every call would block on a GCS that is gone; the cluster took the workers with it
+        if close_timeout_s > 0:
+            closing = self.call_all_async("close")
+            ray.wait(closing, num_returns=len(closing), timeout=close_timeout_s)
+            drain(closing)
         for worker in self.workers:
             try:
                 ray.kill(worker, no_restart=True)

@@ -2,7 +2,8 @@
 
 An engine is built from the model config (its weights do not matter: the actor's are pushed before the first
 generation), generates response token ids for fixed chunks of prompts with one seed per sample, takes new weights
-through its weight sink, and is closed when its worker goes. A new engine is one module (or package) under
+through its weight sink, and is closed when a run ends as it should (after a failure its worker is killed
+without asking: an engine that starts processes of its own must not leave them behind when its own process dies). A new engine is one module (or package) under
 `rlrunner/rollout/` and one line in `rlrunner/rollout/registry.py`. Rewards are not the engine's business: the
 rollout worker scores every response in one place (`RolloutWorker._score`).
 """
@@ -55,4 +56,4 @@ class RolloutEngine(ABC):
         """Where a weight sync delivers the policy's tensors (HF names), to be loaded the engine's way."""
 
     def close(self) -> None:
-        """Free what the engine holds (processes, device memory); the worker is going away."""
+        """Free what the engine holds (processes, device memory): the run is over. Nothing by default."""

@@ -105,3 +105,7 @@ class RolloutWorker(Worker):
         sync, self.weight_sync = self.weight_sync, None
         if sync is not None:
             sync.close()
+
+    def close(self) -> None:
+        self.close_weight_sync()
+        self.engine.close()

@@ -34,6 +34,8 @@ from rlrunner.storage import basename
 
 logger = logging.getLogger(__name__)
 
+CLOSE_TIMEOUT_S = 30.0  # how long workers may take to close (engines, channels) at the end of a run
+
 
 class Callback(Protocol):
     def on_train_start(self, trainer: Trainer) -> None:
@@ -78,9 +80,13 @@ class Supervisor:
         budget = RestartBudget(recovery.max_restarts)
         while True:
             trainer = self.trainer = Trainer(ctx)
+            graceful = False  # the attempt ended as it should (finished or stopped): its workers may close first
             try:
-                return self._attempt(trainer, checkpoint, placement_timeout_s, budget)
+                last = self._attempt(trainer, checkpoint, placement_timeout_s, budget)
+                graceful = True
+                return last
             except StoppedEarly:
+                graceful = True
                 raise
             except CallAbandoned:  # stopped while the workers were starting: nothing new to save
                 raise StoppedEarly(f"{self.stop.reason} while starting the workers; {self._newest_checkpoint_note()}; "
@@ -89,7 +95,7 @@ class Supervisor:
                 failure = self._repairable_failure(exc, trainer, budget)  # or raises the error that ends the run
             finally:
                 teardown_started = time.monotonic()
-                trainer.close()
+                trainer.close(CLOSE_TIMEOUT_S if graceful else 0.0)
                 teardown_s = time.monotonic() - teardown_started
             ctx.recovery_log.write("failure", restart=budget.total, **failure, teardown_s=teardown_s)
             lost_cluster = cluster_lost(force=True)

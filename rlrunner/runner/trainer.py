@@ -78,9 +78,10 @@ class Trainer:
     def groups(self) -> list[WorkerGroup]:
         return [g for g in (self.actor_group, self.rollout_group) if g is not None]
 
-    def close(self) -> None:
+    def close(self, close_timeout_s: float = 0.0) -> None:
+        """The groups go (their workers asked to close first, for at most `close_timeout_s`, on a graceful end)."""
         for group in self.groups():
-            group.shutdown()
+            group.shutdown(close_timeout_s)
         self.actor_group = self.rollout_group = None
 
     def _stop_requested(self) -> bool:

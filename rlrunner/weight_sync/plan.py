@@ -1,8 +1,8 @@
 """The weight sync's plan: what each actor rank sends, in which buckets, and where each byte lands (pure functions).
 
 The unit is a **piece**: rows [start, stop) along one dimension of one tensor in Hugging Face layout, held by one
-actor rank. An FSDP2 rank holds dim-0 rows of every tensor (its shard); a tensor-parallel rank holds row or column
-blocks (its slices). Every rollout worker wants every tensor whole, in its own dtype: the sink's **layout**.
+actor rank (an FSDP2 shard is dim-0 rows of every tensor, a tensor-parallel slice a row or column block: the
+backends' weight sources say which). Every rollout worker wants every tensor whole, in its own dtype: the sink's **layout**.
 
     layout (from the sink)     [TensorSpec(name, shape, dtype), ...]       the tensors to fill, in HF names
     pieces (from each source)  [Piece(name, shape, dim, start, stop, dtype), ...]   dtype: the layout's (the wire's)
@@ -103,19 +103,6 @@ class Segment:
 class Bucket:
     nbytes: int
     segments: tuple[Segment, ...]
-
-
-def shard_rows(dim0: int, num_shards: int, index: int) -> tuple[int, int]:
-    """Rows [start, stop) of dim 0 held by shard `index` of `num_shards`: FSDP2's torch.chunk split.
-
-    torch.chunk makes chunks of ceil(dim0 / num_shards) rows, the last one shorter, and fewer chunks than
-    shards when dim0 is small (FSDP2 gives the missing shards empty tensors): 4 rows over 3 ranks is 2, 2, 0.
-    """
-    if num_shards <= 0 or not 0 <= index < num_shards:
-        raise ValueError(f"shard {index} of {num_shards}")
-    size = -(-dim0 // num_shards) if dim0 else 0
-    start = min(index * size, dim0)
-    return start, min(start + size, dim0)
 
 
 # -- the messages members exchange at join (through the rendezvous store) ------------------------------

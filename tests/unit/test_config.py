@@ -1,7 +1,7 @@
 """One source of truth for config defaults: the schema (rlrunner/config.py).
 
-configs/grpo.yaml only selects the schema, and the README's configuration table must show the
-schema's values.
+configs/grpo.yaml only selects the schema, and the configuration tables (the README's, docs/configuration.md's)
+must show the schema's values.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from omegaconf import OmegaConf
 
@@ -50,9 +51,9 @@ def test_the_default_yaml_repeats_no_values(repo_root: Path):
     assert content == {"defaults": ["grpo_schema", "_self_"]}
 
 
-def _table_rows(readme: str) -> list[tuple[str, str]]:
-    """(key cell, default cell) of every row of the table under '## Configuration'."""
-    section = readme.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
+def _table_rows(text: str, heading: str) -> list[tuple[str, str]]:
+    """(key cell, default cell) of every row of the table under the `## <heading>` section of a markdown page."""
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
     rows = []
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
@@ -101,19 +102,21 @@ def _same(documented: Any, actual: Any) -> bool:
     return documented == actual
 
 
-def test_the_readme_configuration_table_shows_the_schema_defaults(repo_root: Path):
+@pytest.mark.parametrize("page, heading, at_least", [("README.md", "Configuration", 10), ("docs/configuration.md", "Every key", 60)])
+def test_the_configuration_tables_show_the_schema_defaults(repo_root: Path, page: str, heading: str, at_least: int):
+    """The README's table of the keys people change and the docs' table of every key name real keys and their defaults."""
     schema = schema_tree(resolve=False)  # log_path is documented as its interpolation
     checked, wrong = [], []
-    for key_cell, default_cell in _table_rows((repo_root / "README.md").read_text()):
+    for key_cell, default_cell in _table_rows((repo_root / page).read_text(), heading):
         keys = _keys(key_cell)
-        assert all(lookup(schema, key) is not _MISSING for key in keys), f"README names a key the schema lacks: {key_cell}"
+        assert all(lookup(schema, key) is not _MISSING for key in keys), f"{page} names a key the schema lacks: {key_cell}"
         values = _literals(default_cell)
         if values is None:
             continue  # e.g. "0.2 (null = same)": prose, not a literal
-        assert len(values) in (1, len(keys)), f"README row has {len(keys)} keys and {len(values)} defaults: {key_cell}"
+        assert len(values) in (1, len(keys)), f"{page}: a row has {len(keys)} keys and {len(values)} defaults: {key_cell}"
         for key, value in zip(keys, values * len(keys) if len(values) == 1 else values):
             checked.append(key)
             if not _same(value, lookup(schema, key)):
-                wrong.append(f"{key}: README {value!r}, schema {lookup(schema, key)!r}")
+                wrong.append(f"{key}: {page} {value!r}, schema {lookup(schema, key)!r}")
     assert wrong == []
-    assert len(set(checked)) >= 20, sorted(checked)
+    assert len(set(checked)) >= at_least, sorted(checked)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import assert_bit_equal
-from rlrunner.backends.fsdp.weights import FSDPWeightSource
+from rlrunner.backends.fsdp.weights import FSDPWeightSource, shard_rows
 from rlrunner.rollout.hf import ModuleSink
 from rlrunner.weight_sync.plan import (
     Assembler,
@@ -19,7 +19,6 @@ from rlrunner.weight_sync.plan import (
     check_coverage,
     pack_bucket,
     plan_buckets,
-    shard_rows,
 )
 
 

@@ -5,12 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import torch
-
 from rlrunner.backends.base import RankMap, TrainingBackend
-from rlrunner.backends.checkpoints import ActorCheckpointManager
-from rlrunner.backends.fsdp.weights import find_dcp_dir, read_dcp_weights
-from rlrunner.backends.fsdp.worker import FSDPActorWorker
 from rlrunner.errors import ConfigError
 from rlrunner.storage import Storage
 
@@ -21,6 +16,8 @@ class FSDPBackend(TrainingBackend):
 
     @property
     def worker_class(self) -> type:
+        from rlrunner.backends.fsdp.worker import FSDPActorWorker
+
         return FSDPActorWorker
 
     def check_config(self, cfg: Any) -> None:
@@ -31,11 +28,17 @@ class FSDPBackend(TrainingBackend):
             )
 
     def checkpoint_manager(self, actor_group: Any, rank_map: RankMap, timeout_s: float | None, background: bool,
-                           storage_options: Mapping[str, Any] | None) -> ActorCheckpointManager:
+                           storage_options: Mapping[str, Any] | None) -> Any:
+        from rlrunner.backends.checkpoints import ActorCheckpointManager
+
         return ActorCheckpointManager(actor_group, self.checkpoint_format, timeout_s, background, storage_options)
 
     def find_checkpoint(self, storage: Storage, url: str) -> str | None:
+        from rlrunner.backends.fsdp.weights import find_dcp_dir
+
         return find_dcp_dir(storage, url)
 
-    def read_hf_weights(self, storage: Storage, root: str, config: Any) -> dict[str, torch.Tensor]:
+    def read_hf_weights(self, storage: Storage, root: str, config: Any) -> dict[str, Any]:
+        from rlrunner.backends.fsdp.weights import read_dcp_weights
+
         return read_dcp_weights(storage, root)

@@ -19,9 +19,22 @@ from rlrunner.backends.fsdp.safe_dcp import METADATA_FILE, SafeFileSystemReader,
 from rlrunner.checkpoint.layout import ACTOR_DIR
 from rlrunner.storage import Storage
 from rlrunner.weight_sync.endpoints import Block, WeightSource
-from rlrunner.weight_sync.plan import WeightSyncError, shard_rows
+from rlrunner.weight_sync.plan import WeightSyncError
 
 MODEL_PREFIX = "model."
+
+
+def shard_rows(dim0: int, num_shards: int, index: int) -> tuple[int, int]:
+    """Rows [start, stop) of dim 0 held by shard `index` of `num_shards`: FSDP2's torch.chunk split.
+
+    torch.chunk makes chunks of ceil(dim0 / num_shards) rows, the last one shorter, and fewer chunks than
+    shards when dim0 is small (FSDP2 gives the missing shards empty tensors): 4 rows over 3 ranks is 2, 2, 0.
+    """
+    if num_shards <= 0 or not 0 <= index < num_shards:
+        raise ValueError(f"shard {index} of {num_shards}")
+    size = -(-dim0 // num_shards) if dim0 else 0
+    start = min(index * size, dim0)
+    return start, min(start + size, dim0)
 
 
 class FSDPWeightSource(WeightSource):

@@ -6,13 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import torch
-
 from rlrunner.backends.base import RankMap, TrainingBackend
-from rlrunner.backends.megatron.checkpoint import MegatronCheckpointManager
-from rlrunner.backends.megatron.files import find_root, read_hf_weights
-from rlrunner.backends.megatron.layout import Qwen2Dims, check_splittable
-from rlrunner.backends.megatron.worker import MegatronActorWorker
 from rlrunner.errors import ConfigError
 from rlrunner.storage import Storage
 
@@ -23,6 +17,8 @@ class MegatronBackend(TrainingBackend):
 
     @property
     def worker_class(self) -> type:
+        from rlrunner.backends.megatron.worker import MegatronActorWorker
+
         return MegatronActorWorker
 
     def check_config(self, cfg: Any) -> None:
@@ -33,6 +29,8 @@ class MegatronBackend(TrainingBackend):
             )
 
     def check_model(self, hf_config: Any, actor_cfg: Mapping[str, Any]) -> None:
+        from rlrunner.backends.megatron.layout import Qwen2Dims, check_splittable
+
         tp = actor_cfg["tensor_model_parallel_size"]
         try:
             check_splittable(Qwen2Dims.from_config(hf_config), tp)
@@ -40,15 +38,21 @@ class MegatronBackend(TrainingBackend):
             raise ConfigError(f"actor.training_backend=megatron with actor.tensor_model_parallel_size={tp}: {exc}") from None
 
     def checkpoint_manager(self, actor_group: Any, rank_map: RankMap, timeout_s: float | None, background: bool,
-                           storage_options: Mapping[str, Any] | None) -> MegatronCheckpointManager:
+                           storage_options: Mapping[str, Any] | None) -> Any:
+        from rlrunner.backends.megatron.checkpoint import MegatronCheckpointManager
+
         return MegatronCheckpointManager(actor_group, self.checkpoint_format, rank_map.tp, timeout_s=timeout_s,
                                          background=background, storage_options=storage_options)
 
     def find_checkpoint(self, storage: Storage, url: str) -> str | None:
+        from rlrunner.backends.megatron.files import find_root
+
         try:
             return find_root(storage, url)
         except FileNotFoundError:
             return None
 
-    def read_hf_weights(self, storage: Storage, root: str, config: Any) -> dict[str, torch.Tensor]:
+    def read_hf_weights(self, storage: Storage, root: str, config: Any) -> dict[str, Any]:
+        from rlrunner.backends.megatron.files import read_hf_weights
+
         return read_hf_weights(storage, root, config, mmap=True)  # tensors backed by the file: less resident memory

@@ -1,0 +1,155 @@
+"""bench_recovery.py's reports: the phases of each restart (matched to the kill that caused it), where the
+(re)start time goes, and goodput under failure injection."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchlib.recovery_runs import Kill, RunOutcome, recovery_events
+
+# -- 1. recovery time ------------------------------------------------------------------------------
+
+# "detection" is the supervisor's own (failed_at_unix - kill); the others add up exactly to "total".
+PHASES = ["detection", "error reaches driver", "classify", "teardown", "find ckpt", "wait", "rebuild", "load", "1st step", "total"]
+
+
+@dataclass
+class Restart:
+    kill: Kill
+    failure: dict[str, Any]
+    resumed: dict[str, Any] | None
+    first_step: dict[str, Any] | None
+    arrival_unix: float | None
+    phases: dict[str, float] = field(default_factory=dict)
+    attempt: dict[str, float] = field(default_factory=dict)  # group start times of the attempt this restart built
+
+
+def restart_phases(kill: Kill, failure: dict, resumed: dict | None, first: dict | None, arrival: float | None) -> dict[str, float]:
+    torn_down_at = failure["time_unix"]  # the failure event is written right after the teardown
+    phases = {
+        "detection": failure["failed_at_unix"] - kill.time_unix,
+        "teardown": failure["teardown_s"],
+    }
+    if arrival is not None:
+        phases["error reaches driver"] = arrival - kill.time_unix
+        phases["classify"] = torn_down_at - failure["teardown_s"] - arrival
+    if resumed is not None:
+        start_s = resumed["wait_s"] + resumed["rebuild_s"] + resumed["load_s"]
+        phases["find ckpt"] = resumed["time_unix"] - start_s - torn_down_at
+        phases.update({"wait": resumed["wait_s"], "rebuild": resumed["rebuild_s"], "load": resumed["load_s"]})
+        if first is not None:
+            phases["1st step"] = first["time_unix"] - resumed["time_unix"]
+            phases["total"] = first["time_unix"] - kill.time_unix
+    return phases
+
+
+def match_restarts(log_path: Path, kills: list[Kill], arrivals: list[float], attempts: list[dict[str, float]]) -> list[Restart]:
+    """Kill i caused restart i+1 (kills are serialized on the previous recovery's first step)."""
+    failures = recovery_events(log_path, "failure")
+    resumed = {e["restart"]: e for e in recovery_events(log_path, "resumed")}
+    first = {e["restart"]: e for e in recovery_events(log_path, "first_step")}
+    restarts = []
+    for index, kill in enumerate(kills):
+        number = index + 1
+        failure = next((f for f in failures if f["restart"] == number), None)
+        if failure is None:
+            continue
+        arrival = arrivals[index] if index < len(arrivals) else None
+        phases = restart_phases(kill, failure, resumed.get(number), first.get(number), arrival)
+        attempt = attempts[number] if number < len(attempts) else {}
+        restarts.append(Restart(kill, failure, resumed.get(number), first.get(number), arrival, phases, attempt))
+    return restarts
+
+
+def phase_summary_table(restarts: list[Restart]) -> str:
+    rows = ["| phase | median s | min s | max s | n |", "|---|---:|---:|---:|---:|"]
+    for phase in PHASES:
+        values = [r.phases[phase] for r in restarts if phase in r.phases]
+        if values:
+            rows.append(f"| {phase} | {statistics.median(values):.2f} | {min(values):.2f} | {max(values):.2f} | {len(values)} |")
+    lost = [r.failure["lost_steps"] for r in restarts]
+    if lost:
+        rows.append(f"| lost steps | {statistics.median(lost):g} | {min(lost)} | {max(lost)} | {len(lost)} |")
+    return "\n".join(rows)
+
+
+def per_kill_table(restarts: list[Restart], step_s: float) -> str:
+    head = ["kill", "target", "after step", "resumed at"] + PHASES + ["lost steps", "redo s"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * 4 + "---:|" * (len(head) - 4)]
+    for index, restart in enumerate(restarts, 1):
+        resumed_at = restart.resumed["step"] if restart.resumed else "-"
+        cells = [str(index), restart.kill.target, str(restart.kill.last_step), str(resumed_at)]
+        cells += [f"{restart.phases[p]:.2f}" if p in restart.phases else "-" for p in PHASES]
+        lost = restart.failure["lost_steps"]
+        cells += [str(lost), f"{lost * step_s:.1f}"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+REBUILD_PARTS = [
+    ("wait_s", "wait for placement"),
+    ("actor_start_s", "actor group: 2 processes started, ping, process group"),
+    ("rollout_start_s", "rollout group: process started, ping"),
+    ("actor_setup_s", "actor setup (model built and sharded, optimizer)"),
+    ("rebuild_s", "rebuild_s (sum of the three above)"),
+    ("load_s", "load_s (storage probe, checkpoint load, weight sync)"),
+]
+
+
+def rebuild_table(initial: list[dict[str, float]], restarts: list[Restart]) -> str:
+    """Where the (re)start time goes: the initial start of the run next to the median restart."""
+    rows = ["| part of start() | initial start s | restart median s | restart min s | restart max s |", "|---|---:|---:|---:|---:|"]
+    for key, label in REBUILD_PARTS:
+        values = [r.attempt[key] for r in restarts if key in r.attempt]
+        first = f"{initial[0][key]:.2f}" if initial and key in initial[0] else "-"
+        if values or first != "-":
+            stats = [f"{statistics.median(values):.2f}", f"{min(values):.2f}", f"{max(values):.2f}"] if values else ["-"] * 3
+            rows.append(f"| {label} | {first} | " + " | ".join(stats) + " |")
+    return "\n".join(rows)
+
+
+def describe_outcome(outcome: RunOutcome) -> str:
+    if outcome.finished:
+        return f"finished at step {outcome.last_step}"
+    return f"ended with step {outcome.last_step} committed ({outcome.error})"
+
+
+# -- 2. goodput ------------------------------------------------------------------------------------
+
+
+@dataclass
+class GoodputRow:
+    period: float | None
+    outcome: RunOutcome
+    restarts: int
+    lost_steps: int
+    restart_s: float | None  # median failed_at -> first completed step after it
+
+
+def median_restart_s(log_path: Path) -> float | None:
+    """Median seconds from a failure being caught to the first completed step after the restart."""
+    failures = {e["restart"]: e for e in recovery_events(log_path, "failure")}
+    firsts = recovery_events(log_path, "first_step")
+    spans = [f["time_unix"] - failures[f["restart"]]["failed_at_unix"] for f in firsts if f["restart"] in failures]
+    return statistics.median(spans) if spans else None
+
+
+def goodput_table(rows: list[GoodputRow]) -> str:
+    baseline = rows[0].outcome.last_step / rows[0].outcome.wall_s
+    lines = [
+        "| T (s) | kills | restarts | steps done | lost steps (redone) | restart s (median) | wall s | steps/s | goodput | metrics 1..N once |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        rate = row.outcome.last_step / row.outcome.wall_s
+        period = "no failures" if row.period is None else f"{row.period:g}"
+        done = f"{row.outcome.last_step}" + ("" if row.outcome.finished else " (stopped)")
+        lines.append(
+            f"| {period} | {len(row.outcome.kills)} | {row.restarts} | {done} | {row.lost_steps} | "
+            f"{'-' if row.restart_s is None else f'{row.restart_s:.1f}'} | {row.outcome.wall_s:.1f} | "
+            f"{rate:.2f} | {rate / baseline:.2f} | {row.outcome.metrics_check} |"
+        )
+    return "\n".join(lines)
