@@ -42,6 +42,20 @@ TINY_MODEL = [
 ]
 
 
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    """An experiment folder on a local disk, and on S3 (moto): the checkpoint handler tests (tests/checkpoint_fakes.py)."""
+    from checkpoint_fakes import Store
+
+    from rlrunner.storage import open_storage
+
+    if request.param == "local":
+        storage = open_storage(str(tmp_path))
+        return Store(storage, storage.join(storage.url, "exp"))
+    url, options = request.getfixturevalue("s3_store")
+    return Store(open_storage(url, options), url + "/exp")
+
+
 @pytest.fixture(scope="module")
 def megatron_models():
     """The shared tiny test models of the Megatron-layout tests, by shape name (tests/megatron_models.py)."""

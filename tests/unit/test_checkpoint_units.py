@@ -19,7 +19,7 @@ from rlrunner.checkpoint.manifest import ManifestError, build_manifest, file_rec
 from rlrunner.checkpoint.policy import fingerprint_differences, flatten, should_save, steps_to_delete
 from rlrunner.backends.fsdp.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeMetadataError, read_metadata
 from conftest import LOCAL
-from test_checkpoint_handler import make_handler, save_steps  # a real CheckpointHandler with a small file backend
+from checkpoint_fakes import make_handler, save_steps  # a real CheckpointHandler with a small file backend
 
 
 @pytest.mark.parametrize(

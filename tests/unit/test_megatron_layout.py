@@ -1,21 +1,15 @@
-"""The Megatron-LM layout: HF <-> tensor-parallel shards, what each rank sends in a weight sync, the per-rank files and
-the converters (megatron-core's own reading of our files: tests/integration/test_megatron_core.py)."""
+"""The Megatron-LM layout: HF <-> tensor-parallel shards, and what each rank sends in a weight sync (the per-rank files
+and the converters: test_megatron_files.py)."""
 
 from __future__ import annotations
 
-import argparse
-import pickle
-import random
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TINY_MODEL_CFG, load_toolkit
-from megatron_models import GQA, SHAPES, TIED, build_test_model, model_cfg, save_hf_folder
-from rlrunner.backends.megatron import files as mf
+from conftest import TINY_MODEL_CFG
+from megatron_models import SHAPES, build_test_model, model_cfg
 from rlrunner.models.loading import build_hf_config
 from rlrunner.backends.megatron.weights import hf_blocks
 from rlrunner.backends.megatron.layout import (
@@ -29,8 +23,6 @@ from rlrunner.backends.megatron.layout import (
     padded_vocab_size,
 )
 from rlrunner.models.tokenizer import build_char_tokenizer
-from rlrunner.storage import open_storage
-from rlrunner.utils.rng import capture_rng, restore_rng
 
 # --- vocabulary padding and the split's preconditions ------------------------------------------------
 
@@ -270,229 +262,3 @@ def test_tp2_shards_compute_the_hf_decoder_layer_embedding_and_logits(megatron_m
         logits = torch.cat([F.linear(x, shard["output_layer.weight"]) for shard in shards], dim=-1)
         assert logits.shape[-1] == 256 and not logits[..., 99:].any()
         assert torch.allclose(logits[..., :99], model.lm_head(x), atol=1e-6)
-
-
-# --- the per-rank files -----------------------------------------------------------------------------
-
-
-def test_names_follow_megatron() -> None:
-    assert mf.rank_file(50, 1) == "iter_0000050/mp_rank_01/model_optim_rng.pt"
-    assert mf.iteration_dir(0) == "iter_0000000" and mf.rank_dir(12) == "mp_rank_12"
-    assert mf.TRACKER_FILE == "latest_checkpointed_iteration.txt"
-
-
-def test_args_record_dimensions_padding_and_parallel_sizes(megatron_models) -> None:
-    args = mf.megatron_args(megatron_models["gqa"].config, tp=2, dp=2)
-    assert isinstance(args, argparse.Namespace)
-    assert (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.num_attention_heads) == (2, 64, 128, 8)
-    assert (args.num_query_groups, args.group_query_attention, args.kv_channels) == (4, True, 8)
-    assert (args.vocab_size, args.padded_vocab_size, args.make_vocab_size_divisible_by) == (99, 256, 128)
-    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size) == (2, 1, 2)
-    assert args.untie_embeddings_and_output_weights and args.add_qkv_bias and not args.add_bias_linear and args.swiglu
-    assert (args.normalization, args.rotary_base, args.params_dtype) == ("RMSNorm", 10000, torch.float32)
-    assert not mf.megatron_args(megatron_models["tied"].config, tp=1).untie_embeddings_and_output_weights
-
-
-def _rank_file_round_trip(storage, root, model) -> None:
-    args = mf.megatron_args(model.config, tp=2)
-    shards = hf_to_megatron(model.state_dict(), model.config, 2)
-    params = [torch.nn.Parameter(v.clone()) for v in shards[1].values() if v is not None]
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
-    sum(p.sum() for p in params).backward()
-    optimizer.step()
-    scheduler = {"max_lr": 1e-3, "num_steps": 1}
-    random.seed(7)
-    np.random.seed(7)
-    torch.manual_seed(7)
-    rng = [mf.megatron_rng_entry(capture_rng())]
-    draws = (random.random(), np.random.rand(), torch.rand(1))
-    records = mf.write_rank_file(storage, root, 50, 1, shards[1], args, optimizer.state_dict(), scheduler, rng)
-    name = "iter_0000050/mp_rank_01/model_optim_rng.pt"
-    assert list(records) == [name]
-    assert records[name] == storage.checksum(storage.join(root, name))  # size and CRC-32 computed while writing
-    for mmap in (False, True):
-        state = mf.read_rank_file(storage, storage.join(root, name), mmap=mmap)
-        assert set(state) == {"args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler", "rng_state"}
-        assert (state["checkpoint_version"], state["iteration"], state["opt_param_scheduler"]) == (3.0, 50, scheduler)
-        assert state["args"] == args
-        assert list(state["model"]) == list(shards[1])
-        assert all(torch.equal(state["model"][k], v) for k, v in shards[1].items() if v is not None)
-        assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
-        assert isinstance(state["rng_state"], list) and len(state["rng_state"]) == 1
-        assert set(state["rng_state"][0]) >= {"random_rng_state", "np_rng_state", "torch_rng_state", "rng_tracker_states"}
-        restore_rng(mf.rng_from_megatron_entry(state["rng_state"][0]))
-        assert (random.random(), np.random.rand(), torch.rand(1)) == draws
-
-
-def test_rank_file_round_trip_local(tmp_path, megatron_models) -> None:
-    storage = open_storage(str(tmp_path))
-    _rank_file_round_trip(storage, storage.url, megatron_models["gqa"])
-    # the allow-list is exactly what the file needs: weights_only's own types plus argparse.Namespace
-    path = tmp_path / "iter_0000050/mp_rank_01/model_optim_rng.pt"
-    assert torch.serialization.get_unsafe_globals_in_checkpoint(str(path)) == ["argparse.Namespace"]
-    assert [f"{c.__module__}.{c.__qualname__}" for c in mf.ALLOWED_GLOBALS] == ["argparse.Namespace"]
-    with pytest.raises(pickle.UnpicklingError, match="argparse.Namespace"):  # without the allow-list it is refused
-        torch.load(path, weights_only=True)
-
-
-def test_rank_file_round_trip_on_s3(s3_store, megatron_models) -> None:
-    url, options = s3_store
-    storage = open_storage(url, options)
-    _rank_file_round_trip(storage, storage.url, megatron_models["tied"])
-
-
-class _Planted:
-    """Unpickling it would create a file: proof that the load ran code."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
-
-
-def test_a_file_holding_another_class_is_refused_and_not_run(tmp_path) -> None:
-    from fractions import Fraction
-
-    storage = open_storage(str(tmp_path))
-    marker = tmp_path / "pwned"
-    for name, payload in (("planted.pt", _Planted(str(marker))), ("fraction.pt", Fraction(1, 3))):
-        with open(tmp_path / name, "wb") as handle:
-            torch.save({"args": argparse.Namespace(tensor_model_parallel_size=1), "model": {}, "extra": payload}, handle)
-        for mmap in (False, True):
-            with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
-                mf.read_rank_file(storage, str(tmp_path / name), mmap=mmap)
-    assert not marker.exists()
-
-
-def test_save_refuses_what_the_reader_would_refuse(tmp_path, megatron_models) -> None:
-    from fractions import Fraction
-
-    storage = open_storage(str(tmp_path))
-    args = mf.megatron_args(megatron_models["gqa"].config, tp=1)
-    with pytest.raises(TypeError, match=r"\['opt_param_scheduler'\]\['ratio'\] holds a fractions.Fraction"):
-        mf.write_rank_file(storage, storage.url, 1, 0, {}, args, opt_param_scheduler={"ratio": Fraction(1, 2)})
-    with pytest.raises(ValueError, match="tensor-parallel rank 1 is outside 0..0"):
-        mf.write_rank_file(storage, storage.url, 1, 1, {}, args)
-    assert storage.walk(storage.url) == {}
-
-
-def test_reading_checks_tracker_ranks_and_iteration(tmp_path, megatron_models) -> None:
-    model = megatron_models["gqa"]
-    storage = open_storage(str(tmp_path))
-    root = storage.url
-    records = mf.write_model_checkpoint(storage, root, model.state_dict(), model.config, tp=2, iteration=3)
-    assert sorted(records) == ["iter_0000003/mp_rank_00/model_optim_rng.pt", "iter_0000003/mp_rank_01/model_optim_rng.pt",
-                               "latest_checkpointed_iteration.txt"]
-    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "3"
-    iteration, states = mf.read_rank_states(storage, root)
-    assert iteration == 3 and [s["args"].tensor_model_parallel_size for s in states] == [2, 2]
-    assert "optimizer" not in states[0] and "rng_state" not in states[0]  # model only
-    assert mf.find_root(storage, root) == root
-    # a global_step_N folder whose actor/ holds the checkpoint
-    (tmp_path / "global_step_3").mkdir()
-    (tmp_path / "iter_0000003").rename(tmp_path / "global_step_3" / "iter_0000003")
-    with pytest.raises(FileNotFoundError, match="no iter_0000003/mp_rank_\\* folders under"):
-        mf.read_rank_states(storage, root)
-    (tmp_path / "global_step_3").rename(tmp_path / "actor")
-    (tmp_path / "latest_checkpointed_iteration.txt").rename(tmp_path / "actor" / "latest_checkpointed_iteration.txt")
-    actor = storage.join(root, "actor")
-    assert mf.find_root(storage, root) == actor
-    (tmp_path / "actor/iter_0000003/mp_rank_01").rename(tmp_path / "actor/iter_0000003/mp_rank_02")
-    with pytest.raises(ValueError, match=r"has tensor-parallel ranks \[0, 2\], not 0..1"):
-        mf.read_rank_states(storage, actor)
-    (tmp_path / "actor/iter_0000003/mp_rank_02").rename(tmp_path / "actor/iter_0000003/mp_rank_01")
-    (tmp_path / "actor/iter_0000003").rename(tmp_path / "actor/iter_0000004")
-    (tmp_path / "actor/latest_checkpointed_iteration.txt").write_text("4\n")
-    with pytest.raises(ValueError, match="holds iteration 3, its folder says 4"):
-        mf.read_rank_states(storage, actor)
-    (tmp_path / "actor/latest_checkpointed_iteration.txt").write_text("release")
-    with pytest.raises(ValueError, match="holds 'release', not an iteration number"):
-        mf.read_rank_states(storage, actor)
-
-
-# --- the converters ---------------------------------------------------------------------------------
-
-
-def test_streamed_safetensors_file_is_what_safetensors_reads(tmp_path) -> None:
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    tool = load_toolkit("convert_megatron_to_hf")
-    state = {"b.weight": torch.randn(3, 5).to(torch.bfloat16), "a.bias": torch.arange(7, dtype=torch.int64),
-             "c.scale": torch.randn(()), "d.empty": torch.zeros(0, 4, dtype=torch.float16), "e.t": torch.randn(4, 6).t()}
-    record = tool.write_safetensors(open_storage(str(tmp_path)), str(tmp_path / "w.safetensors"), list(state.items()))
-    assert record == open_storage(str(tmp_path)).checksum(str(tmp_path / "w.safetensors"))
-    loaded = load_file(str(tmp_path / "w.safetensors"))
-    assert set(loaded) == set(state) and all(loaded[k].dtype == v.dtype and torch.equal(loaded[k], v) for k, v in state.items())
-    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as reader:
-        assert reader.metadata() == {"format": "pt"}  # what transformers checks before loading
-    with pytest.raises(ValueError, match="x has dtype torch.complex64, which this writer does not store"):
-        tool.write_safetensors(open_storage(str(tmp_path)), str(tmp_path / "bad.safetensors"), [("x", torch.zeros(2, dtype=torch.complex64))])
-    layout = [("a", torch.zeros(2, device="meta")), ("b", torch.zeros(3, device="meta"))]
-    with pytest.raises(ValueError, match=r"expected b torch.float32 \(3,\) next, got c"):
-        tool.write_safetensors(open_storage(str(tmp_path)), str(tmp_path / "bad.safetensors"), layout,
-                               iter([("a", torch.ones(2)), ("c", torch.ones(3))]))
-    assert not (tmp_path / "bad.safetensors").exists()  # a failed write leaves no file
-
-
-def _assert_same_model(folder: Path, model) -> None:
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    weights = load_file(str(folder / "model.safetensors"))
-    expected = {k: v for k, v in model.state_dict().items() if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
-    assert set(weights) == set(expected) and all(torch.equal(weights[k], v) for k, v in expected.items())
-    reloaded = AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa").eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    ids = torch.tensor([tokenizer("12+30=42\n", add_special_tokens=False)["input_ids"]])
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, model(ids).logits)
-
-
-def test_converters_end_to_end_local(tmp_path, capsys) -> None:
-    to_megatron, to_hf = load_toolkit("convert_hf_to_megatron"), load_toolkit("convert_megatron_to_hf")
-    hf, model = save_hf_folder(tmp_path / "hf", TIED)
-    actor = tmp_path / "global_step_0" / "actor"
-    assert to_megatron.main(["--hf_path", str(hf), "--output_path", str(actor), "--tensor_model_parallel_size", "4"]) == 0
-    files = sorted(str(p.relative_to(actor)) for p in actor.rglob("*") if p.is_file())
-    assert [f for f in files if not f.startswith("huggingface/")] == [
-        f"iter_0000000/mp_rank_0{r}/model_optim_rng.pt" for r in range(4)] + ["latest_checkpointed_iteration.txt"]
-    assert {"huggingface/config.json", "huggingface/tokenizer.json"} <= set(files)
-    assert not any(f.endswith(".safetensors") for f in files)
-    state = mf.load_file(str(actor / "iter_0000000/mp_rank_03/model_optim_rng.pt"))
-    assert state["args"].padded_vocab_size == 512 and state["model"]["embedding.word_embeddings.weight"].shape == (128, 32)
-    out = tmp_path / "exported"
-    assert to_hf.main(["--ckpt_path", str(tmp_path / "global_step_0"), "--output_path", str(out)]) == 0
-    _assert_same_model(out, model)
-    capsys.readouterr()
-    # refusals: one line each, exit code 2
-    assert to_hf.main(["--ckpt_path", str(tmp_path / "global_step_0"), "--output_path", str(out)]) == 2
-    assert capsys.readouterr().err.strip() == f"convert_megatron_to_hf: error: {out} exists and is not an empty folder " \
-                                              "(stale weight files would mix with the new ones)"
-    assert to_megatron.main(["--hf_path", str(hf), "--output_path", str(actor), "--tensor_model_parallel_size", "2"]) == 2
-    assert "already holds a Megatron checkpoint" in capsys.readouterr().err
-    assert to_megatron.main(["--hf_path", str(hf), "--output_path", str(tmp_path / "x"), "--tensor_model_parallel_size", "8"]) == 2
-    assert capsys.readouterr().err.strip() == ("convert_hf_to_megatron: error: cannot split num_attention_heads=4 over "
-                                              "tensor_model_parallel_size=8: not divisible")
-    assert not (tmp_path / "x").exists()
-
-
-def test_converters_end_to_end_on_s3(tmp_path, s3_store) -> None:
-    import json
-
-    url, options = s3_store
-    to_megatron, to_hf = load_toolkit("convert_hf_to_megatron"), load_toolkit("convert_megatron_to_hf")
-    hf, model = save_hf_folder(tmp_path / "hf", GQA)
-    flags = ["--storage_options", json.dumps(options)]
-    assert to_megatron.main(["--hf_path", str(hf), "--output_path", url, "--tensor_model_parallel_size", "2", *flags]) == 0
-    storage = open_storage(url, options)
-    assert storage.read_bytes(storage.join(url, "latest_checkpointed_iteration.txt")) == b"0"
-    out = tmp_path / "exported"
-    assert to_hf.main(["--ckpt_path", url, "--output_path", str(out), *flags]) == 0
-    _assert_same_model(out, model)
-
-
-# --- megatron-core reads our files (the `megatron` test extra) -------------------------------------------
-
-
