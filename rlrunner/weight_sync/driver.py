@@ -7,7 +7,7 @@ The weights never pass through the driver or the object store: each actor rank b
 in the rollout dtype, to every rollout worker (rlrunner.weight_sync.transport). Both calls are collectives of
 the two groups together; a rank that fails or dies is reported at once, whichever group it is in, and
 every wait is bounded. After a failure the channels are broken: connect again (the runner's recovery
-rebuilds both groups, and build_groups connects them).
+rebuilds both groups, and `Trainer.start` connects them).
 """
 
 from __future__ import annotations
