@@ -11,6 +11,7 @@ import warnings
 import zlib
 
 import pytest
+import torch
 
 from rlrunner.errors import ConfigError
 from rlrunner.storage import ChecksumWriter, FileRecord, basename, is_url, join, open_storage, parent
@@ -93,7 +94,6 @@ def test_open_write_counts_size_and_crc(store):
 
 
 def test_torch_save_through_the_writer(store):
-    torch = pytest.importorskip("torch")
     storage, root = store
     url = storage.join(root, "data", "data.pt")
     state = {"step": 3, "rng": torch.arange(5)}
@@ -312,7 +312,6 @@ def test_checksum_writer_wraps_any_stream():
 
 def test_dcp_fsspec_writer_and_reader_on_s3(s3_store):
     """torch.distributed.checkpoint straight to S3 through its fsspec writer/reader, given the storage's options."""
-    torch = pytest.importorskip("torch")
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
