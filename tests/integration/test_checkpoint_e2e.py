@@ -22,9 +22,9 @@ import pytest
 import ray
 import torch
 
-from conftest import Inspect, LOCAL, TINY_MODEL, read_metrics, run_config, without_time
+from conftest import LOCAL, TINY_MODEL, Inspect, read_metrics, run_config, without_time
+from rlrunner.backends.registry import check_model_path
 from rlrunner.checkpoint import layout
-from rlrunner.tools.convert import load_model_weights
 from rlrunner.checkpoint.handler import COMPLETE, scan_checkpoints
 from rlrunner.checkpoint.manifest import read_manifest
 from rlrunner.errors import CheckpointError, CheckpointSaveError
@@ -32,6 +32,7 @@ from rlrunner.main_grpo import main
 from rlrunner.runner.supervisor import Supervisor
 from rlrunner.runner.trainer import Trainer
 from rlrunner.storage import basename
+from rlrunner.tools.convert import load_model_weights
 
 RUN = ["data.synthetic.num_problems=26", "runner.max_steps=8", "runner.save_interval=3", "rollout.max_new_tokens=2"]
 
@@ -207,6 +208,17 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_keys(reference, tmp
     assert "model.config.intermediate_size (checkpoint 64, run 48)" in str(error.value)
     assert "actor.optim.lr (checkpoint 0.0003, run 0.01)" in str(error.value)
     assert not (tmp_path / "test" / "checkpoints").exists()
+
+
+def test_a_run_starts_from_a_checkpoint_given_as_model_path(reference, tmp_path):
+    """model.path may be a global_step_N folder (of any backend): the backend that wrote it reads its weights, and the
+    run starts from them exactly (its HF config and tokenizer come from the checkpoint's actor/huggingface)."""
+    check_model_path(str(reference.checkpoint(8)))  # what the driver checks before Ray starts: accepted
+    seen = {}
+    cfg = run_config(tmp_path, *RUN, f"model.path={reference.checkpoint(8)}", "runner.max_steps=1")
+    Supervisor(cfg, callbacks=[Inspect(lambda trainer: seen.update(weights=trainer.policy_weights()))]).run()
+    assert seen["weights"].keys() == reference.weights.keys()
+    assert all(torch.equal(seen["weights"][k], reference.weights[k]) for k in reference.weights)
 
 
 def test_converters_give_the_live_policy(reference, tmp_path, repo_root, subprocess_env):
