@@ -133,13 +133,24 @@ class ActorConfig:
 
 
 @dataclass
+class VLLMConfig:
+    dtype: Optional[str] = None  # null: model.dtype
+    gpu_memory_utilization: float = 0.5  # share of the GPU's memory vLLM may take (on CPU: of host memory) when kv_cache_gb is null
+    kv_cache_gb: Optional[float] = None  # the KV cache's size; null: from gpu_memory_utilization on GPU, 1 GiB on CPU
+    max_model_len: Optional[int] = None  # null: data.max_prompt_length + rollout.max_new_tokens
+    enforce_eager: bool = True  # no CUDA graphs: quicker start-up, slower decoding on GPU
+    multiprocessing: bool = False  # the engine core in processes of its own (weights then cross a process boundary)
+
+
+@dataclass
 class RolloutConfig:
-    engine: str = "hf"  # the rollout engine (rlrunner/rollout/registry.py): hf
+    engine: str = "hf"  # the rollout engine (rlrunner/rollout/registry.py): hf (HF model, our sampler) | vllm
     num_workers: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 4
     generation_batch_size: int = 8  # prompts generated together (padded); fixed chunks of the step's batch
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # rollout.engine=vllm only
 
 
 @dataclass

@@ -79,10 +79,12 @@ def update_shards(ctx) -> list[dict[str, torch.Tensor]]:
     for i in range(cfg.data.batch_size * group_size):
         a, b = i % 5, (3 * i) % 5
         answer = str(a + b) if i % 2 == 0 else str(a + b + 1)
+        response = tokenizer.encode(answer) + [ctx.token_ids.eos[0]]
         samples.append(
             {
                 "prompt_ids": tokenizer.encode(f"What is {a}+{b}? Answer: "),
-                "response_ids": tokenizer.encode(answer) + [ctx.token_ids.eos[0]],
+                "response_ids": response,
+                "logprobs": [-1.0] * len(response),  # the rollout's log-probs: only a metric reads them
             }
         )
         rewards.append(1.0 if i % 2 == 0 else 0.0)

@@ -147,7 +147,7 @@ class ActorWorker(Worker, ABC):
         clip_high = algo["clip_ratio_high"] if algo["clip_ratio_high"] is not None else clip_low
         max_norm = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
 
-        sums = {"pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clipped": 0.0, "ppo_kl": 0.0, "tokens": 0.0}
+        sums = {"pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clipped": 0.0, "ppo_kl": 0.0, "tokens": 0.0, "logprob_diff": 0.0}
         grad_norms: list[float] = []
         skipped = 0
         for _ in range(cfg["ppo_epochs"]):
@@ -184,6 +184,10 @@ class ActorWorker(Worker, ABC):
                     sums["clipped"] += masked_sum(terms.clipped, mask).item()
                     sums["ppo_kl"] += masked_sum(terms.approx_kl, mask).item()
                     sums["tokens"] += mask.sum().item()
+                    # The rollout engine's log-probabilities of its own tokens against this policy's (the one that
+                    # generated them): the rollout/training mismatch.
+                    rollout = shard["rollout_logprobs"][index, : width - 1].to(self.device)
+                    sums["logprob_diff"] += masked_sum((old.detach() - rollout).abs(), mask).item()
                 grad_norm = self.clip_and_step(max_norm)
                 if not math.isfinite(grad_norm):
                     skipped += 1  # a non-finite gradient would poison the weights: the step was dropped

@@ -259,6 +259,7 @@ def remove_placement_group_quietly(group) -> None:
 def drain(pending) -> None:
     """Read what other ranks already returned after one failed, so Ray does not log their errors as unhandled.
     Never waits: a failure must reach the caller at once."""
+    pending = list(pending)
     if not pending:
         return
     ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)

@@ -21,6 +21,16 @@ from rlrunner.weight_sync.endpoints import WeightSink
 
 
 @dataclass(frozen=True)
+class Completion:
+    """One generated response: its token ids (ending with the eos id that stopped it, if one did) and the
+    log-probability of each under the model's raw distribution (before temperature or top-p), as the actor
+    computes it: the two differ only by the numerics of the two engines."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@dataclass(frozen=True)
 class SampleRequest:
     """One sample to generate: its prompt's token ids and the seed of its own random stream."""
 
@@ -37,19 +47,27 @@ class RolloutEngine(ABC):
         token_ids: TokenIds,
         seed: int,
         device: torch.device,
+        max_prompt_length: int,
     ):
         """Build the engine for `model.*` (its dtype is the rollout's) and `rollout.*`; `seed` seeds anything random
-        at build time. A response ends with its first id in `token_ids.eos` (kept) or after `rollout.max_new_tokens`."""
+        at build time. A response ends with its first id in `token_ids.eos` (kept) or after `rollout.max_new_tokens`;
+        no prompt is longer than `max_prompt_length` tokens (`data.max_prompt_length`)."""
+        self.max_prompt_length = max_prompt_length
         self.model_cfg = model_cfg
         self.rollout_cfg = rollout_cfg
         self.tokenizer = tokenizer
         self.token_ids = token_ids
         self.device = device
 
+    @classmethod
+    def check(cls, cfg: Any, hf_config: Any) -> None:
+        """Raise ConfigError (one line) for settings or a model this engine cannot run; called by the driver before
+        any worker starts."""
+
     @abstractmethod
-    def generate(self, chunks: Sequence[Sequence[SampleRequest]]) -> list[list[list[int]]]:
-        """The response token ids of every request, chunk by chunk, in order. The chunks are fixed by the driver; what
-        a request gets may depend on its chunk (its batch) but never on how chunks are shared between workers."""
+    def generate(self, chunks: Sequence[Sequence[SampleRequest]]) -> list[list[Completion]]:
+        """The completion of every request, chunk by chunk, in order. The chunks are fixed by the driver; what a
+        request gets may depend on its chunk (its batch) but never on how chunks are shared between workers."""
 
     @abstractmethod
     def weight_sink(self) -> WeightSink:

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from rlrunner.models.loading import TokenIds, build_hf_config, random_model, torch_dtype
-from rlrunner.rollout.base import RolloutEngine, SampleRequest
+from rlrunner.rollout.base import Completion, RolloutEngine, SampleRequest
 from rlrunner.rollout.sampling import generate
 from rlrunner.weight_sync.endpoints import WeightSink
 from rlrunner.weight_sync.plan import TensorSpec
@@ -46,14 +46,14 @@ class ModuleSink(WeightSink):
 
 class HFEngine(RolloutEngine):
     def __init__(self, model_cfg: Mapping[str, Any], rollout_cfg: Mapping[str, Any], tokenizer: Any, token_ids: TokenIds,
-                 seed: int, device: torch.device):
-        super().__init__(model_cfg, rollout_cfg, tokenizer, token_ids, seed, device)
+                 seed: int, device: torch.device, max_prompt_length: int):
+        super().__init__(model_cfg, rollout_cfg, tokenizer, token_ids, seed, device, max_prompt_length)
         config = build_hf_config(model_cfg, tokenizer)
         self.model = random_model(config, seed, model_cfg["attn_implementation"], torch_dtype(model_cfg["dtype"]))
         self.model = self.model.to(device).eval()
         self.sink = ModuleSink(self.model)
 
-    def generate(self, chunks: Sequence[Sequence[SampleRequest]]) -> list[list[list[int]]]:
+    def generate(self, chunks: Sequence[Sequence[SampleRequest]]) -> list[list[Completion]]:
         return [
             generate(
                 self.model,

@@ -10,7 +10,7 @@ import importlib
 
 from rlrunner.errors import ConfigError
 
-ENGINES: dict[str, str] = {"hf": "rlrunner.rollout.hf:HFEngine"}
+ENGINES: dict[str, str] = {"hf": "rlrunner.rollout.hf:HFEngine", "vllm": "rlrunner.rollout.vllm_engine:VLLMEngine"}
 
 
 def check_engine(name: str) -> None:

@@ -4,6 +4,7 @@ Each row (one sample of one prompt) owns a `torch.Generator` seeded from (run se
 index, sample index) and draws one uniform number per token; the token is picked by inverse-CDF
 over the temperature-scaled, top-p-filtered distribution. So what a row samples depends on its
 seed and the model alone, never on which worker generated it or what else was in its batch.
+Each token's log-probability is taken from the raw distribution (before temperature and top-p).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+
+from rlrunner.rollout.base import Completion
 
 
 def sample_tokens(
@@ -44,7 +47,7 @@ def generate(
     top_p: float,
     pad_id: int,
     eos_ids: Sequence[int],
-) -> list[list[int]]:
+) -> list[Completion]:
     """Sample one response per row; row r continues `prompts[r]` using a generator seeded with `seeds[r]`.
 
     Prompts are left-padded into one batch. A response ends with its first eos token (kept, so the
@@ -67,6 +70,7 @@ def generate(
 
     cache = DynamicCache(config=model.config)
     responses: list[list[int]] = [[] for _ in range(rows)]
+    logprobs: list[list[float]] = [[] for _ in range(rows)]
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     step_ids, step_positions = input_ids, position_ids
     for _ in range(max_new_tokens):
@@ -77,10 +81,14 @@ def generate(
             past_key_values=cache,
             use_cache=True,
         )
-        next_ids = sample_tokens(out.logits[:, -1, :].cpu(), generators, temperature, top_p).to(device)
-        next_ids = torch.where(finished, torch.full_like(next_ids, pad_id), next_ids)
+        logits = out.logits[:, -1, :].cpu()
+        sampled = sample_tokens(logits, generators, temperature, top_p)
+        token_logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
+        sampled = sampled.to(device)
+        next_ids = torch.where(finished, torch.full_like(sampled, pad_id), sampled)
         for r in (~finished).nonzero().flatten().tolist():
             responses[r].append(int(next_ids[r]))
+            logprobs[r].append(float(token_logprobs[r]))
         finished |= torch.isin(next_ids, stop)
         if bool(finished.all()):
             break
@@ -88,4 +96,4 @@ def generate(
         step_ids = next_ids.unsqueeze(-1)
         step_positions = step_positions[:, -1:] + 1
         attention_mask = torch.cat([attention_mask, torch.ones((rows, 1), dtype=torch.long, device=device)], dim=-1)
-    return responses
+    return [Completion(tokens, lps) for tokens, lps in zip(responses, logprobs)]

@@ -32,6 +32,7 @@ class RolloutWorker(Worker):
         group_size: int,
         verifier: str,
         seed: int,
+        max_prompt_length: int = 512,
         threads: int = 1,
         use_gpu: bool = False,
     ):
@@ -42,7 +43,7 @@ class RolloutWorker(Worker):
         self.token_ids = token_ids(model_cfg, self.tokenizer)
         self.reward_fn = get_reward_fn(verifier)
         engine = get_engine(rollout_cfg["engine"])
-        self.engine = engine(model_cfg, rollout_cfg, self.tokenizer, self.token_ids, seed, self.device)
+        self.engine = engine(model_cfg, rollout_cfg, self.tokenizer, self.token_ids, seed, self.device, max_prompt_length)
         self.weight_sync: WeightReceiver | None = None
 
     def generate(self, step: int, chunks: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -54,13 +55,15 @@ class RolloutWorker(Worker):
         ]
         responses = self.engine.generate(requests)
         samples: list[dict[str, Any]] = []
-        for chunk, chunk_responses in zip(rows, responses):
-            for (record, j), response in zip(chunk, chunk_responses):
+        for chunk, completions in zip(rows, responses):
+            for (record, j), completion in zip(chunk, completions):
+                response = list(completion.token_ids)
                 samples.append({
                     "index": record["index"],
                     "sample": j,
                     "prompt_ids": record["prompt_ids"],
                     "response_ids": response,
+                    "logprobs": list(completion.logprobs),
                     "finished": bool(response) and response[-1] in self.token_ids.eos,
                 })
         self._score(samples, [record["answer"] for chunk in rows for record, _ in chunk])

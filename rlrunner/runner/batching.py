@@ -29,7 +29,8 @@ def build_actor_batch(samples: Sequence[dict[str, Any]], advantages: torch.Tenso
     """Right-padded prompt+response rows with a mask over the response's target positions.
 
     input_ids [N, L]; loss_mask [N, L-1] is 1.0 where the token predicted at that position
-    (input_ids[:, t+1]) belongs to the response; lengths [N]; advantages [N].
+    (input_ids[:, t+1]) belongs to the response; lengths [N]; advantages [N]; rollout_logprobs [N, L-1],
+    the rollout engine's log-probability of each response token at its target position (0 elsewhere).
     """
     if any(not s["prompt_ids"] for s in samples):
         raise ValueError("a sample has an empty prompt: its first response token would have nothing to condition on")
@@ -37,15 +38,18 @@ def build_actor_batch(samples: Sequence[dict[str, Any]], advantages: torch.Tenso
     width = max(lengths)
     input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
     loss_mask = torch.zeros((len(samples), width - 1), dtype=torch.float32)
+    rollout_logprobs = torch.zeros((len(samples), width - 1), dtype=torch.float32)
     for row, sample in enumerate(samples):
         prompt_len, total = len(sample["prompt_ids"]), lengths[row]
         input_ids[row, :total] = torch.tensor(list(sample["prompt_ids"]) + list(sample["response_ids"]), dtype=torch.long)
         loss_mask[row, prompt_len - 1 : total - 1] = 1.0
+        rollout_logprobs[row, prompt_len - 1 : total - 1] = torch.tensor(sample["logprobs"], dtype=torch.float32)
     return {
         "input_ids": input_ids,
         "loss_mask": loss_mask,
         "lengths": torch.tensor(lengths, dtype=torch.long),
         "advantages": advantages.to(torch.float32),
+        "rollout_logprobs": rollout_logprobs,
     }
 
 

@@ -24,6 +24,7 @@ from rlrunner.experiment.lock import ExperimentLock
 from rlrunner.models.loading import build_hf_config, build_tokenizer, token_ids
 from rlrunner.runner.experiment_logs import ExperimentLogs
 from rlrunner.runner.recovery import RecoveryLog
+from rlrunner.rollout.registry import get_engine
 from rlrunner.runner.stopping import StopRequest
 from rlrunner.storage import open_storage
 
@@ -63,6 +64,7 @@ class RunContext:
         self.rank_map = self.backend.rank_map(cfg.actor)
         self.hf_config = build_hf_config(cfg.model, self.tokenizer)
         self.backend.check_model(self.hf_config, cfg.actor)
+        get_engine(cfg.rollout.engine).check(cfg, self.hf_config)
         # model.path may be a training checkpoint of any backend: its weights are read by the backend that wrote it
         self.read_weights = None
         if cfg.model.path is not None:

@@ -148,6 +148,8 @@ def actor_metrics(per_rank: list[dict[str, float]], use_kl_loss: bool, kl_coef: 
         "actor/grad_norm": per_rank[0]["grad_norm"],
         "actor/lr": per_rank[0]["lr"],
         "actor/skipped_steps": per_rank[0]["skipped_steps"],
+        # mean |rollout engine's log-prob - actor's| over the response tokens, under the policy that generated them
+        "rollout/logprob_abs_diff": total["logprob_diff"] / tokens,
     }
     loss = pg_loss
     if use_kl_loss:

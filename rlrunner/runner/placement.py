@@ -62,6 +62,7 @@ def group_specs(ctx: RunContext, placement_timeout_s: float, abandon: Callable[[
             "group_size": cfg.algorithm.group_size,
             "verifier": reward_verifier(cfg),
             "seed": cfg.runner.seed,
+            "max_prompt_length": cfg.data.max_prompt_length,
             **common,
         },
         "cpus_per_worker": cluster.cpus_per_rollout_worker,

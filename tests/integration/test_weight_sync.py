@@ -165,7 +165,9 @@ def _update_shards(cfg, num_ranks: int) -> list[dict[str, torch.Tensor]]:
     ids = token_ids(cfg.model, tokenizer)
     samples, rewards = [], []
     for i in range(cfg.data.batch_size * cfg.algorithm.group_size):
-        samples.append({"prompt_ids": tokenizer.encode(f"What is {i % 5}+2? "), "response_ids": tokenizer.encode(str(i % 7)) + [ids.eos[0]]})
+        response = tokenizer.encode(str(i % 7)) + [ids.eos[0]]
+        samples.append({"prompt_ids": tokenizer.encode(f"What is {i % 5}+2? "), "response_ids": response,
+                        "logprobs": [-1.0] * len(response)})
         rewards.append(float(i % 2))
     advantages = group_advantages(torch.tensor(rewards), cfg.algorithm.group_size, cfg.algorithm.norm_adv_by_std)
     return shard_actor_batch(build_actor_batch(samples, advantages, ids.pad), num_ranks, 1)

