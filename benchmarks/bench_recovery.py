@@ -5,14 +5,14 @@ Everything runs on a local Ray started by this script (`ray.init(address="local"
 with the default job (configs/grpo.yaml: 2 FSDP2 actor ranks + 1 rollout worker at 0.5 CPU each, the
 embedded tiny Qwen2, checkpoints every `runner.save_interval` steps). Every run writes to a fresh temp
 folder with the progress bar and TensorBoard off. Workers are killed with SIGKILL on their process id
-(`supervisor.trainer.actor_group.hosts[r]["pid"]`, `supervisor.trainer.rollout_group.hosts[0]["pid"]`: the
-current attempt's groups) from a thread while `Supervisor.run()` trains in the main thread, as
+(`supervisor.trainer.actor_group.hosts[r]["pid"]`: the current attempt's group) from a thread while `Supervisor.run()` trains in the main thread, as
 tests/test_recovery.py does.
 
 1. Recovery time (`--recovery-steps` steps, `--kills` kills). The first kill comes `--kill-delay` s after
    the first checkpoint is committed (so every restart loads one); each further kill comes `--kill-delay`
-   s after the previous restart's first completed step. Targets cycle actor rank 1, rollout 0, actor
-   rank 0, rollout 0. The phases of each restart come from `<log_path>/recovery.jsonl`:
+   s after the previous restart's first completed step. Targets cycle actor rank 1, actor rank 0 (a killed
+   rollout worker no longer restarts the attempt: its group alone is replaced, with no step lost and none of
+   these phases). The phases of each restart come from `<log_path>/recovery.jsonl`:
 
      detection   failure.failed_at_unix - kill time (the supervisor stamps failed_at when it catches the error)
    and, adding up exactly to "total":
@@ -34,13 +34,18 @@ tests/test_recovery.py does.
 
 2. Goodput under failure injection (`--goodput-steps` steps; 400 by default, half the default job, to keep
    the whole script near 12 minutes). A timer thread SIGKILLs one worker every T seconds for each T in
-   `--periods` (actor rank 1 and rollout worker 0 in turn; a kill that falls while the groups are being
+   `--periods` (actor ranks 1 and 0 in turn; a kill that falls while the groups are being
    rebuilt waits until its target exists, and the next kill is T s after it), next to the same job
    without failures. Goodput = completed training steps / wall time of `Supervisor.run()` (Ray start
    excluded), as a ratio to the no-failure run. A run with failures still going after `--max-run-s`
    (default: twice the no-failure run's wall time) is stopped through the supervisor's own StopRequest
    (max_wall_time_s: emergency checkpoint, StoppedEarly) and its committed steps count. After each run
    metrics.jsonl is checked to hold every step 1..N exactly once.
+
+3. Rollout repair (`--rollout-steps` steps, `--rollout-kills` SIGKILLs of the rollout worker, each `--kill-delay` s
+   after the previous repair; benchlib/rollout_repair.py): per kill, detection, the repair's wait / rebuild / sync,
+   kill -> repaired, kill -> the next finished step and the steps lost, and the run's wall time against the same job
+   without failures.
 
 Run from the repository root (the defaults take about 12 minutes on 2 CPU cores):
 
@@ -76,6 +81,7 @@ from benchlib.recovery_report import (  # noqa: E402
     phase_summary_table,
     rebuild_table,
 )
+from benchlib.rollout_repair import measure_rollout_repair  # noqa: E402
 from benchlib.recovery_runs import (  # noqa: E402
     Kill,
     Killer,
@@ -93,8 +99,10 @@ if TYPE_CHECKING:
     from rlrunner.runner.supervisor import Supervisor
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RECOVERY_TARGETS = [("actor", 1), ("rollout", 0), ("actor", 0), ("rollout", 0)]
-GOODPUT_TARGETS = [("actor", 1), ("rollout", 0)]
+# Actor ranks only: a killed rollout worker is now repaired inside the attempt (Trainer.repair_rollout), with no
+# restart, no checkpoint load and no lost step, so it has none of the restart phases measured here.
+RECOVERY_TARGETS = [("actor", 1), ("actor", 0)]
+GOODPUT_TARGETS = [("actor", 1), ("actor", 0)]
 
 
 # -- configuration ---------------------------------------------------------------------------------
@@ -102,10 +110,12 @@ GOODPUT_TARGETS = [("actor", 1), ("rollout", 0)]
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=("recovery", "goodput"), default=None, help="run one of the two parts")
+    parser.add_argument("--only", choices=("recovery", "goodput", "rollout"), default=None, help="run one of the three parts")
     parser.add_argument("--recovery-steps", type=int, default=300, help="steps of the recovery-time job")
     parser.add_argument("--kills", type=int, default=5, help="workers killed in the recovery-time job")
     parser.add_argument("--kill-delay", type=float, default=3.0, help="seconds after a recovery's first step before the next kill")
+    parser.add_argument("--rollout-kills", type=int, default=5, help="rollout workers killed in the rollout-repair job")
+    parser.add_argument("--rollout-steps", type=int, default=200, help="steps of each rollout-repair job")
     parser.add_argument("--periods", default="10,20,40", help="comma-separated kill periods T (seconds) for the goodput part")
     parser.add_argument("--goodput-steps", type=int, default=400, help="steps of each goodput job (the default job has 800)")
     parser.add_argument(
@@ -306,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
             measure_recovery(args, workdir)
         if args.only in (None, "goodput"):
             measure_goodput(args, workdir)
+        if args.only in (None, "rollout") and args.rollout_kills > 0:
+            measure_rollout_repair(lambda name: build_config(workdir / name, args.rollout_steps, args),
+                                   args.rollout_kills, args.kill_delay)
     finally:
         stop_ray()
         if not keep:

@@ -31,6 +31,10 @@ _POLL_S = 0.2
 class CallTimeoutError(TimeoutError):
     """A call on a worker group did not finish within its time limit (a hung worker or collective)."""
 
+    def __init__(self, message: str, group: str | None = None):
+        super().__init__(message)
+        self.group = group  # the one group that did not answer; None when a collective of two groups timed out
+
 
 class CallAbandoned(Exception):
     """The caller gave up waiting (e.g. a stop was requested while a rollout was in flight)."""
@@ -187,7 +191,8 @@ class WorkerGroup:
                 if abandon is not None and abandon():
                     raise CallAbandoned(f"stopped waiting for the {self.name} group")
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise CallTimeoutError(f"the {self.name} group did not answer within {limit:g}s (runner.recovery.step_timeout_s)")
+                    raise CallTimeoutError(f"the {self.name} group did not answer within {limit:g}s (runner.recovery.step_timeout_s)",
+                                           group=self.name)
         except BaseException:
             drain(pending)
             raise

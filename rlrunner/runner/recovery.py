@@ -69,6 +69,22 @@ def repairable_cause(exc: BaseException, groups: Sequence[Any]) -> str | None:
     return f"{cause} [dead: {', '.join(dead)}]" if dead else cause
 
 
+def rollout_loss(exc: BaseException, actor_group: Any, rollout_group: Any) -> str | None:
+    """Why `exc` is the loss or hang of rollout workers alone, which costs no step: the actor ranks are alive (their
+    state intact) and the cluster is there, and either a rollout worker is dead or the rollout group alone did not
+    answer in time. None for anything else (the whole run is then repaired, or ends)."""
+    cause = failure_cause(exc)
+    if cause is None or cause.startswith("cluster lost") or cluster_lost(force=True) is not None:
+        return None
+    if actor_group.dead_ranks(timeout_s=1.0):
+        return None
+    dead = [f"rollout rank {rank}" for rank in rollout_group.dead_ranks(timeout_s=1.0)]
+    hung = any(isinstance(err, CallTimeoutError) and err.group == rollout_group.name for err in exception_chain(exc))
+    if not dead and not hung:
+        return None
+    return f"{cause} [dead: {', '.join(dead)}]" if dead else cause
+
+
 def unrepairable(exc: BaseException) -> BaseException:
     """The error to end the run with: worker code that raised becomes a one-line WorkerError (not retried)."""
     raised = next((err for err in exception_chain(exc) if isinstance(err, WorkerRaised)), None)

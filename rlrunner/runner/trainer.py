@@ -6,8 +6,10 @@
     trainer.close()                                 # the groups go
 
 Each step reads top to bottom: rollout -> reward (scored by the rollout workers) -> advantages -> policy update ->
-weight sync, then the metrics line and, when the handler says so, a save. The supervisor
-(`rlrunner.runner.supervisor`) makes a new Trainer for every attempt after a failure.
+weight sync, then the metrics line and, when the handler says so, a save. A lost or hung rollout worker costs no step:
+the attempt rebuilds its rollout group alone, pushes the actor's current weights and redoes the generation or the weight
+sync it interrupted (the same seeds give the same samples). For any other failure the supervisor
+(`rlrunner.runner.supervisor`) makes a new Trainer, a new attempt from the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from rlrunner.runner.batching import build_actor_batch, chunk, shard_actor_batch
 from rlrunner.runner.context import RunContext
 from rlrunner.runner.metrics import MetricsLogger, Progress, actor_metrics, rollout_metrics
 from rlrunner.runner.placement import START_TIMEOUT_S, group_specs
+from rlrunner.runner.recovery import rollout_loss
 from rlrunner.storage import basename
 from rlrunner.weight_sync.driver import DEFAULT_BUCKET_BYTES, connect_weight_sync, sync_weights
 
@@ -45,6 +48,7 @@ class Trainer:
         self.rollout_group: WorkerGroup | None = None
         self.start_timings: dict[str, float] = {}
         self.restart_to_report: int | None = None  # a restart whose first completed step is still to be logged
+        self.rollout_repairs = 0  # rollout groups rebuilt since the last completed step
 
     # -- the attempt's groups --------------------------------------------------------------------
 
@@ -104,14 +108,71 @@ class Trainer:
         from worker to worker over collective channels: nothing passes through the driver or the object store."""
         sync_weights(self.actor_group, self.rollout_group, DEFAULT_BUCKET_BYTES)
 
+    def sync_weights_in_step(self, step: int) -> None:
+        """`sync_weights` after an update; lost rollout workers are replaced, and the repair pushes the weights."""
+        try:
+            self.sync_weights()
+        except Exception as exc:
+            try:
+                self.repair_rollout(exc, step, "weight sync")
+            except CallAbandoned:
+                # Stopped during the repair. The update is done, so the step is complete: the loop stops after it and
+                # the emergency checkpoint holds it (a resumed run pushes the weights at its start).
+                pass
+
     def generate(self, step: int, prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Scored samples in prompt order; chunks of prompts are fixed here, so the result is the same for any worker
-        count. A stop request abandons the generation in flight (CallAbandoned): nothing has changed yet."""
+        count, and after a lost rollout worker is replaced the generation is redone with the same result. A stop
+        request abandons the generation in flight (CallAbandoned): nothing has changed yet."""
         chunks = chunk(prompts, self.cfg.rollout.generation_batch_size)
-        assignment = split_evenly(chunks, self.rollout_group.num_workers)
-        refs = self.rollout_group.call_each_async("generate", [(step, part) for part in assignment])
-        results = self.rollout_group.get(refs, abandon=self._stop_requested)
-        return [sample for part in results for sample in part]
+        while True:
+            assignment = split_evenly(chunks, self.rollout_group.num_workers)
+            refs = self.rollout_group.call_each_async("generate", [(step, part) for part in assignment])
+            try:
+                results = self.rollout_group.get(refs, abandon=self._stop_requested)
+            except CallAbandoned:
+                raise
+            except Exception as exc:
+                self.repair_rollout(exc, step, "generation")
+                continue
+            return [sample for part in results for sample in part]
+
+    def repair_rollout(self, exc: Exception, step: int, phase: str) -> None:
+        """Replace the rollout group after a loss or hang of rollout workers alone and push the actor's current weights
+        into it: no checkpoint is loaded and the actor is not touched, so no step is lost. A repair that fails the same
+        way is tried again. Raises the failure (the whole attempt is then repaired, or the run ends) for any other
+        failure, or once `runner.recovery.max_restarts` rollout repairs came without a step completed in between;
+        CallAbandoned after a stop request."""
+        recovery = self.cfg.runner.recovery
+        failed_at = time.time()
+        while True:
+            cause = rollout_loss(exc, self.actor_group, self.rollout_group) if recovery.enabled else None
+            if cause is None or self.rollout_repairs >= recovery.max_restarts:
+                raise exc
+            if self.ctx.stop.requested:
+                raise CallAbandoned(f"stopped during a rollout repair ({phase} of step {step})")
+            self.rollout_repairs += 1
+            started = time.monotonic()
+            logger.error("step %d, %s: %s; replacing the rollout group alone (no step is lost)", step, phase, cause)
+            self.rollout_group.shutdown()
+            try:
+                _, rollout = group_specs(self.ctx, recovery.wait_timeout_s, self._stop_requested)
+                self.rollout_group = WorkerGroup(**rollout)
+                self.rollout_group.wait_ready(self._stop_requested)
+                replaced = time.monotonic()
+                connect_weight_sync(self.actor_group, self.rollout_group, timeout_s=recovery.step_timeout_s)
+                self.sync_weights()
+            except CallAbandoned:
+                raise
+            except Exception as again:
+                exc = again
+                continue
+            waited = self.rollout_group.placement_wait_s
+            self.ctx.recovery_log.write(
+                "rollout_repaired", cause=cause, step=step, phase=phase, lost_steps=0, repairs=self.rollout_repairs,
+                failed_at_unix=failed_at, wait_s=waited, rebuild_s=replaced - started - waited, sync_s=time.monotonic() - replaced,
+            )
+            return
 
     def train_step(self, step: int) -> dict[str, Any]:
         cfg, ctx = self.cfg, self.ctx
@@ -130,7 +191,7 @@ class Trainer:
         actor_stats = ctx.rank_map.collect(per_rank)
         update_done = time.perf_counter()
 
-        self.sync_weights()
+        self.sync_weights_in_step(step)
         sync_done = time.perf_counter()
 
         algorithm = cfg.algorithm
@@ -169,6 +230,7 @@ class Trainer:
                     self.loader.load_state_dict(position)  # the abandoned step never happened
                     break
                 self.global_step = step
+                self.rollout_repairs = 0
                 try:
                     save_started = time.perf_counter()
                     committed = self.commit_pending_save(wait=False)  # a background save that finished writing

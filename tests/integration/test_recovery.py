@@ -126,11 +126,21 @@ def test_actor_worker_killed_mid_step(cluster, reference, tmp_path):
     assert_matches_reference(tmp_path, reference)
 
 
-def test_rollout_worker_killed_mid_step(cluster, reference, tmp_path):
+def assert_rollout_repaired_alone(output_dir: Path, runner: Supervisor) -> dict:
+    """One rollout repair inside the first attempt: no restart, no checkpoint loaded, no step lost."""
+    assert recovery_events(output_dir, "failure") == [] and recovery_events(output_dir, "resumed") == []
+    repairs = recovery_events(output_dir, "rollout_repaired")
+    assert len(repairs) == 1 and repairs[0]["lost_steps"] == 0, repairs
+    assert runner.trainer.rollout_repairs == 0  # reset by the steps completed after the repair
+    return repairs[0]
+
+
+def test_rollout_worker_killed_mid_step_costs_no_step(cluster, reference, tmp_path):
     runner = Supervisor(run_config(tmp_path, *RUN))
     once(lambda: metrics_lines(tmp_path) >= 5, lambda: kill(runner.trainer.rollout_group.hosts[0]["pid"]))
     runner.run()
-    assert len(recovery_events(tmp_path, "failure")) == 1
+    repair = assert_rollout_repaired_alone(tmp_path, runner)
+    assert "rollout rank 0" in repair["cause"] and repair["step"] in (6, 7), repair
     assert_matches_reference(tmp_path, reference)
 
 
@@ -146,11 +156,37 @@ def test_worker_killed_mid_save(cluster, reference, tmp_path):
 
 
 def test_hung_worker_is_detected_by_the_step_timeout(cluster, reference, tmp_path):
+    """A stopped rollout worker: its generation passes the step's time bound, and the rollout group alone is replaced."""
     runner = Supervisor(run_config(tmp_path, *RUN, "runner.recovery.step_timeout_s=6"))
     once(lambda: metrics_lines(tmp_path) >= 4, lambda: kill(runner.trainer.rollout_group.hosts[0]["pid"], signal.SIGSTOP))
     runner.run()
+    repair = assert_rollout_repaired_alone(tmp_path, runner)
+    assert repair["cause"].startswith("hang: the rollout group did not answer within 6s") and repair["phase"] == "generation"
+    assert_matches_reference(tmp_path, reference)
+
+
+def test_rollout_repairs_are_bounded_then_the_attempt_is_repaired(cluster, reference, tmp_path):
+    """With max_restarts=1, a rollout worker lost again before a step completes (the replacement killed as soon as it
+    is up) is not repaired alone a second time: the supervisor repairs the whole attempt from the checkpoint."""
+    runner = Supervisor(run_config(tmp_path, *RUN, "runner.recovery.max_restarts=1"))
+    killed: list[int] = []
+
+    def kill_two_rollout_workers() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(killed) < 2:
+            trainer = runner.trainer
+            group = trainer.rollout_group if trainer is not None and metrics_lines(tmp_path) >= 4 else None
+            if group is not None and group.hosts and group.hosts[0]["pid"] not in killed:
+                killed.append(group.hosts[0]["pid"])
+                kill(killed[-1])
+            time.sleep(0.002)
+
+    threading.Thread(target=kill_two_rollout_workers, daemon=True).start()
+    runner.run()
+    assert len(killed) == 2
+    assert len(recovery_events(tmp_path, "rollout_repaired")) <= 1  # the first repair, unless the second kill cut it short
     failures = recovery_events(tmp_path, "failure")
-    assert len(failures) == 1 and failures[0]["cause"].startswith("hang: the rollout group did not answer within 6s")
+    assert len(failures) == 1 and "rollout rank 0" in failures[0]["cause"], failures
     assert_matches_reference(tmp_path, reference)
 
 
@@ -391,6 +427,15 @@ def test_megatron_tensor_parallel_rank_killed_mid_step(cluster, megatron_referen
     failures = recovery_events(tmp_path, "failure")
     assert len(failures) == 1 and failures[0]["lost_steps"] <= 3
     assert [e["step"] for e in recovery_events(tmp_path, "resumed")] == [3]
+    assert_matches_reference(tmp_path, megatron_reference)
+
+
+def test_megatron_rollout_worker_killed_mid_step_costs_no_step(cluster, megatron_reference, tmp_path):
+    """The tensor-parallel ranks' channels joined again with the new rollout worker: each sends its own slices."""
+    runner = Supervisor(run_config(tmp_path, *RUN, *MEGATRON))
+    once(lambda: metrics_lines(tmp_path) >= 4, lambda: kill(runner.trainer.rollout_group.hosts[0]["pid"]))
+    runner.run()
+    assert_rollout_repaired_alone(tmp_path, runner)
     assert_matches_reference(tmp_path, megatron_reference)
 
 
