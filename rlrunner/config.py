@@ -45,7 +45,7 @@ class LoggerConfig:
 @dataclass
 class RecoveryConfig:
     enabled: bool = True  # repair the worker groups in-job after a worker, node or collective failure
-    max_restarts: int = 3  # in-job restarts in a row without a new checkpoint in between, before the run gives up
+    max_restarts: int = 3  # in-job restarts in a row without a new checkpoint in between (and rollout repairs within a step)
     step_timeout_s: float = 600.0  # bound on every remote call and collective (also the process-group timeout)
     wait_timeout_s: float = 600.0  # how long a restart waits for the cluster to have the resources again
     checkpoint_timeout_s: float = 1800.0  # bound on one checkpoint save or load (its own: a big save on a slow disk is no hang)
