@@ -14,7 +14,7 @@ import torch
 from rlrunner.models.loading import TokenIds, build_hf_config, random_model, torch_dtype
 from rlrunner.rollout.base import Completion, RolloutEngine, SampleRequest
 from rlrunner.rollout.sampling import generate
-from rlrunner.weight_sync.endpoints import WeightSink
+from rlrunner.weight_sync.endpoints import WeightSink, distinct_state_tensors, specs_of
 from rlrunner.weight_sync.plan import TensorSpec
 
 
@@ -23,15 +23,10 @@ class ModuleSink(WeightSink):
     name): no copy beyond the one from the wire."""
 
     def __init__(self, module: torch.nn.Module):
-        self.tensors: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
-        for name, tensor in module.state_dict(keep_vars=True).items():
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                self.tensors[name] = tensor
+        self.tensors = distinct_state_tensors(module)
 
     def layout(self) -> list[TensorSpec]:
-        return [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in self.tensors.items()]
+        return specs_of(self.tensors)
 
     @property
     def device(self) -> torch.device:

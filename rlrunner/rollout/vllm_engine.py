@@ -33,7 +33,7 @@ import torch
 from rlrunner.errors import ConfigError, first_line
 from rlrunner.models.loading import TokenIds, build_hf_config, random_model, torch_dtype
 from rlrunner.rollout.base import Completion, RolloutEngine, SampleRequest
-from rlrunner.weight_sync.endpoints import WeightSink
+from rlrunner.weight_sync.endpoints import WeightSink, distinct_state_tensors, specs_of
 from rlrunner.weight_sync.plan import TensorSpec
 
 logger = logging.getLogger(__name__)
@@ -237,11 +237,7 @@ class VLLMSink(WeightSink):
         self.engine = engine
         with torch.device("meta"):  # names and shapes only
             model = AutoModelForCausalLM.from_config(engine.config, dtype=torch_dtype(engine.dtype))
-        self.specs, seen = [], set()
-        for name, tensor in model.state_dict(keep_vars=True).items():
-            if id(tensor) not in seen:  # a tied weight once, under its first name (vLLM ties it again itself)
-                seen.add(id(tensor))
-                self.specs.append(TensorSpec(name, tuple(tensor.shape), tensor.dtype))
+        self.specs = specs_of(distinct_state_tensors(model))  # a tied weight once: vLLM ties it again itself
         self.pending: list[tuple[str, torch.Tensor]] = []
 
     def layout(self) -> list[TensorSpec]:

@@ -29,6 +29,21 @@ class Block:
     tensor: torch.Tensor
 
 
+def distinct_state_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A module's state-dict tensors by HF name, a tied weight once (under its first name): what a sink receives."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            tensors[name] = tensor
+    return tensors
+
+
+def specs_of(tensors: dict[str, torch.Tensor]) -> list[TensorSpec]:
+    return [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
+
+
 class WeightSource(ABC):
     """One actor rank's side of the sync."""
 
