@@ -24,6 +24,15 @@ from rlrunner.rollout.registry import check_engine
 
 
 @dataclass
+class SpareWorkersConfig:
+    # worker processes per group started ahead (imports done; a rollout spare has its engine built), so that a
+    # replaced group does not wait for new processes; a repair replaces the whole group, so a spare count of the
+    # group's size replaces it without any process start
+    actor: int = 0
+    rollout: int = 0
+
+
+@dataclass
 class ClusterConfig:
     ray_address: Optional[str] = None  # null: RAY_ADDRESS, else a running `ray start` cluster, else embedded
     num_cpus: Optional[int] = None  # CPUs of the embedded local Ray (null: all of this machine's)
@@ -33,6 +42,7 @@ class ClusterConfig:
     threads_per_worker: int = 1  # torch intra-op threads per worker; fixed so results do not vary
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
     placement_timeout_s: float = 60.0
+    spare_workers: SpareWorkersConfig = field(default_factory=SpareWorkersConfig)
 
 
 @dataclass
@@ -45,10 +55,17 @@ class LoggerConfig:
 @dataclass
 class RecoveryConfig:
     enabled: bool = True  # repair the worker groups in-job after a worker, node or collective failure
-    max_restarts: int = 3  # in-job restarts in a row without a new checkpoint in between (and rollout repairs within a step)
+    max_restarts: int = 3  # in-job restarts in a row without progress in between (and rollout repairs within a step)
     step_timeout_s: float = 600.0  # bound on every remote call and collective (also the process-group timeout)
     wait_timeout_s: float = 600.0  # how long a restart waits for the cluster to have the resources again
     checkpoint_timeout_s: float = 1800.0  # bound on one checkpoint save or load (its own: a big save on a slow disk is no hang)
+
+
+@dataclass
+class SnapshotConfig:
+    enabled: bool = True  # after each update, every actor rank's state (and the step's data position) in host memory
+    interval: int = 1  # every this many steps
+    reserve_memory_gb: float = 1.0  # a snapshot part is held only where the node keeps this much memory free after it
 
 
 @dataclass
@@ -68,6 +85,7 @@ class RunnerConfig:
     max_wall_time_s: Optional[float] = None  # stop with an emergency checkpoint after this long (set below a scheduler's limit)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
 
 
 @dataclass
@@ -284,6 +302,10 @@ def validate_config(cfg: DictConfig) -> None:
     )
     if cfg.runner.max_wall_time_s is not None:
         positive["runner.max_wall_time_s"] = cfg.runner.max_wall_time_s
+    for key in ("runner.snapshot.reserve_memory_gb", "cluster.spare_workers.actor", "cluster.spare_workers.rollout"):
+        if OmegaConf.select(cfg, key) < 0:
+            raise ConfigError(f"{key} must be >= 0, got {OmegaConf.select(cfg, key)}")
+    positive["runner.snapshot.interval"] = cfg.runner.snapshot.interval
     if cfg.runner.recovery.max_restarts < 0:
         raise ConfigError(f"runner.recovery.max_restarts must be >= 0, got {cfg.runner.recovery.max_restarts}")
     for key, value in positive.items():

@@ -12,6 +12,7 @@ sends in a weight sync (`weight_source`). The weight-sync endpoints and the save
 
 from __future__ import annotations
 
+import io
 import math
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Iterator
@@ -22,11 +23,22 @@ from rlrunner.algorithms.grpo import clipped_policy_loss, kl_penalty, masked_sum
 from rlrunner.backends.background_save import BackgroundSave
 from rlrunner.cluster.node import node_ip
 from rlrunner.cluster.worker import Worker
+from rlrunner.utils.rng import capture_rng, restore_rng
+from rlrunner.cluster.node import available_memory_bytes
+from rlrunner.utils.tensors import tensor_bytes
 from rlrunner.weight_sync.channels import connect_store, serve_store
 from rlrunner.weight_sync.endpoints import WeightSource
 from rlrunner.weight_sync.transport import WeightSender
 
 WeightsReader = Callable[[Any], dict[str, torch.Tensor]]  # HF config -> the full HF state dict of model.path's checkpoint
+
+
+def serialize(state: Any) -> bytes:
+    """`state` (tensors, containers, plain values) as `torch.save` bytes: a copy of its own, read back with
+    `torch.load(weights_only=True)`."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
 
 
 class ActorWorker(Worker, ABC):
@@ -92,6 +104,15 @@ class ActorWorker(Worker, ABC):
         """Collective: load the state saved under `url`, resharding as needed; returns whether RNG was restored."""
 
     @abstractmethod
+    def training_state(self) -> dict[str, Any]:
+        """This rank's training state (parameters, optimizer state, LR schedule; no RNG) as a nested structure of the
+        live tensors (local shards, not DTensors): what an in-memory snapshot copies."""
+
+    @abstractmethod
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        """Put back what `training_state` gave (a copy of it), into a rank freshly set up with the same layout."""
+
+    @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole policy's weights in HF layout on rank 0, None elsewhere. Every rank must call it."""
 
@@ -108,6 +129,26 @@ class ActorWorker(Worker, ABC):
     def finish_checkpoint(self) -> dict[str, Any]:
         """Wait for the save in flight; the files this rank wrote: {"files": {name: {size, crc32}}, "write_s"}."""
         return self.saver.finish()
+
+    # -- in-memory snapshots (see rlrunner.runner.snapshots) ------------------------------------------
+
+    def snapshot_part(self, reserve_bytes: int) -> bytes | str:
+        """This rank's part of a snapshot: its training state and RNG serialized off the live tensors (bytes of its own,
+        in host memory); or, when that copy would leave this node less than `reserve_bytes` of free memory, why there
+        is none."""
+        live = self.training_state()
+        needed = tensor_bytes(live)
+        available = available_memory_bytes()
+        if available - needed < reserve_bytes:
+            return (f"actor rank {self.rank}: a {needed / 2**20:.0f} MiB copy would leave less than the "
+                    f"{reserve_bytes / 2**30:g} GiB reserve of host memory free (runner.snapshot.reserve_memory_gb)")
+        return serialize({"state": live, "rng": capture_rng()})
+
+    def load_snapshot(self, part: bytes) -> None:
+        """Put back this rank's part of a snapshot (`snapshot_part`'s), taken with the same ranks."""
+        saved = torch.load(io.BytesIO(part), map_location="cpu", weights_only=True)
+        self.load_training_state(saved["state"])
+        restore_rng(saved["rng"])
 
     # -- the update ----------------------------------------------------------------------------
 

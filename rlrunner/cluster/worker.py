@@ -6,7 +6,7 @@ import os
 import socket
 from datetime import timedelta
 
-from rlrunner.cluster.node import node_ip
+from rlrunner.cluster.node import node_id, node_ip
 from rlrunner.cluster.shared_storage import answer_probe_at
 
 
@@ -28,7 +28,7 @@ class Worker:
 
     def ping(self) -> dict:
         """Where this worker runs: used for placement checks and logs."""
-        return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "node_ip": node_ip()}
+        return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "node_ip": node_ip(), "node_id": node_id()}
 
     def probe_storage(self, storage_url: str, storage_options: dict, url: str, token: str) -> str | None:
         """Read the driver's probe under `url` and leave this worker's own (see `check_shared_folder`)."""

@@ -1,5 +1,6 @@
 """What a run sets up once and keeps across its attempts: the config, the data, the model's config, the training
-backend and its rank layout, the experiment folder with its checkpoint handler, lock and logs.
+backend and its rank layout, the experiment folder with its checkpoint handler, lock and logs, the in-memory
+snapshots.
 
 Building it checks everything that can be checked before Ray starts (a model the backend cannot split, say);
 an attempt (`rlrunner.runner.trainer.Trainer`) takes it and adds the worker groups and the step counter.
@@ -24,6 +25,7 @@ from rlrunner.experiment.lock import ExperimentLock
 from rlrunner.models.loading import build_hf_config, build_tokenizer, token_ids
 from rlrunner.runner.experiment_logs import ExperimentLogs
 from rlrunner.runner.recovery import RecoveryLog
+from rlrunner.runner.snapshots import SnapshotStore
 from rlrunner.rollout.registry import get_engine
 from rlrunner.runner.stopping import StopRequest
 from rlrunner.storage import open_storage
@@ -80,6 +82,8 @@ class RunContext:
             verify_checksums=cfg.runner.verify_checksums,
         )
         self.lock = ExperimentLock(self.storage, self.experiment)
+        # in-memory snapshots of the actor, held across attempts (their holders start with the first snapshot)
+        self.snapshots = SnapshotStore(cfg.runner.snapshot, cfg.runner.recovery.step_timeout_s)
 
     def new_loader(self) -> PromptLoader:
         return PromptLoader(self.dataset, self.cfg.data.batch_size, self.cfg.runner.seed, self.cfg.data.shuffle)

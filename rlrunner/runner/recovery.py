@@ -118,9 +118,9 @@ def same_failure(causes: list[str]) -> bool:
 class RestartBudget:
     """`max_restarts` in-job restarts per stretch without progress.
 
-    A restart after a new checkpoint was committed (the run moved on since the previous restart)
-    starts the count again, so a long run on preemptible nodes survives any number of spread-out
-    failures, while a run that keeps failing before it can save again gives up.
+    A restart after progress (the run moved on since the previous restart: a new checkpoint committed, or a step
+    completed beyond any before) starts the count again, so a long run on preemptible nodes survives any number of
+    spread-out failures, while a run that keeps failing before it gets any further gives up.
     """
 
     def __init__(self, max_restarts: int):
@@ -128,14 +128,15 @@ class RestartBudget:
         self.count = 0
         self.total = 0
         self.causes: list[str] = []  # the failures of the current stretch
-        self._newest_at_last_restart: str | None = None
+        self._progress_at_last_restart: str | None = None
 
-    def spend(self, newest_checkpoint: str | None, cause: str = "") -> bool:
-        """Record a restart, given the newest committed checkpoint now; False when the budget is used up."""
-        if self.count and newest_checkpoint is not None and newest_checkpoint != self._newest_at_last_restart:
+    def spend(self, progress: str | None, cause: str = "") -> bool:
+        """Record a restart, given how far the run got (anything that changes when it moves on: the newest committed
+        checkpoint, the furthest step); False when the budget is used up."""
+        if self.count and progress is not None and progress != self._progress_at_last_restart:
             self.count = 0
             self.causes = []
-        self._newest_at_last_restart = newest_checkpoint
+        self._progress_at_last_restart = progress
         self.count += 1
         self.total += 1
         self.causes.append(cause)

@@ -29,6 +29,7 @@ from rlrunner.errors import ClusterLostError, RecoveryExhaustedError, StoppedEar
 from rlrunner.runner.context import RunContext
 from rlrunner.runner.recovery import RestartBudget, repairable_cause, same_failure, unrepairable
 from rlrunner.runner.stopping import StopRequest
+from rlrunner.runner.snapshots import Snapshot
 from rlrunner.runner.trainer import Trainer
 from rlrunner.storage import basename
 
@@ -52,6 +53,7 @@ class Supervisor:
         self.stop = self.ctx.stop
         self.callbacks = list(callbacks)
         self.trainer: Trainer | None = None  # the current attempt (the last one once `run` returns)
+        self.furthest_step = 0  # the furthest step any attempt completed
 
     def run(self, connect: Callable[[], None] | None = None) -> dict[str, Any]:
         """Train to the end, repairing the worker groups in-job after worker, node or collective failures; returns
@@ -65,6 +67,7 @@ class Supervisor:
             try:
                 return self._attempts(connect)
             finally:
+                self.ctx.snapshots.close()
                 self.ctx.logs.upload()
 
     def _attempts(self, connect: Callable[[], None] | None) -> dict[str, Any]:
@@ -78,11 +81,12 @@ class Supervisor:
             connect()
         checkpoint, placement_timeout_s = initial, self.cfg.cluster.placement_timeout_s
         budget = RestartBudget(recovery.max_restarts)
+        snapshot = None
         while True:
             trainer = self.trainer = Trainer(ctx)
             graceful = False  # the attempt ended as it should (finished or stopped): its workers may close first
             try:
-                last = self._attempt(trainer, checkpoint, placement_timeout_s, budget)
+                last = self._attempt(trainer, checkpoint, placement_timeout_s, budget, snapshot)
                 graceful = True
                 return last
             except StoppedEarly:
@@ -97,23 +101,35 @@ class Supervisor:
                 teardown_started = time.monotonic()
                 trainer.close(CLOSE_TIMEOUT_S if graceful else 0.0)
                 teardown_s = time.monotonic() - teardown_started
-            ctx.recovery_log.write("failure", restart=budget.total, **failure, teardown_s=teardown_s)
             lost_cluster = cluster_lost(force=True)
             if lost_cluster is not None:  # the embedded Ray lost its node: nobody else will bring it back
                 logger.error("%s: restarting the embedded Ray", lost_cluster)
                 restart_embedded()
+                ctx.snapshots.forget()  # the holders went with it
                 if connect is not None:
                     connect()  # signal handlers again (ray.init installs its own)
             handler.remove_leftovers()
             checkpoint = handler.find_resume("auto") or initial
+            # the newest in-memory snapshot, unless the newest checkpoint is newer (no step is then redone)
+            snapshot = ctx.snapshots.newest(ctx.rank_map.world_size, min_step=checkpoint.step if checkpoint else 0)
+            restart_step = snapshot.step if snapshot else checkpoint.step if checkpoint else 0
+            failure.update(lost_steps=failure["step"] - restart_step,
+                           restore_from="snapshot" if snapshot else "checkpoint" if checkpoint else "none")
+            logger.error("restart %d (%d of %d without progress): from the %s of step %d, %d completed "
+                         "steps to redo", budget.total, budget.count, recovery.max_restarts,
+                         "in-memory snapshot" if snapshot else "checkpoint", restart_step, failure["lost_steps"])
+            ctx.recovery_log.write("failure", restart=budget.total, **failure, teardown_s=teardown_s)
             placement_timeout_s = recovery.wait_timeout_s
 
     def _attempt(self, trainer: Trainer, checkpoint: Checkpoint | None, placement_timeout_s: float,
-                 budget: RestartBudget) -> dict[str, Any]:
-        """One attempt: start, restore, train to the end; the last step's metrics."""
-        trainer.start(checkpoint, placement_timeout_s)
+                 budget: RestartBudget, snapshot: Snapshot | None) -> dict[str, Any]:
+        """One attempt: start, restore (the in-memory `snapshot` if any, else `checkpoint`), train to the end; the last
+        step's metrics."""
+        trainer.start(checkpoint, placement_timeout_s, snapshot)
         if budget.total:
-            self.ctx.recovery_log.write("resumed", restart=budget.total, step=trainer.global_step, **trainer.start_timings)
+            self.ctx.recovery_log.write("resumed", restart=budget.total, step=trainer.global_step,
+                                        source="snapshot" if snapshot else "checkpoint" if checkpoint else "none",
+                                        **trainer.start_timings)
             trainer.restart_to_report = budget.total
         for callback in self.callbacks:
             callback.on_train_start(trainer)
@@ -141,19 +157,17 @@ class Supervisor:
             raise StoppedEarly(f"{self.stop.reason}, then a failure ({cause}); {self._newest_checkpoint_note()}; "
                                "resume with runner.resume_dir=auto") from exc
         newest = self.ctx.handler.newest_complete()
-        if not budget.spend(str(newest) if newest else None, cause):
+        self.furthest_step = max(self.furthest_step, trainer.global_step)
+        # progress: a new checkpoint committed, or (restored from memory) a step completed beyond any before
+        if not budget.spend(f"{newest}@{self.furthest_step}", cause):
             same = same_failure(budget.causes)
             raise RecoveryExhaustedError(
-                f"giving up after {recovery.max_restarts} in-job restarts without a new checkpoint in between "
+                f"giving up after {recovery.max_restarts} in-job restarts without progress in between "
                 f"(runner.recovery.max_restarts); last failure{' (the same each time)' if same else ''}: {cause}",
                 same_error=same,
             ) from exc
-        lost = trainer.global_step - (trainer.last_saved_step or 0)
-        logger.error(
-            "restart %d (%d of %d since the last new checkpoint; last completed step %d, %d steps to redo): %s",
-            budget.total, budget.count, recovery.max_restarts, trainer.global_step, lost, cause,
-        )
-        return {"cause": cause, "step": trainer.global_step, "lost_steps": lost, "failed_at_unix": failed_at}
+        logger.error("step %d: %s", trainer.global_step + 1, cause)
+        return {"cause": cause, "step": trainer.global_step, "failed_at_unix": failed_at}
 
     def _newest_checkpoint_note(self) -> str:
         newest = self.ctx.handler.newest_complete()

@@ -30,6 +30,7 @@ from rlrunner.runner.context import RunContext
 from rlrunner.runner.metrics import MetricsLogger, Progress, actor_metrics, rollout_metrics
 from rlrunner.runner.placement import START_TIMEOUT_S, group_specs
 from rlrunner.runner.recovery import rollout_loss
+from rlrunner.runner.snapshots import Snapshot
 from rlrunner.storage import basename
 from rlrunner.weight_sync.driver import DEFAULT_BUCKET_BYTES, connect_weight_sync, sync_weights
 
@@ -52,13 +53,17 @@ class Trainer:
 
     # -- the attempt's groups --------------------------------------------------------------------
 
-    def start(self, checkpoint: Checkpoint | None, placement_timeout_s: float) -> None:
-        """Groups up, storage checked, `checkpoint` restored (if any), the actor's weights pushed to the rollout group."""
+    def start(self, checkpoint: Checkpoint | None, placement_timeout_s: float, snapshot: Snapshot | None = None) -> None:
+        """Groups up, storage checked, `snapshot` restored (an in-memory snapshot newer than `checkpoint`), else
+        `checkpoint` (if any), the actor's weights pushed to the rollout group."""
         started = time.monotonic()
         self._start_groups(placement_timeout_s)
         built = time.monotonic()
         check_shared_folder(self.ctx.storage, self.ctx.handler.root, self.groups())
-        if checkpoint is not None:
+        if snapshot is not None:
+            self._raise_if_stopping()
+            self.restore_snapshot(snapshot, checkpoint)
+        elif checkpoint is not None:
             self._raise_if_stopping()
             self.restore(checkpoint)
         self._raise_if_stopping()
@@ -67,6 +72,7 @@ class Trainer:
         self.start_timings = {"wait_s": waited, "rebuild_s": built - started - waited, "load_s": time.monotonic() - built}
 
     def _start_groups(self, placement_timeout_s: float) -> None:
+        self.ctx.snapshots.prepare()  # the snapshot holders start beside the groups
         actor, rollout = group_specs(self.ctx, placement_timeout_s, self._stop_requested)
         self.actor_group = WorkerGroup(**actor)
         self.rollout_group = WorkerGroup(**rollout)
@@ -187,6 +193,7 @@ class Trainer:
         advantages = group_advantages(rewards, cfg.algorithm.group_size, cfg.algorithm.norm_adv_by_std)
         batch = build_actor_batch(samples, advantages, ctx.token_ids.pad)
         shards = shard_actor_batch(batch, ctx.rank_map.dp, ctx.num_minibatches)
+        snapshot_wait_s = ctx.snapshots.wait_for_copies()  # the previous snapshot's copies (queued before the update)
         per_rank = self.actor_group.call_each("update", [(shard,) for shard in ctx.rank_map.scatter(shards)])
         actor_stats = ctx.rank_map.collect(per_rank)
         update_done = time.perf_counter()
@@ -204,6 +211,8 @@ class Trainer:
             "time/weight_sync_s": sync_done - update_done,
             "time/step_s": sync_done - started,
         }
+        if ctx.snapshots.enabled:
+            metrics["time/snapshot_s"] = snapshot_wait_s
         return metrics
 
     # -- the loop ------------------------------------------------------------------------------
@@ -231,6 +240,10 @@ class Trainer:
                     break
                 self.global_step = step
                 self.rollout_repairs = 0
+                if ctx.snapshots.due(step):
+                    blocked = time.perf_counter()
+                    ctx.snapshots.take(step, self.actor_group, self.data_state(step))
+                    last["time/snapshot_s"] += time.perf_counter() - blocked
                 try:
                     save_started = time.perf_counter()
                     committed = self.commit_pending_save(wait=False)  # a background save that finished writing
@@ -269,14 +282,18 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
+    def data_state(self, step: int) -> dict[str, Any]:
+        """The driver's state after `step`: the data position and the step (a checkpoint's data/data.pt)."""
+        return {
+            "dataloader": self.loader.state_dict(),
+            "runner": {"global_step": step, "epoch": self.loader.epoch, "total_steps": self.ctx.total_steps},
+        }
+
     def save_checkpoint(self, step: int) -> None:
         """Save `step`: committed before returning, or (`runner.async_save`) written in the background and
         committed by `commit_pending_save` once every rank's write has finished. One save in flight at a time."""
         self.commit_pending_save(wait=True)
-        data_state = {
-            "dataloader": self.loader.state_dict(),
-            "runner": {"global_step": step, "epoch": self.loader.epoch, "total_steps": self.ctx.total_steps},
-        }
+        data_state = self.data_state(step)
         self.pending_save = self.ctx.handler.begin_save(
             step,
             self.ctx.checkpoint_manager(self.actor_group),
@@ -309,6 +326,14 @@ class Trainer:
             raise CheckpointError(f"checkpoint {checkpoint.url} does not fit this run's data: {exc}") from None
         self.global_step = int(data_state["runner"]["global_step"])
         self.last_saved_step = self.global_step
+
+    def restore_snapshot(self, snapshot: Snapshot, newest_checkpoint: Checkpoint | None) -> None:
+        """Load an in-memory snapshot into the new actor group. A part lost since it was chosen fails the attempt
+        (the ranks may hold half of it): the next attempt finds the snapshot incomplete and loads the checkpoint."""
+        data_state = self.ctx.snapshots.load(snapshot, self.actor_group, self.cfg.runner.recovery.step_timeout_s)
+        self.loader.load_state_dict(data_state["dataloader"])
+        self.global_step = int(data_state["runner"]["global_step"])
+        self.last_saved_step = newest_checkpoint.step if newest_checkpoint is not None else None
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
         """The actor's full weights (HF key names), gathered from the ranks."""

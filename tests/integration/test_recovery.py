@@ -114,14 +114,62 @@ def kill(pid: int, sig: int = signal.SIGKILL) -> None:
     os.kill(pid, sig)
 
 
-def test_actor_worker_killed_mid_step(cluster, reference, tmp_path):
+def dying(original):
+    """A stand-in that kills its own process (a lost worker, at a known point of a step)."""
+
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return die
+
+
+def kill_in_next_update(runner: Supervisor, rank: int, after_steps: int, tmp_path: Path) -> threading.Thread:
+    """Actor `rank` dies inside the loss of the first update after `after_steps` logged steps."""
+    return once(lambda: metrics_lines(tmp_path) >= after_steps,
+                lambda: patch_worker_module(runner.trainer.actor_group.workers[rank], "rlrunner.backends.actor",
+                                            "clipped_policy_loss", dying))
+
+
+def assert_restored_from_memory(output_dir: Path, lost_steps: int = 0) -> dict:
+    """One restart, loaded from the in-memory snapshot of the last completed step (minus `lost_steps`)."""
+    [failure] = recovery_events(output_dir, "failure")
+    assert failure["restore_from"] == "snapshot" and failure["lost_steps"] == lost_steps, failure
+    [resumed] = recovery_events(output_dir, "resumed")
+    assert resumed["source"] == "snapshot" and resumed["step"] == failure["step"] - lost_steps, resumed
+    return failure
+
+
+def test_actor_rank_killed_mid_step_comes_back_from_memory(cluster, reference, tmp_path):
+    """No step is redone: the newest snapshot (the last completed step's) is in the head node's holder."""
     runner = Supervisor(run_config(tmp_path, *RUN))
-    once(lambda: metrics_lines(tmp_path) >= 4, lambda: kill(runner.trainer.actor_group.hosts[1]["pid"]))
+    kill_in_next_update(runner, 1, 4, tmp_path)
     runner.run()
-    failures = recovery_events(tmp_path, "failure")
-    assert len(failures) == 1 and failures[0]["restart"] == 1
-    assert "actor rank 1" in failures[0]["cause"] or "worker lost" in failures[0]["cause"]
-    assert failures[0]["lost_steps"] <= 3  # at most the steps since the last checkpoint (save_interval=3)
+    failure = assert_restored_from_memory(tmp_path)
+    assert "actor rank 1" in failure["cause"] and failure["step"] >= 4
+    assert_matches_reference(tmp_path, reference)
+
+
+def test_actor_rank_killed_while_copying_its_snapshot(cluster, reference, tmp_path):
+    """The rank dies inside its copy of step k: step k's snapshot is incomplete and never used; the one of step k-1
+    is, and step k is redone."""
+    runner = Supervisor(run_config(tmp_path, *RUN))
+    once(lambda: metrics_lines(tmp_path) >= 4,
+         lambda: patch_worker_module(runner.trainer.actor_group.workers[0], "rlrunner.backends.actor", "serialize", dying))
+    runner.run()
+    assert_restored_from_memory(tmp_path, lost_steps=1)
+    assert_matches_reference(tmp_path, reference)
+
+
+def test_snapshots_short_of_memory_are_skipped_and_storage_is_used(cluster, reference, tmp_path, caplog):
+    """No node can keep the reserve: every snapshot is refused with one warning, and recovery loads the checkpoint."""
+    runner = Supervisor(run_config(tmp_path, *RUN, "runner.snapshot.reserve_memory_gb=1000000"))
+    kill_in_next_update(runner, 1, 4, tmp_path)
+    with caplog.at_level("WARNING", logger="rlrunner.runner.snapshots"):
+        runner.run()
+    warnings = [r.getMessage() for r in caplog.records if "runner.snapshot.reserve_memory_gb" in r.getMessage()]
+    assert len(warnings) == 1 and "recovers from the newest checkpoint on storage" in warnings[0], warnings
+    [failure] = recovery_events(tmp_path, "failure")
+    assert failure["restore_from"] == "checkpoint" and failure["lost_steps"] <= 3
     assert [e["step"] for e in recovery_events(tmp_path, "resumed")] == [3]
     assert_matches_reference(tmp_path, reference)
 
@@ -193,7 +241,7 @@ def test_rollout_repairs_are_bounded_then_the_attempt_is_repaired(cluster, refer
 def test_restarts_are_bounded(cluster, tmp_path):
     runner = Supervisor(run_config(tmp_path, *RUN, "runner.recovery.max_restarts=0"))
     once(lambda: metrics_lines(tmp_path) >= 2, lambda: kill(runner.trainer.actor_group.hosts[0]["pid"]))
-    with pytest.raises(RecoveryExhaustedError, match=r"giving up after 0 in-job restarts without a new checkpoint in between \(runner.recovery.max_restarts\); last failure: ") as error:
+    with pytest.raises(RecoveryExhaustedError, match=r"giving up after 0 in-job restarts without progress in between \(runner.recovery.max_restarts\); last failure: ") as error:
         runner.run()
     assert error.value.exit_code == 1  # one failure, not a repeated one: a relaunch may get past it
 
@@ -218,8 +266,12 @@ def test_restarts_used_up_on_the_same_error_are_not_relaunched(cluster, tmp_path
     assert error.value.exit_code == 4 and len(kills) == 2
 
 
-def test_node_lost_and_replaced(cluster, reference, tmp_path):
-    runner = Supervisor(run_config(tmp_path, *RUN))
+@pytest.mark.parametrize("strategy", ["PACK", "STRICT_SPREAD"])
+def test_node_lost_and_replaced(cluster, reference, tmp_path, strategy):
+    """PACK: both actor ranks on the actor node, their snapshot parts in the head node's holder: restored from memory.
+    STRICT_SPREAD: one rank on each node, each rank's part on the other node: the lost node takes a rank and the
+    other rank's part, the snapshot is incomplete, and the checkpoint on storage is loaded."""
+    runner = Supervisor(run_config(tmp_path, *RUN, f"cluster.placement_strategy={strategy}"))
     errors: list[BaseException] = []
 
     def train() -> None:
@@ -232,16 +284,22 @@ def test_node_lost_and_replaced(cluster, reference, tmp_path):
     trainer = threading.Thread(target=train, daemon=True)
     trainer.start()
     wait_for(lambda: metrics_lines(tmp_path) >= 4)
-    cluster.remove_node(cluster.actor_node)  # preemption: both actor ranks go at once
+    cluster.remove_node(cluster.actor_node)  # preemption
     wait_for(lambda: bool(recovery_events(tmp_path, "failure")))
     time.sleep(1.0)  # the driver is now waiting for the cluster to fit the actor group again
     cluster.actor_node = cluster.add_node(num_cpus=2)
     trainer.join(timeout=240)
     assert not trainer.is_alive() and not errors, errors
     [failure] = recovery_events(tmp_path, "failure")
-    assert "actor rank 0" in failure["cause"] and "actor rank 1" in failure["cause"]
     [resumed] = recovery_events(tmp_path, "resumed")
     assert resumed["wait_s"] >= 0.5  # it waited for the replacement node
+    if strategy == "PACK":
+        assert "actor rank 0" in failure["cause"] and "actor rank 1" in failure["cause"]
+        # the newest parts may still have been on their way from the lost node: at most that step is redone
+        assert failure["restore_from"] == "snapshot" and failure["lost_steps"] <= 1, failure
+    else:
+        assert failure["restore_from"] == "checkpoint" and resumed["source"] == "checkpoint", failure
+        assert resumed["step"] % 3 == 0 and failure["lost_steps"] <= 3
     assert_matches_reference(tmp_path, reference)
 
 
@@ -422,11 +480,9 @@ def megatron_reference(cluster, tmp_path_factory) -> Reference:
 
 def test_megatron_tensor_parallel_rank_killed_mid_step(cluster, megatron_reference, tmp_path):
     runner = Supervisor(run_config(tmp_path, *RUN, *MEGATRON))
-    once(lambda: metrics_lines(tmp_path) >= 4, lambda: kill(runner.trainer.actor_group.hosts[1]["pid"]))
+    kill_in_next_update(runner, 1, 4, tmp_path)
     runner.run()
-    failures = recovery_events(tmp_path, "failure")
-    assert len(failures) == 1 and failures[0]["lost_steps"] <= 3
-    assert [e["step"] for e in recovery_events(tmp_path, "resumed")] == [3]
+    assert_restored_from_memory(tmp_path)
     assert_matches_reference(tmp_path, megatron_reference)
 
 

@@ -32,6 +32,22 @@ def shard_model(model: torch.nn.Module, param_dtype: str, reduce_dtype: str, tra
     return model
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise), detached."""
+    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).detach()
+
+
+def _shard_like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """An optimizer state tensor put back as `param` is: a DTensor sharded like it when `param` is one and `value` is
+    its local shard (the moments), else as it is (the step count)."""
+    if not hasattr(param, "device_mesh") or value.dim() == 0:
+        return value
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
 class FSDPActorWorker(ActorWorker):
     def setup(self) -> None:
         """Build and shard the policy (and the frozen reference when KL is on). Needs the process group."""
@@ -91,6 +107,26 @@ class FSDPActorWorker(ActorWorker):
         )
         apply_schedule(self.optimizer, self.scheduler)  # this run's schedule, not the saved run's
         return restored_rng
+
+    # -- in-memory snapshots --------------------------------------------------------------------
+
+    def training_state(self) -> dict[str, Any]:
+        optimizer = self.optimizer.state_dict()  # the live state tensors (DTensors: their local shards are taken)
+        return {
+            "model": {name: _local(param) for name, param in self.model.named_parameters()},
+            "optimizer": {**optimizer, "state": {i: {k: _local(v) for k, v in state.items()} for i, state in optimizer["state"].items()}},
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    @torch.no_grad()
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        for name, param in self.model.named_parameters():
+            _local(param).copy_(state["model"][name])
+        params = [param for group in self.optimizer.param_groups for param in group["params"]]
+        optimizer = dict(state["optimizer"])
+        optimizer["state"] = {i: {k: _shard_like(v, params[i]) for k, v in s.items()} for i, s in optimizer["state"].items()}
+        self.optimizer.load_state_dict(optimizer)
+        self.scheduler.load_state_dict(state["scheduler"])
 
     # -- weights out ---------------------------------------------------------------------------
 

@@ -131,6 +131,18 @@ class DistributedAdamW:
         saved["state"] = {0: {"step": torch.tensor(float(step), dtype=torch.float32), **slices}}
         self.optimizer.load_state_dict(saved)
 
+    def local_state(self) -> dict[str, Any]:
+        """This DP rank's own part of the state, live (no collective): its fp32 main slice and the inner AdamW's state."""
+        return {"main": self.main.detach(), "optimizer": self.optimizer.state_dict()}
+
+    @torch.no_grad()
+    def load_local_state(self, state: dict[str, Any]) -> None:
+        """Put back what `local_state` gave, on the same DP rank of the same layout, once the model holds the weights
+        of the same moment (they are taken as this optimizer's own last write)."""
+        self.main.copy_(state["main"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._written = self._flat_params()[self.owned]
+
     def param_groups_state(self) -> dict[str, Any]:
         """The hyperparameters and step count as plain Python values (the checkpoint's `optimizer` entry)."""
         group = self.optimizer.param_groups[0]

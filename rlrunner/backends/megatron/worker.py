@@ -159,6 +159,20 @@ class MegatronActorWorker(ActorWorker):
             restore_rng(rng_from_megatron_entry(loaded.rng_state))
         return loaded.rng_state is not None
 
+    # -- in-memory snapshots --------------------------------------------------------------------
+
+    def training_state(self) -> dict[str, Any]:
+        return {
+            "model": {k: v.detach() for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.local_state(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_local_state(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
     # -- weights out ---------------------------------------------------------------------------
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:

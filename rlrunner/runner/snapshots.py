@@ -1,0 +1,227 @@
+"""In-memory snapshots of the actor: after a step, every actor rank's state copied into another node's host memory.
+
+    store = SnapshotStore(cfg.runner.snapshot)      # once per run (its holders outlive the attempts)
+    store.take(step, actor_group, driver_state)     # after the step: returns at once, the copies go on meanwhile
+    store.wait_for_copies()                         # before the next update: seconds blocked, usually ~0
+    snapshot = store.newest(world_size, min_step)   # after a failure: the newest complete snapshot, or None
+    driver_state = store.load(snapshot, actor_group)
+
+Each rank copies its state off the live tensors into host memory of its own (`ActorWorker.snapshot_part`: `torch.save`
+bytes) as a task of its own, queued before the next update, so the copy overlaps the next step's generation; the part then goes,
+through Ray's object store, to a `SnapshotHolder` on another node than the rank's (`holder_nodes`), with the driver's
+state of the step beside rank 0's part. Nothing here waits for a transfer. The holders keep the newest complete
+snapshot and the one being copied: the older one is dropped once every part of the newer one has arrived.
+
+A snapshot is used only when every rank's part of the same step is held by a live holder (`newest_complete`). A part
+that cannot be held (host memory short of `runner.snapshot.reserve_memory_gb`) leaves its step incomplete, with a
+warning: recovery then falls back to the newest checkpoint on storage.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from rlrunner.cluster.ray_setup import cluster_lost
+from rlrunner.cluster.snapshot_holder import SnapshotHolder
+from rlrunner.errors import describe
+
+logger = logging.getLogger(__name__)
+
+_ASK_TIMEOUT_S = 5.0  # how long a holder may take to say what it holds before it counts as lost
+
+
+def holder_nodes(rank_nodes: Sequence[str], nodes: Sequence[str]) -> list[str]:
+    """For each rank (running on `rank_nodes[rank]`), the node whose holder keeps its part.
+
+    Nodes that run no rank of the group come first, so that losing one node never takes a rank together with
+    another rank's part; among them the ranks are spread round-robin. Then any node but the rank's own; the rank's own
+    node when the cluster has no other (the part then covers the loss of the rank's process, not of its node).
+    """
+    alive = sorted(set(nodes))
+    free = [node for node in alive if node not in set(rank_nodes)]
+    chosen = []
+    for rank, own in enumerate(rank_nodes):
+        candidates = free or [node for node in alive if node != own]
+        chosen.append(candidates[rank % len(candidates)] if candidates else own)
+    return chosen
+
+
+def newest_complete(held: Mapping[str, Mapping[int, Sequence[int]]], world_size: int, min_step: int = 0) -> tuple[int, dict[int, str]] | None:
+    """The newest step of at least `min_step` whose every rank's part is held, with the node holding each rank's part;
+    `held` is {node: {step: ranks}} of the live holders. None when no step is complete."""
+    where: dict[int, dict[int, str]] = {}
+    for node in sorted(held):
+        for step, ranks in held[node].items():
+            for rank in ranks:
+                where.setdefault(int(step), {}).setdefault(int(rank), node)
+    complete = [step for step, ranks in where.items() if step >= min_step and set(ranks) >= set(range(world_size))]
+    if not complete:
+        return None
+    step = max(complete)
+    return step, {rank: where[step][rank] for rank in range(world_size)}
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    step: int
+    holders: dict[int, Any]  # rank -> the holder (a Ray actor) keeping its part; rank 0's also has the driver's state
+
+
+class SnapshotStore:
+    def __init__(self, snapshot_cfg: Any, timeout_s: float):
+        self.timeout_s = timeout_s  # runner.recovery.step_timeout_s: how long a copy or a hand-over may take
+        self.enabled = bool(snapshot_cfg.enabled)
+        self.interval = int(snapshot_cfg.interval)
+        self.reserve_bytes = int(snapshot_cfg.reserve_memory_gb * 2**30)
+        self.holders: dict[str, Any] = {}  # node id -> its holder
+        self.copies: list[ray.ObjectRef] = []  # the ranks' copies of the newest snapshot, until they are done
+        self.in_flight: tuple[int, list[ray.ObjectRef], list[str]] | None = None  # (step, the puts, their nodes)
+        self.complete_step: int | None = None  # the newest step known complete
+        self._warned: str | None = None
+        self._said_own_node = False
+
+    def due(self, step: int) -> bool:
+        return self.enabled and step % self.interval == 0
+
+    # -- taking ----------------------------------------------------------------------------------
+
+    def take(self, step: int, actor_group: Any, driver_state: dict[str, Any]) -> None:
+        """Start `step`'s snapshot. Returns at once: each rank copies its state in a task queued before any later call
+        to it, and hands the copy to its holder."""
+        self.wait_for_copies()
+        if not self._settle():
+            # one snapshot in flight at a time, and the loop never waits for one: the newest complete one stays
+            self._warn("skipped", f"the in-memory snapshot of step {step} is skipped: the one of step {self.in_flight[0]} is still "
+                       "being handed to its holders")
+            return
+        rank_nodes = [host["node_id"] for host in actor_group.hosts]
+        nodes = holder_nodes(rank_nodes, _alive_nodes())
+        if len(set(nodes) | set(rank_nodes)) == 1 and not self._said_own_node:
+            self._said_own_node = True
+            logger.info("in-memory snapshots are held on the ranks' own node (the cluster has no other): they cover "
+                        "the loss of a worker process, not of the node")
+        self.copies = actor_group.call_all_async("snapshot_part", self.reserve_bytes)
+        puts = [
+            self._holder(node).put.remote(step, rank, part, driver_state if rank == 0 else None)
+            for rank, (node, part) in enumerate(zip(nodes, self.copies))
+        ]
+        self.in_flight = (step, puts, nodes)
+
+    def wait_for_copies(self) -> float:
+        """Wait until the ranks' copies of the newest snapshot are done (before their state changes again: the calls
+        after them queue behind them anyway); the seconds waited."""
+        started = time.perf_counter()
+        if self.copies:
+            ray.wait(self.copies, num_returns=len(self.copies), timeout=self.timeout_s, fetch_local=False)
+            self.copies = []  # the holders' puts keep the copies alive until they have them
+        return time.perf_counter() - started
+
+    def _settle(self) -> bool:
+        """Whether no snapshot is in flight any more (never waits). Once the one in flight has arrived whole, the older
+        one is dropped from every holder; a part refused or lost leaves it incomplete, with a warning."""
+        if self.in_flight is None:
+            return True
+        step, puts, nodes = self.in_flight
+        ready, _ = ray.wait(puts, num_returns=len(puts), timeout=0)
+        if len(ready) < len(puts):
+            return False
+        self.in_flight = None
+        reasons = []
+        for rank, (put, node) in enumerate(zip(puts, nodes)):
+            try:
+                reason = ray.get(put)
+            except Exception as exc:  # the rank died before its copy was handed over, or the holder died
+                if not self._alive(node):
+                    self.holders.pop(node, None)
+                reason = f"rank {rank}'s part was lost on the way ({describe(exc)})"
+            if reason is not None:
+                reasons.append(reason)
+        if reasons:
+            self._warn("incomplete", f"the in-memory snapshot of step {step} is incomplete, so a failure now recovers from the newest "
+                       f"checkpoint on storage: {reasons[0]}")
+            return True
+        self.complete_step = step
+        self._warned = None
+        for holder in self.holders.values():
+            holder.drop_before.remote(step)
+        return True
+
+    def _alive(self, node: str) -> bool:
+        try:
+            ray.get(self.holders[node].ping.remote(), timeout=_ASK_TIMEOUT_S)
+            return True
+        except Exception:
+            return False
+
+    def prepare(self) -> None:
+        """Start a holder on every node, without waiting, so that they are up by the first snapshot (a node that joins
+        later gets one when a part is first put there)."""
+        if self.enabled:
+            for node in _alive_nodes():
+                self._holder(node)
+
+    def _warn(self, kind: str, message: str) -> None:
+        if kind != self._warned:  # one line when the trouble starts or changes, not one per step
+            logger.warning(message)
+            self._warned = kind
+
+    def _holder(self, node: str) -> Any:
+        if node not in self.holders:
+            self.holders[node] = ray.remote(SnapshotHolder).options(
+                num_cpus=0,
+                max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            ).remote(self.reserve_bytes)
+        return self.holders[node]
+
+    # -- using -----------------------------------------------------------------------------------
+
+    def newest(self, world_size: int, min_step: int = 0) -> Snapshot | None:
+        """The newest complete snapshot of at least `min_step`, asked of the holders that are alive; None if none."""
+        if not self.enabled or not self.holders:
+            return None
+        asked = {node: holder.held.remote() for node, holder in self.holders.items()}
+        ray.wait(list(asked.values()), num_returns=len(asked), timeout=_ASK_TIMEOUT_S)
+        held: dict[str, dict[int, list[int]]] = {}
+        for node, ref in asked.items():
+            try:
+                held[node] = ray.get(ref, timeout=0)
+            except Exception:  # lost with its node, or not answering: its parts do not count
+                self.holders.pop(node, None)
+        found = newest_complete(held, world_size, min_step)
+        if found is None:
+            return None
+        step, where = found
+        return Snapshot(step, {rank: self.holders[node] for rank, node in where.items()})
+
+    def load(self, snapshot: Snapshot, actor_group: Any, timeout_s: float) -> dict[str, Any]:
+        """Every rank loads its part of `snapshot` straight from its holder; the driver's state of that step."""
+        parts = [(snapshot.holders[rank].get.remote(snapshot.step, rank),) for rank in range(actor_group.num_workers)]
+        actor_group.call_each("load_snapshot", parts, timeout_s=timeout_s)
+        return ray.get(snapshot.holders[0].get_driver_state.remote(snapshot.step), timeout=timeout_s)
+
+    def forget(self) -> None:
+        """Drop every holder (after the embedded Ray was restarted, they went with it)."""
+        self.holders, self.copies, self.in_flight, self.complete_step = {}, [], None, None
+
+    def close(self) -> None:
+        """Kill the holders: the run is over."""
+        if cluster_lost() is not None:
+            self.forget()  # every call would block on a GCS that is gone
+            return
+        for holder in self.holders.values():
+            try:
+                ray.kill(holder, no_restart=True)
+            except Exception:  # already gone
+                pass
+        self.forget()
+
+
+def _alive_nodes() -> list[str]:
+    return [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
