@@ -22,6 +22,11 @@ class Worker:
         torch.set_num_threads(threads)
         self.device = torch.device("cuda" if use_gpu and torch.cuda.is_available() else "cpu")
 
+    def adopt(self, rank: int, world_size: int) -> None:
+        """A warm spare (built with no rank) becomes rank `rank` of a group of `world_size`, before anything else."""
+        self.rank = rank
+        self.world_size = world_size
+
     def close(self) -> None:
         """Free what this worker holds before its process is killed (called by `WorkerGroup.shutdown` on a graceful
         end; never after a failure, when it may not answer). Nothing by default."""

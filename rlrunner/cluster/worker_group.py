@@ -68,14 +68,19 @@ class WorkerGroup:
         abandon: Callable[[], bool] | None = None,
         wait: bool = True,
         workers_per_bundle: int = 1,
+        spares: Sequence[Any] = (),
     ):
         """Place the group and start its actors; with `wait`, also wait until they are ready (see `wait_ready`).
 
         `workers_per_bundle` consecutive ranks share one placement bundle, and a bundle is never split across
-        nodes: a tensor-parallel group placed this way always runs on one node.
+        nodes: a tensor-parallel group placed this way always runs on one node. `spares` (warm workers of the same
+        class and arguments, already running: `rlrunner.cluster.spares`) become the first ranks, a whole number of
+        bundles of them; only the other ranks are placed and started.
         """
         if workers_per_bundle < 1 or num_workers % workers_per_bundle:
             raise ValueError(f"{name}: {num_workers} workers do not fill bundles of {workers_per_bundle}")
+        if len(spares) % workers_per_bundle or len(spares) > num_workers:
+            raise ValueError(f"{name}: {len(spares)} spares for {num_workers} workers in bundles of {workers_per_bundle}")
         self.name = name
         self.num_workers = num_workers
         self.call_timeout_s = call_timeout_s
@@ -83,30 +88,45 @@ class WorkerGroup:
         if gpus_per_worker:
             bundle["GPU"] = gpus_per_worker
         per_bundle = {key: value * workers_per_bundle for key, value in bundle.items()}
-        self.placement_group = placement_group(
-            [dict(per_bundle) for _ in range(num_workers // workers_per_bundle)], strategy=placement_strategy
-        )
-        self.placement_wait_s = self._wait_for_placement(bundle, placement_timeout_s, abandon)
+        adopted = len(spares)
+        self.placement_group = None
+        self.placement_wait_s = 0.0
+        if adopted < num_workers:
+            self.placement_group = placement_group(
+                [dict(per_bundle) for _ in range((num_workers - adopted) // workers_per_bundle)], strategy=placement_strategy
+            )
+            self.placement_wait_s = self._wait_for_placement(bundle, placement_timeout_s, abandon)
         self.distributed = distributed
         self.start_timeout_s = start_timeout_s
         self.dist_timeout_s = dist_timeout_s
         self.hosts: list[dict] = []
         self._created = time.monotonic()
         remote_cls = ray.remote(worker_cls)
-        self.workers = [
+        self.workers = list(spares) + [
             remote_cls.options(
                 num_cpus=cpus_per_worker,
                 num_gpus=gpus_per_worker,
                 max_restarts=0,
                 max_concurrency=1,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.placement_group, placement_group_bundle_index=rank // workers_per_bundle
+                    placement_group=self.placement_group,
+                    placement_group_bundle_index=(rank - adopted) // workers_per_bundle,
                 ),
             ).remote(rank=rank, world_size=self.num_workers, **(worker_kwargs or {}))
-            for rank in range(self.num_workers)
+            for rank in range(adopted, self.num_workers)
         ]
+        for rank, spare in enumerate(spares):
+            spare.adopt.remote(rank, self.num_workers)  # runs before anything else this driver asks of it
         if wait:
             self.wait_ready(abandon)
+
+    def placement_nodes(self) -> list[str]:
+        """The nodes the group's placement bundles are on (known once placed; not those of adopted spares)."""
+        if self.placement_group is None:
+            return []
+        from ray.util.placement_group import placement_group_table
+
+        return sorted(set(placement_group_table(self.placement_group).get("bundles_to_node_id", {}).values()))
 
     def wait_ready(self, abandon: Callable[[], bool] | None = None) -> None:
         """Wait until every actor has started (and joined the process group); shut the group down on failure.
@@ -255,6 +275,8 @@ class WorkerGroup:
 
 
 def remove_placement_group_quietly(group) -> None:
+    if group is None:
+        return
     try:
         remove_placement_group(group)
     except Exception:  # already removed, or its cluster is gone

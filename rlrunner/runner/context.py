@@ -1,6 +1,6 @@
 """What a run sets up once and keeps across its attempts: the config, the data, the model's config, the training
 backend and its rank layout, the experiment folder with its checkpoint handler, lock and logs, the in-memory
-snapshots.
+snapshots, the warm spares.
 
 Building it checks everything that can be checked before Ray starts (a model the backend cannot split, say);
 an attempt (`rlrunner.runner.trainer.Trainer`) takes it and adds the worker groups and the step counter.
@@ -84,6 +84,12 @@ class RunContext:
         self.lock = ExperimentLock(self.storage, self.experiment)
         # in-memory snapshots of the actor, held across attempts (their holders start with the first snapshot)
         self.snapshots = SnapshotStore(cfg.runner.snapshot, cfg.runner.recovery.step_timeout_s)
+        self.spare_pools: dict[str, Any] | None = None  # warm spares by group (rlrunner.runner.placement.spare_pools)
+
+    def close_spares(self, lost: bool = False) -> None:
+        """Kill the warm spares (the run is over), or only forget them (`lost`: the embedded Ray went with them)."""
+        for pool in (self.spare_pools or {}).values():
+            pool.forget() if lost else pool.close()
 
     def new_loader(self) -> PromptLoader:
         return PromptLoader(self.dataset, self.cfg.data.batch_size, self.cfg.runner.seed, self.cfg.data.shuffle)

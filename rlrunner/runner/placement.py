@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
+from rlrunner.cluster.spares import SparePool
 from rlrunner.rollout.worker import RolloutWorker
 from rlrunner.runner.context import RunContext, reward_verifier
 from rlrunner.utils.seeding import derive_seed
@@ -69,3 +70,16 @@ def group_specs(ctx: RunContext, placement_timeout_s: float, abandon: Callable[[
         **placement,
     }
     return actor, rollout
+
+
+def spare_pools(ctx: RunContext) -> dict[str, SparePool]:
+    """The run's pools of warm spares by group name (`cluster.spare_workers`), made once and kept across attempts."""
+    if ctx.spare_pools is None:
+        actor, rollout = group_specs(ctx, 0.0, lambda: False)
+        counts = ctx.cfg.cluster.spare_workers
+        ctx.spare_pools = {
+            spec["name"]: SparePool(spec["name"], spec["worker_cls"], spec["worker_kwargs"], counts[spec["name"]],
+                                    spec["cpus_per_worker"], spec["gpus_per_worker"])
+            for spec in (actor, rollout)
+        }
+    return ctx.spare_pools

@@ -212,7 +212,7 @@ class SnapshotStore:
 
     def close(self) -> None:
         """Kill the holders: the run is over."""
-        if cluster_lost() is not None:
+        if cluster_lost(force=True) is not None:
             self.forget()  # every call would block on a GCS that is gone
             return
         for holder in self.holders.values():

@@ -68,6 +68,7 @@ class Supervisor:
                 return self._attempts(connect)
             finally:
                 self.ctx.snapshots.close()
+                self.ctx.close_spares()
                 self.ctx.logs.upload()
 
     def _attempts(self, connect: Callable[[], None] | None) -> dict[str, Any]:
@@ -105,7 +106,8 @@ class Supervisor:
             if lost_cluster is not None:  # the embedded Ray lost its node: nobody else will bring it back
                 logger.error("%s: restarting the embedded Ray", lost_cluster)
                 restart_embedded()
-                ctx.snapshots.forget()  # the holders went with it
+                ctx.snapshots.forget()  # the holders and spares went with it
+                ctx.close_spares(lost=True)
                 if connect is not None:
                     connect()  # signal handlers again (ray.init installs its own)
             handler.remove_leftovers()

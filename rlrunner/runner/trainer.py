@@ -28,7 +28,7 @@ from rlrunner.errors import CheckpointError, ExperimentLockedError, StoppedEarly
 from rlrunner.runner.batching import build_actor_batch, chunk, shard_actor_batch, split_evenly
 from rlrunner.runner.context import RunContext
 from rlrunner.runner.metrics import MetricsLogger, Progress, actor_metrics, rollout_metrics
-from rlrunner.runner.placement import START_TIMEOUT_S, group_specs
+from rlrunner.runner.placement import START_TIMEOUT_S, group_specs, spare_pools
 from rlrunner.runner.recovery import rollout_loss
 from rlrunner.runner.snapshots import Snapshot
 from rlrunner.storage import basename
@@ -50,6 +50,7 @@ class Trainer:
         self.start_timings: dict[str, float] = {}
         self.restart_to_report: int | None = None  # a restart whose first completed step is still to be logged
         self.rollout_repairs = 0  # rollout groups rebuilt since the last completed step
+        self.spares_used = 0  # warm spares the attempt's groups took
 
     # -- the attempt's groups --------------------------------------------------------------------
 
@@ -69,13 +70,19 @@ class Trainer:
         self._raise_if_stopping()
         self.sync_weights()
         waited = sum(g.placement_wait_s for g in self.groups())
-        self.start_timings = {"wait_s": waited, "rebuild_s": built - started - waited, "load_s": time.monotonic() - built}
+        self.start_timings = {"wait_s": waited, "rebuild_s": built - started - waited, "load_s": time.monotonic() - built,
+                              "spares_used": self.spares_used}
 
     def _start_groups(self, placement_timeout_s: float) -> None:
         self.ctx.snapshots.prepare()  # the snapshot holders start beside the groups
         actor, rollout = group_specs(self.ctx, placement_timeout_s, self._stop_requested)
+        pools = spare_pools(self.ctx)
+        actor["spares"] = pools["actor"].take(actor["num_workers"], multiple_of=actor["workers_per_bundle"])
+        rollout["spares"] = pools["rollout"].take(rollout["num_workers"])
+        self.spares_used = len(actor["spares"]) + len(rollout["spares"])
         self.actor_group = WorkerGroup(**actor)
         self.rollout_group = WorkerGroup(**rollout)
+        self._refill_spares()  # placed: the spares start beside the groups' processes, off their nodes
         self.actor_group.wait_ready(self._stop_requested)
         # Building and sharding the model is start-up work (bounded like it), overlapping the rollout workers' start.
         setup = self.actor_group.call_all_async("setup")
@@ -84,6 +91,12 @@ class Trainer:
         self.actor_group.get(setup, max(step_timeout_s, START_TIMEOUT_S), self._stop_requested)
         # The direct channels from the actor ranks to every rollout worker (rebuilt with the groups on every attempt).
         connect_weight_sync(self.actor_group, self.rollout_group, timeout_s=step_timeout_s)
+
+    def _refill_spares(self) -> None:
+        """Start the spares used (or not yet started) in the background, off the nodes of the groups they cover."""
+        pools = spare_pools(self.ctx)
+        for group in self.groups():
+            pools[group.name].refill(group.placement_nodes())
 
     def groups(self) -> list[WorkerGroup]:
         return [g for g in (self.actor_group, self.rollout_group) if g is not None]
@@ -163,7 +176,9 @@ class Trainer:
             self.rollout_group.shutdown()
             try:
                 _, rollout = group_specs(self.ctx, recovery.wait_timeout_s, self._stop_requested)
+                rollout["spares"] = spares = spare_pools(self.ctx)["rollout"].take(rollout["num_workers"])
                 self.rollout_group = WorkerGroup(**rollout)
+                self._refill_spares()
                 self.rollout_group.wait_ready(self._stop_requested)
                 replaced = time.monotonic()
                 connect_weight_sync(self.actor_group, self.rollout_group, timeout_s=recovery.step_timeout_s)
@@ -176,6 +191,7 @@ class Trainer:
             waited = self.rollout_group.placement_wait_s
             self.ctx.recovery_log.write(
                 "rollout_repaired", cause=cause, step=step, phase=phase, lost_steps=0, repairs=self.rollout_repairs,
+                spares_used=len(spares),
                 failed_at_unix=failed_at, wait_s=waited, rebuild_s=replaced - started - waited, sync_s=time.monotonic() - replaced,
             )
             return

@@ -23,7 +23,7 @@ import ray
 import torch
 from ray import cloudpickle
 
-from conftest import LOCAL, TINY_MODEL, read_metrics, run_config, without_time
+from conftest import LOCAL, TINY_MODEL, Inspect, read_metrics, run_config, without_time
 from rlrunner.checkpoint import layout
 from rlrunner.tools.convert import load_model_weights
 from rlrunner.errors import RecoveryExhaustedError, StoppedEarly, WorkerError
@@ -181,6 +181,51 @@ def assert_rollout_repaired_alone(output_dir: Path, runner: Supervisor) -> dict:
     assert len(repairs) == 1 and repairs[0]["lost_steps"] == 0, repairs
     assert runner.trainer.rollout_repairs == 0  # reset by the steps completed after the repair
     return repairs[0]
+
+
+SPARES = ["cluster.cpus_per_actor_worker=0.5", "cluster.cpus_per_rollout_worker=0.5", "cluster.spare_workers.actor=2",
+          "cluster.spare_workers.rollout=1"]
+
+
+def spares_up(runner: Supervisor) -> bool:
+    pools = runner.ctx.spare_pools
+    return pools is not None and all(pool.all_up() for pool in pools.values())
+
+
+def with_spares_up(tmp_path: Path) -> Supervisor:
+    """A run with warm spares whose first attempt trains once they are all up (they start beside its groups)."""
+    attempts: list[int] = []
+
+    def wait_for_spares(trainer) -> None:
+        attempts.append(1)
+        if len(attempts) == 1:
+            wait_for(lambda: spares_up(runner))
+
+    runner = Supervisor(run_config(tmp_path, *RUN, *SPARES), callbacks=[Inspect(on_start=wait_for_spares)])
+    return runner
+
+
+def test_warm_spares_replace_a_lost_actor_rank_without_process_starts(cluster, reference, tmp_path):
+    """Two actor spares and a rollout spare (off the nodes of the groups they cover where CPUs allow): the restart
+    takes all three, restores the snapshot and starts no process."""
+    runner = with_spares_up(tmp_path)
+    once(lambda: metrics_lines(tmp_path) >= 2,
+         lambda: patch_worker_module(runner.trainer.actor_group.workers[1], "rlrunner.backends.actor",
+                                     "clipped_policy_loss", dying))
+    runner.run()
+    assert_restored_from_memory(tmp_path)
+    [resumed] = recovery_events(tmp_path, "resumed")
+    assert resumed["spares_used"] == 3, resumed
+    assert_matches_reference(tmp_path, reference)
+
+
+def test_a_warm_spare_replaces_a_lost_rollout_worker(cluster, reference, tmp_path):
+    runner = with_spares_up(tmp_path)
+    once(lambda: metrics_lines(tmp_path) >= 4, lambda: kill(runner.trainer.rollout_group.hosts[0]["pid"]))
+    runner.run()
+    repair = assert_rollout_repaired_alone(tmp_path, runner)
+    assert repair["spares_used"] == 1, repair
+    assert_matches_reference(tmp_path, reference)
 
 
 def test_rollout_worker_killed_mid_step_costs_no_step(cluster, reference, tmp_path):

@@ -1,4 +1,5 @@
-"""The pure parts of in-memory snapshots: where each rank's part goes, which step is complete, what a holder keeps."""
+"""The pure parts of in-memory snapshots and warm spares: where each rank's part goes, which step is complete, what a
+holder keeps, where a spare goes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from rlrunner.backends.actor import serialize
 from rlrunner.cluster.snapshot_holder import SnapshotHolder
+from rlrunner.cluster.spares import spare_node
 from rlrunner.runner.snapshots import holder_nodes, newest_complete
 from rlrunner.utils.rng import capture_rng
 from rlrunner.utils.tensors import tensor_bytes
@@ -77,3 +79,10 @@ def test_a_serialized_part_reads_back_with_weights_only_and_is_a_copy():
     assert torch.equal(saved["state"]["model"]["w"], torch.arange(6.0).view(2, 3))
     assert saved["state"]["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.99)
     assert tensor_bytes(live) == 6 * 4 + 4
+
+
+def test_spares_go_off_the_nodes_of_the_group_they_cover_and_spread():
+    assert spare_node(["a", "b", "c"], avoid=["a"], spares_on=[]) == "b"
+    assert spare_node(["a", "b", "c"], avoid=["a"], spares_on=["b"]) == "c"
+    assert spare_node(["a", "b"], avoid=["a", "b"], spares_on=["a"]) == "b"  # every node runs the group: spread
+    assert spare_node([], avoid=[], spares_on=[]) is None

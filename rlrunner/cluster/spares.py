@@ -1,0 +1,106 @@
+"""Warm spares: worker processes of a group started ahead, so that a replaced group does not wait for new processes.
+
+    pool = SparePool("actor", worker_cls, worker_kwargs, count=2, cpus=0.5, gpus=0.0)
+    pool.refill(avoid_nodes)    # start the missing spares (never waits), preferably off `avoid_nodes`
+    spares = pool.take(n)       # up to n spares that are up (their constructor has run); the pool refills later
+    WorkerGroup(..., spares=spares)  # they become ranks 0..k-1 of the new group (`Worker.adopt`)
+
+A spare is an actor of the group's worker class built with the group's arguments and no rank yet: its process has
+imported torch, transformers and the worker's modules, and a rollout spare has built its engine. Each spare holds its
+own resources (not a placement-group bundle of the group), placed with a soft preference for a node that runs none of
+the group's ranks (not the node whose loss it covers), going elsewhere when that node is full. A spare the cluster
+cannot place yet waits in Ray's queue and is used once it is up.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from rlrunner.cluster.ray_setup import cluster_lost
+
+logger = logging.getLogger(__name__)
+
+SPARE_RANK = -1  # the rank of a spare until a group adopts it
+
+
+def spare_node(nodes: Sequence[str], avoid: Sequence[str], spares_on: Sequence[str]) -> str | None:
+    """The node for one more spare: one that runs none of the group's ranks (`avoid`), the one with the fewest spares
+    (`spares_on`) first; any node when every one runs a rank; None when there is no node."""
+    candidates = [node for node in sorted(set(nodes)) if node not in set(avoid)] or sorted(set(nodes))
+    if not candidates:
+        return None
+    return min(candidates, key=lambda node: list(spares_on).count(node))
+
+
+class SparePool:
+    def __init__(self, name: str, worker_cls: type, worker_kwargs: dict[str, Any], count: int, cpus: float,
+                 gpus: float = 0.0):
+        self.name = name
+        self.count = count
+        self.worker_kwargs = worker_kwargs
+        self.cpus, self.gpus = cpus, gpus
+        self.remote_cls = ray.remote(worker_cls)
+        self.spares: list[tuple[Any, str, ray.ObjectRef]] = []  # (actor, its node, its start: a ping)
+        self.covering: list[str] = []  # the nodes of the spares handed to the current group (they run it now)
+        self._said_waiting = False
+
+    def refill(self, avoid_nodes: Sequence[str] = ()) -> None:
+        """Start spares until the pool has `count` (never waits)."""
+        nodes = [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
+        while len(self.spares) < self.count:
+            node = spare_node(nodes, [*avoid_nodes, *self.covering], [n for _, n, _ in self.spares])
+            if node is None:
+                return
+            actor = self.remote_cls.options(
+                num_cpus=self.cpus, num_gpus=self.gpus, max_restarts=0, max_concurrency=1,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True, _spill_on_unavailable=True),
+            ).remote(rank=SPARE_RANK, world_size=0, **self.worker_kwargs)
+            self.spares.append((actor, node, actor.ping.remote()))
+
+    def take(self, n: int, multiple_of: int = 1) -> list[Any]:
+        """Up to `n` spares that are up, a multiple of `multiple_of` of them (a tensor-parallel group is placed
+        whole); the dead ones are dropped. Never waits."""
+        if not self.spares or n <= 0:
+            return []
+        ready, _ = ray.wait([ping for _, _, ping in self.spares], num_returns=len(self.spares), timeout=0)
+        up, kept = [], []
+        for actor, node, ping in self.spares:
+            if ping in ready:
+                try:
+                    ray.get(ping, timeout=0)
+                except Exception:  # died while waiting (its node went): not a spare any more
+                    continue
+                up.append((actor, node, ping))
+            else:
+                kept.append((actor, node, ping))
+        usable = min(n, len(up)) // multiple_of * multiple_of
+        if len(up) < min(n, self.count) and not self._said_waiting:
+            self._said_waiting = True
+            logger.warning("%d of %d %s spares are up (cluster.spare_workers.%s): the others start processes of their "
+                           "own", len(up), min(n, self.count), self.name, self.name)
+        self.spares = kept + up[usable:]
+        self.covering = [node for _, node, _ in up[:usable]]
+        return [actor for actor, _, _ in up[:usable]]
+
+    def all_up(self) -> bool:
+        """Whether the pool holds `count` spares and every one is up (never waits)."""
+        pings = [ping for _, _, ping in self.spares]
+        return len(pings) == self.count and len(ray.wait(pings, num_returns=len(pings), timeout=0)[0]) == len(pings)
+
+    def close(self) -> None:
+        """Kill the spares: the run is over."""
+        if cluster_lost(force=True) is None:
+            for actor, _, _ in self.spares:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # already gone
+                    pass
+        self.spares = []
+
+    def forget(self) -> None:
+        """Drop every spare (the embedded Ray was restarted: they went with it)."""
+        self.spares = []
