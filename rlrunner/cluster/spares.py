@@ -9,7 +9,8 @@ A spare is an actor of the group's worker class built with the group's arguments
 imported torch, transformers and the worker's modules, and a rollout spare has built its engine. Each spare holds its
 own resources (not a placement-group bundle of the group), placed with a soft preference for a node that runs none of
 the group's ranks (not the node whose loss it covers), going elsewhere when that node is full. A spare the cluster
-cannot place yet waits in Ray's queue and is used once it is up.
+cannot place yet waits in Ray's queue and is used once it is up; one not up when a group is placed is stopped (it
+must not take the group's resources) and started again once the group is placed.
 """
 
 from __future__ import annotations
@@ -64,10 +65,10 @@ class SparePool:
     def take(self, n: int, multiple_of: int = 1) -> list[Any]:
         """Up to `n` spares that are up, a multiple of `multiple_of` of them (a tensor-parallel group is placed
         whole); the dead ones are dropped. Never waits."""
-        if not self.spares or n <= 0:
+        if not self.spares:
             return []
         ready, _ = ray.wait([ping for _, _, ping in self.spares], num_returns=len(self.spares), timeout=0)
-        up, kept = [], []
+        up = []
         for actor, node, ping in self.spares:
             if ping in ready:
                 try:
@@ -76,13 +77,15 @@ class SparePool:
                     continue
                 up.append((actor, node, ping))
             else:
-                kept.append((actor, node, ping))
+                # Not up yet: stopped, so that it cannot take the resources the group about to be placed needs (a
+                # spare waiting in Ray's queue would get them first); the refill after the placement starts it again.
+                _kill(actor)
         usable = min(n, len(up)) // multiple_of * multiple_of
         if len(up) < min(n, self.count) and not self._said_waiting:
             self._said_waiting = True
             logger.warning("%d of %d %s spares are up (cluster.spare_workers.%s): the others start processes of their "
                            "own", len(up), min(n, self.count), self.name, self.name)
-        self.spares = kept + up[usable:]
+        self.spares = up[usable:]
         self.covering = [node for _, node, _ in up[:usable]]
         return [actor for actor, _, _ in up[:usable]]
 
@@ -95,12 +98,16 @@ class SparePool:
         """Kill the spares: the run is over."""
         if cluster_lost(force=True) is None:
             for actor, _, _ in self.spares:
-                try:
-                    ray.kill(actor, no_restart=True)
-                except Exception:  # already gone
-                    pass
+                _kill(actor)
         self.spares = []
 
     def forget(self) -> None:
         """Drop every spare (the embedded Ray was restarted: they went with it)."""
         self.spares = []
+
+
+def _kill(actor: Any) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # already gone
+        pass
