@@ -51,6 +51,8 @@ class SparePool:
 
     def refill(self, avoid_nodes: Sequence[str] = ()) -> None:
         """Start spares until the pool has `count` (never waits)."""
+        if len(self.spares) >= self.count:
+            return
         nodes = [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
         while len(self.spares) < self.count:
             node = spare_node(nodes, [*avoid_nodes, *self.covering], [n for _, n, _ in self.spares])

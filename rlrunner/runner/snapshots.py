@@ -85,6 +85,7 @@ class SnapshotStore:
         self.complete_step: int | None = None  # the newest step known complete
         self._warned: str | None = None
         self._said_own_node = False
+        self._placed: tuple[Any, list[str]] | None = None  # (the actor group, the node holding each rank's part)
 
     def due(self, step: int) -> bool:
         return self.enabled and step % self.interval == 0
@@ -100,18 +101,28 @@ class SnapshotStore:
             self._warn("skipped", f"the in-memory snapshot of step {step} is skipped: the one of step {self.in_flight[0]} is still "
                        "being handed to its holders")
             return
-        rank_nodes = [host["node_id"] for host in actor_group.hosts]
-        nodes = holder_nodes(rank_nodes, _alive_nodes())
-        if len(set(nodes) | set(rank_nodes)) == 1 and not self._said_own_node:
-            self._said_own_node = True
-            logger.info("in-memory snapshots are held on the ranks' own node (the cluster has no other): they cover "
-                        "the loss of a worker process, not of the node")
+        if cluster_lost() is not None:
+            return  # every GCS call would block until Ray gives up: the next call to a worker reports the loss
+        nodes = self._holder_nodes(actor_group)
         self.copies = actor_group.call_all_async("snapshot_part", self.reserve_bytes)
         puts = [
             self._holder(node).put.remote(step, rank, part, driver_state if rank == 0 else None)
             for rank, (node, part) in enumerate(zip(nodes, self.copies))
         ]
         self.in_flight = (step, puts, nodes)
+
+    def _holder_nodes(self, actor_group: Any) -> list[str]:
+        """Where each rank's part goes; chosen once per group (asking the GCS for the nodes every step would make a
+        lost head node block the loop)."""
+        if self._placed is None or self._placed[0] is not actor_group:
+            rank_nodes = [host["node_id"] for host in actor_group.hosts]
+            nodes = holder_nodes(rank_nodes, _alive_nodes())
+            if len(set(nodes) | set(rank_nodes)) == 1 and not self._said_own_node:
+                self._said_own_node = True
+                logger.info("in-memory snapshots are held on the ranks' own node (the cluster has no other): they "
+                            "cover the loss of a worker process, not of the node")
+            self._placed = (actor_group, nodes)
+        return self._placed[1]
 
     def wait_for_copies(self) -> float:
         """Wait until the ranks' copies of the newest snapshot are done (before their state changes again: the calls
@@ -139,6 +150,7 @@ class SnapshotStore:
             except Exception as exc:  # the rank died before its copy was handed over, or the holder died
                 if not self._alive(node):
                     self.holders.pop(node, None)
+                    self._placed = None  # its parts go elsewhere from now on
                 reason = f"rank {rank}'s part was lost on the way ({describe(exc)})"
             if reason is not None:
                 reasons.append(reason)
@@ -194,6 +206,7 @@ class SnapshotStore:
                 held[node] = ray.get(ref, timeout=0)
             except Exception:  # lost with its node, or not answering: its parts do not count
                 self.holders.pop(node, None)
+                self._placed = None
         found = newest_complete(held, world_size, min_step)
         if found is None:
             return None
@@ -208,7 +221,7 @@ class SnapshotStore:
 
     def forget(self) -> None:
         """Drop every holder (after the embedded Ray was restarted, they went with it)."""
-        self.holders, self.copies, self.in_flight, self.complete_step = {}, [], None, None
+        self.holders, self.copies, self.in_flight, self.complete_step, self._placed = {}, [], None, None, None
 
     def close(self) -> None:
         """Kill the holders: the run is over."""

@@ -328,7 +328,8 @@ def test_node_lost_and_replaced(cluster, reference, tmp_path, strategy):
     # Cluster.add_node must run in the main thread (Ray installs signal handlers there): train in a thread
     trainer = threading.Thread(target=train, daemon=True)
     trainer.start()
-    wait_for(lambda: metrics_lines(tmp_path) >= 4)
+    # after step 4, and once step 3's checkpoint is committed (saved in the background): the fallback has one
+    wait_for(lambda: metrics_lines(tmp_path) >= 4 and (tmp_path / "test" / "checkpoints" / "global_step_3").is_dir())
     cluster.remove_node(cluster.actor_node)  # preemption
     wait_for(lambda: bool(recovery_events(tmp_path, "failure")))
     time.sleep(1.0)  # the driver is now waiting for the cluster to fit the actor group again
