@@ -28,9 +28,14 @@ tests/test_recovery.py does.
      load        resumed.load_s (storage probe + checkpoint load + weight sync to the rollout worker)
      1st step    first_step.time_unix - resumed.time_unix (the first training step after the restart)
      total       first_step.time_unix - kill time
-   plus the steps lost per kill (failure.lost_steps: done since the last checkpoint, to be redone), and
-   rebuild_s split by group (each WorkerGroup's start_s, read from the live attempt, `supervisor.trainer`) next
-   to the run's initial start.
+   plus the steps lost per kill (failure.lost_steps: completed steps redone; 0 when the restart loads the in-memory
+   snapshot of the last completed step), and rebuild_s split by group (each WorkerGroup's start_s, read from the live
+   attempt, `supervisor.trainer`) next to the run's initial start. "find ckpt" includes asking the snapshot holders
+   for the newest complete snapshot, and "load" is the snapshot's (or checkpoint's) load plus the weight sync.
+
+   The part runs twice: without spares, then with warm spares (`cluster.spare_workers.actor=--actor-spares`,
+   `.rollout=--rollout-spares`; a restart replaces both groups, so 2 + 1 spares cover the default job whole). With
+   spares each kill waits until every spare is up again (they are refilled in the background after a restart).
 
 2. Goodput under failure injection (`--goodput-steps` steps; 400 by default, half the default job, to keep
    the whole script near 12 minutes). A timer thread SIGKILLs one worker every T seconds for each T in
@@ -40,14 +45,21 @@ tests/test_recovery.py does.
    excluded), as a ratio to the no-failure run. A run with failures still going after `--max-run-s`
    (default: twice the no-failure run's wall time) is stopped through the supervisor's own StopRequest
    (max_wall_time_s: emergency checkpoint, StoppedEarly) and its committed steps count. After each run
-   metrics.jsonl is checked to hold every step 1..N exactly once.
+   metrics.jsonl is checked to hold every step 1..N exactly once. The runs with failures are made without spares
+   and again with spares (there a kill does not wait for the spares: one that falls before they are back up pays the
+   process start), and the no-failure run is also made with spares idle beside it (what they cost a run without
+   failures). Every ratio is against the no-failure run without spares.
 
 3. Rollout repair (`--rollout-steps` steps, `--rollout-kills` SIGKILLs of the rollout worker, each `--kill-delay` s
    after the previous repair; benchlib/rollout_repair.py): per kill, detection, the repair's wait / rebuild / sync,
    kill -> repaired, kill -> the next finished step and the steps lost, and the run's wall time against the same job
    without failures.
 
-Run from the repository root (the defaults take about 12 minutes on 2 CPU cores):
+The local Ray gets `--num-cpus` logical CPUs: by default the machine's cores plus what the spares reserve
+(`cluster.cpus_per_*_worker` each), so that they can be placed beside the job. A spare is an idle process (imports
+done, the rollout spare's engine built) until it is used, so on 2 cores this overcommits reservations, not work.
+
+Run from the repository root (the defaults take about 20 minutes on 2 CPU cores):
 
     .venv/bin/python benchmarks/bench_recovery.py
     .venv/bin/python benchmarks/bench_recovery.py --kills 3 --periods 20 --goodput-steps 200
@@ -58,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import platform
 import shutil
@@ -67,12 +80,13 @@ import threading
 import time
 from itertools import cycle
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, beside this script
 from benchlib.common import command_line, make_workdir, start_local_ray, stop_ray  # noqa: E402
 from benchlib.recovery_report import (  # noqa: E402
     GoodputRow,
+    Restart,
     describe_outcome,
     goodput_table,
     match_restarts,
@@ -80,6 +94,7 @@ from benchlib.recovery_report import (  # noqa: E402
     per_kill_table,
     phase_summary_table,
     rebuild_table,
+    recovery_comparison_table,
 )
 from benchlib.rollout_repair import measure_rollout_repair  # noqa: E402
 from benchlib.recovery_runs import (  # noqa: E402
@@ -123,14 +138,38 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="stop a goodput run with failures still going after this long; its committed steps count (default: 2 x the no-failure run's wall time)",
     )
     parser.add_argument("--save-interval", type=int, default=50, help="runner.save_interval")
-    parser.add_argument("--num-cpus", type=int, default=os.cpu_count() or 1, help="CPUs of the local Ray")
+    parser.add_argument("--actor-spares", type=int, default=2, help="cluster.spare_workers.actor of the runs with spares")
+    parser.add_argument("--rollout-spares", type=int, default=1, help="cluster.spare_workers.rollout of the runs with spares")
+    parser.add_argument("--num-cpus", type=int, default=None,
+                        help="logical CPUs of the local Ray (default: the cores, plus what the spares reserve)")
     parser.add_argument("--max-restarts", type=int, default=10_000, help="runner.recovery.max_restarts")
     parser.add_argument("--workdir", default=None, help="where run folders go (default: a new folder under /tmp, deleted at the end)")
     parser.add_argument("--keep", action="store_true", help="keep the run folders")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run, e.g. rollout.max_new_tokens=6")
     args = parser.parse_args(argv)
     args.period_list = [float(p) for p in args.periods.split(",") if p.strip()] if args.periods else []
+    args.variants = spare_variants(args.actor_spares, args.rollout_spares)
+    if args.num_cpus is None:
+        args.num_cpus = (os.cpu_count() or 1) + math.ceil(SPARE_CPUS * (args.actor_spares + args.rollout_spares))
     return args
+
+
+SPARE_CPUS = 0.5  # cluster.cpus_per_actor_worker and cpus_per_rollout_worker of configs/grpo.yaml
+
+
+def spare_variants(actor: int, rollout: int) -> list[tuple[str, list[str]]]:
+    """(label, overrides) of the runs: without spares, and with them unless none are asked for."""
+    variants = [("without spares", [])]
+    if actor or rollout:
+        variants.append((f"with spares (actor {actor}, rollout {rollout})",
+                         [f"cluster.spare_workers.actor={actor}", f"cluster.spare_workers.rollout={rollout}"]))
+    return variants
+
+
+def spares_up(supervisor: Supervisor) -> bool:
+    """Whether every warm spare of the run is up (true when it has none)."""
+    pools = supervisor.ctx.spare_pools
+    return pools is not None and all(pool.all_up() for pool in pools.values())
 
 
 def build_config(output_dir: Path, steps: int, args: argparse.Namespace, *extra: str) -> DictConfig:
@@ -162,9 +201,10 @@ def configure_logging() -> None:
 # -- 1. recovery time ------------------------------------------------------------------------------
 
 
-def recovery_killer(args: argparse.Namespace, attempts: list[dict[str, float]]) -> Killer:
-    """The kill schedule of part 1: after the first checkpoint, then after each recovery's first step.
-    Before each kill (and after the last recovery) the live attempt's start-up timings go to `attempts`."""
+def recovery_killer(args: argparse.Namespace, attempts: list[dict[str, float]], with_spares: bool) -> Killer:
+    """The kill schedule of part 1: after the first checkpoint, then after each recovery's first step (and, `with_spares`,
+    once every spare is up). Before each kill (and after the last recovery) the live attempt's start-up timings go to
+    `attempts`."""
 
     def killer(supervisor: Supervisor, done: threading.Event, kills: list[Kill]) -> None:
         killed: set[int] = set()
@@ -174,7 +214,7 @@ def recovery_killer(args: argparse.Namespace, attempts: list[dict[str, float]]) 
                 ready = lambda: supervisor.trainer is not None and (supervisor.trainer.last_saved_step or 0) >= args.save_interval  # noqa: E731
             else:
                 ready = lambda: first_step_logged(supervisor, index)  # noqa: E731
-            if not wait_until(ready, done):
+            if not wait_until(ready, done) or (with_spares and not wait_until(lambda: spares_up(supervisor), done)):
                 return
             attempts.append(attempt_timings(supervisor))
             if done.wait(args.kill_delay):
@@ -191,10 +231,21 @@ def recovery_killer(args: argparse.Namespace, attempts: list[dict[str, float]]) 
 
 
 def measure_recovery(args: argparse.Namespace, workdir: Path) -> None:
-    print(f"\n## 1. Recovery time: {args.recovery_steps} steps, {args.kills} SIGKILLs, save_interval {args.save_interval}\n", flush=True)
-    cfg = build_config(workdir / "recovery", args.recovery_steps, args)
+    totals = []
+    for label, overrides in args.variants:
+        restarts = measure_recovery_variant(args, workdir, label, overrides)
+        totals.append((label, [r.phases["total"] for r in restarts if "total" in r.phases],
+                       [r.failure["lost_steps"] for r in restarts]))
+    print("\n### Kill -> next finished step, by variant\n")
+    print(recovery_comparison_table(totals))
+
+
+def measure_recovery_variant(args: argparse.Namespace, workdir: Path, label: str, overrides: list[str]) -> list[Restart]:
+    print(f"\n## 1. Recovery time {label}: {args.recovery_steps} steps, {args.kills} SIGKILLs, save_interval "
+          f"{args.save_interval}\n", flush=True)
+    cfg = build_config(workdir / f"recovery-{len(overrides)}", args.recovery_steps, args, *overrides)
     attempts: list[dict[str, float]] = []
-    supervisor, outcome, arrivals = run_with_killer(cfg, recovery_killer(args, attempts))
+    supervisor, outcome, arrivals = run_with_killer(cfg, recovery_killer(args, attempts, bool(overrides)))
     log_path = supervisor.ctx.log_path
     restarts = match_restarts(log_path, outcome.kills, arrivals, attempts)
     failures = recovery_events(log_path, "failure")
@@ -210,6 +261,7 @@ def measure_recovery(args: argparse.Namespace, workdir: Path) -> None:
     for failure in failures:
         print(f"  - restart {failure['restart']}: step {failure['step']}, cause: {failure['cause']}")
     print(f"- metrics.jsonl steps 1..{outcome.last_step} exactly once: {outcome.metrics_check}")
+    return restarts
 
 
 # -- 2. goodput ------------------------------------------------------------------------------------
@@ -235,15 +287,17 @@ def no_killer(supervisor: Supervisor, done: threading.Event, kills: list[Kill]) 
     return None
 
 
-def measure_goodput_run(args: argparse.Namespace, workdir: Path, period: float | None, max_run_s: float | None) -> GoodputRow:
-    name = "no-failures" if period is None else f"kill-every-{period:g}s"
-    cfg = build_config(workdir / name, args.goodput_steps, args)
+def measure_goodput_run(args: argparse.Namespace, workdir: Path, period: float | None, max_run_s: float | None,
+                        spares: str = "none", overrides: Sequence[str] = ()) -> GoodputRow:
+    name = ("no-failures" if period is None else f"kill-every-{period:g}s") + ("-spares" if overrides else "")
+    cfg = build_config(workdir / name, args.goodput_steps, args, *overrides)
     killer = no_killer if period is None else periodic_killer(period)
     supervisor, outcome, _ = run_with_killer(cfg, killer, stop_after_s=max_run_s)
     log_path = supervisor.ctx.log_path
     failures = recovery_events(log_path, "failure")
-    row = GoodputRow(period, outcome, len(failures), sum(f["lost_steps"] for f in failures), median_restart_s(log_path))
-    label = "no failures" if period is None else f"T={period:g}s"
+    row = GoodputRow(period, outcome, len(failures), sum(f["lost_steps"] for f in failures), median_restart_s(log_path),
+                     spares)
+    label = ("no failures" if period is None else f"T={period:g}s") + f", spares: {spares}"
     delayed = [k for k in outcome.kills if k.waited_s > 0.5]
     print(
         f"  {label}: {describe_outcome(outcome)}; {len(outcome.kills)} kills ({len(delayed)} waited for a rebuild to finish), "
@@ -262,7 +316,11 @@ def measure_goodput(args: argparse.Namespace, workdir: Path) -> None:
     rows = [measure_goodput_run(args, workdir, None, None)]
     max_run_s = args.max_run_s if args.max_run_s is not None else 2.0 * rows[0].outcome.wall_s
     print(f"  runs with failures are stopped after {max_run_s:.0f} s (--max-run-s; their committed steps count)", flush=True)
-    rows += [measure_goodput_run(args, workdir, period, max_run_s) for period in args.period_list]
+    for label, overrides in args.variants:
+        spares = "none" if not overrides else f"{args.actor_spares} + {args.rollout_spares}"
+        if overrides:  # what idle spares cost a run without failures
+            rows.append(measure_goodput_run(args, workdir, None, None, spares, overrides))
+        rows += [measure_goodput_run(args, workdir, period, max_run_s, spares, overrides) for period in args.period_list]
     print()
     print(goodput_table(rows))
     print()
@@ -272,13 +330,14 @@ def measure_goodput(args: argparse.Namespace, workdir: Path) -> None:
     if restart_times:
         restart_s = statistics.median(restart_times)
         print(
-            f"- a restart (failure caught -> first step after it) took {restart_s:.1f} s (median); a run makes progress only when "
-            f"T > restart + save_interval x step time ~ {restart_s + args.save_interval * step_s:.0f} s, since every restart goes back to a multiple of {args.save_interval}"
+            f"- a restart (failure caught -> first step after it) took {restart_s:.1f} s (median over the runs); with the "
+            "in-memory snapshot of the last step a restart redoes no step, so a kill costs about that much wall time"
         )
     print("- steps/s = completed training steps / wall time of Supervisor.run() (first start-up included, Ray start excluded)")
     for row in rows:
         if not row.outcome.finished:
-            print(f"- {'no failures' if row.period is None else f'T={row.period:g}s'}: did not finish: {row.outcome.error}")
+            print(f"- {'no failures' if row.period is None else f'T={row.period:g}s'} (spares: {row.spares}): did not finish: "
+                  f"{row.outcome.error}")
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -311,14 +370,17 @@ def main(argv: list[str] | None = None) -> int:
         ray_started = time.monotonic()
         start_local_ray(args.num_cpus, log_to_driver=False)
         print(f"machine: {describe_machine(args.num_cpus)}")
+        if args.num_cpus > (os.cpu_count() or 1):
+            print(f"(Ray's logical CPUs exceed the cores by what the idle spares reserve: {args.num_cpus} on "
+                  f"{os.cpu_count()} cores)")
         print(f"Ray start: {time.monotonic() - ray_started:.1f} s (excluded from every measurement); run folders: {workdir}", flush=True)
         if args.only in (None, "recovery") and args.kills > 0:
             measure_recovery(args, workdir)
         if args.only in (None, "goodput"):
             measure_goodput(args, workdir)
         if args.only in (None, "rollout") and args.rollout_kills > 0:
-            measure_rollout_repair(lambda name: build_config(workdir / name, args.rollout_steps, args),
-                                   args.rollout_kills, args.kill_delay)
+            measure_rollout_repair(lambda name, *extra: build_config(workdir / name, args.rollout_steps, args, *extra),
+                                   args.rollout_kills, args.kill_delay, args.variants, spares_up)
     finally:
         stop_ray()
         if not keep:

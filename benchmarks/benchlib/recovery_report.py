@@ -91,12 +91,29 @@ def per_kill_table(restarts: list[Restart], step_s: float) -> str:
 
 REBUILD_PARTS = [
     ("wait_s", "wait for placement"),
-    ("actor_start_s", "actor group: 2 processes started, ping, process group"),
-    ("rollout_start_s", "rollout group: process started, ping"),
+    ("actor_start_s", "actor group: 2 processes started (or spares adopted), ping, process group"),
+    ("rollout_start_s", "rollout group: process started (or a spare adopted), ping"),
     ("actor_setup_s", "actor setup (model built and sharded, optimizer)"),
     ("rebuild_s", "rebuild_s (sum of the three above)"),
-    ("load_s", "load_s (storage probe, checkpoint load, weight sync)"),
+    ("load_s", "load_s (storage probe, snapshot or checkpoint load, weight sync)"),
 ]
+
+
+def recovery_comparison_table(totals: list[tuple[str, list[float], list[int]]]) -> str:
+    """Kill -> next finished step and the steps lost, per variant (label, totals, lost steps), as a ratio to the
+    first variant's median."""
+    rows = ["| variant | kills | median s | min s | max s | ratio to the first | lost steps per kill (max) |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    base = statistics.median(totals[0][1]) if totals and totals[0][1] else None
+    for label, values, lost in totals:
+        if not values:
+            rows.append(f"| {label} | 0 | - | - | - | - | - |")
+            continue
+        median = statistics.median(values)
+        ratio = f"{median / base:.2f}" if base else "-"
+        rows.append(f"| {label} | {len(values)} | {median:.2f} | {min(values):.2f} | {max(values):.2f} | {ratio} | "
+                    f"{max(lost) if lost else '-'} |")
+    return "\n".join(rows)
 
 
 def rebuild_table(initial: list[dict[str, float]], restarts: list[Restart]) -> str:
@@ -127,6 +144,7 @@ class GoodputRow:
     restarts: int
     lost_steps: int
     restart_s: float | None  # median failed_at -> first completed step after it
+    spares: str = "none"  # the warm spares of the run ("none", or "actor + rollout" counts)
 
 
 def median_restart_s(log_path: Path) -> float | None:
@@ -140,15 +158,15 @@ def median_restart_s(log_path: Path) -> float | None:
 def goodput_table(rows: list[GoodputRow]) -> str:
     baseline = rows[0].outcome.last_step / rows[0].outcome.wall_s
     lines = [
-        "| T (s) | kills | restarts | steps done | lost steps (redone) | restart s (median) | wall s | steps/s | goodput | metrics 1..N once |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| T (s) | spares | kills | restarts | steps done | lost steps (redone) | restart s (median) | wall s | steps/s | goodput | metrics 1..N once |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         rate = row.outcome.last_step / row.outcome.wall_s
         period = "no failures" if row.period is None else f"{row.period:g}"
         done = f"{row.outcome.last_step}" + ("" if row.outcome.finished else " (stopped)")
         lines.append(
-            f"| {period} | {len(row.outcome.kills)} | {row.restarts} | {done} | {row.lost_steps} | "
+            f"| {period} | {row.spares} | {len(row.outcome.kills)} | {row.restarts} | {done} | {row.lost_steps} | "
             f"{'-' if row.restart_s is None else f'{row.restart_s:.1f}'} | {row.outcome.wall_s:.1f} | "
             f"{rate:.2f} | {rate / baseline:.2f} | {row.outcome.metrics_check} |"
         )

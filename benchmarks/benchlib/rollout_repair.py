@@ -1,7 +1,8 @@
 """bench_recovery.py part 3: what a killed rollout worker costs now that its group alone is replaced.
 
-The default job runs twice in one invocation: once without failures (the baseline) and once with `kills` SIGKILLs of
-rollout worker 0, each `kill_delay` s after the previous repair. Per kill, from the killer's clock and `recovery.jsonl`
+The default job runs without failures (the baseline), then with `kills` SIGKILLs of rollout worker 0 for each variant
+(without spares, with warm spares), each kill `kill_delay` s after the previous repair (and, with spares, once they are
+all up again). Per kill, from the killer's clock and `recovery.jsonl`
 (`rollout_repaired`): detection (kill -> the trainer has the error), wait / rebuild / sync (the repair's phases),
 kill -> repaired, kill -> the next finished step, and the steps lost; for the run, its wall time against the
 baseline's.
@@ -32,13 +33,14 @@ class RepairRow:
     next_step_s: float  # kill -> the step in flight at the kill finished
 
 
-def rollout_killer(kills_wanted: int, kill_delay: float, next_steps: list[float]) -> Callable:
+def rollout_killer(kills_wanted: int, kill_delay: float, next_steps: list[float],
+                   ready_to_kill: Callable[[Supervisor], bool]) -> Callable:
     def killer(supervisor: Supervisor, done: threading.Event, kills: list[Kill]) -> None:
         killed: set[int] = set()
         for index in range(kills_wanted):
             ready = lambda: supervisor.trainer is not None and supervisor.trainer.global_step >= 1 and len(  # noqa: E731
                 recovery_events(supervisor.ctx.log_path, "rollout_repaired")) >= index
-            if not wait_until(ready, done) or done.wait(kill_delay):
+            if not wait_until(ready, done) or not wait_until(lambda: ready_to_kill(supervisor), done) or done.wait(kill_delay):
                 return
             kill = kill_until_done(supervisor, "rollout", 0, killed, done)
             if kill is None:
@@ -55,11 +57,21 @@ def no_killer(supervisor: Supervisor, done: threading.Event, kills: list[Kill]) 
     return None
 
 
-def measure_rollout_repair(cfg_for: Callable[[str], DictConfig], kills: int, kill_delay: float) -> None:
+def measure_rollout_repair(cfg_for: Callable[..., DictConfig], kills: int, kill_delay: float,
+                           variants: list[tuple[str, list[str]]], spares_up: Callable[[Supervisor], bool]) -> None:
     print(f"\n## 3. Rollout repair: {kills} SIGKILLs of rollout worker 0, against the same job without failures\n", flush=True)
     _, baseline, _ = run_with_killer(cfg_for("rollout-baseline"), no_killer)
+    for label, overrides in variants:
+        print(f"\n### {label}\n", flush=True)
+        ready_to_kill = spares_up if overrides else (lambda supervisor: True)
+        measure_rollout_kills(cfg_for(f"rollout-kills-{len(overrides)}", *overrides), kills, kill_delay, baseline,
+                              ready_to_kill)
+
+
+def measure_rollout_kills(cfg: DictConfig, kills: int, kill_delay: float, baseline: RunOutcome,
+                          ready_to_kill: Callable[[Supervisor], bool]) -> None:
     next_steps: list[float] = []
-    supervisor, outcome, _ = run_with_killer(cfg_for("rollout-kills"), rollout_killer(kills, kill_delay, next_steps))
+    supervisor, outcome, _ = run_with_killer(cfg, rollout_killer(kills, kill_delay, next_steps, ready_to_kill))
     log_path = supervisor.ctx.log_path
     events = recovery_events(log_path, "rollout_repaired")
     restarts = recovery_events(log_path, "failure")

@@ -23,6 +23,7 @@ from rlrunner.algorithms.grpo import clipped_policy_loss, kl_penalty, masked_sum
 from rlrunner.backends.background_save import BackgroundSave
 from rlrunner.cluster.node import node_ip
 from rlrunner.cluster.worker import Worker
+from rlrunner.models.loading import warm_up_model_code
 from rlrunner.utils.rng import capture_rng, restore_rng
 from rlrunner.cluster.node import available_memory_bytes
 from rlrunner.utils.tensors import tensor_bytes
@@ -68,6 +69,12 @@ class ActorWorker(Worker, ABC):
         self.model: torch.nn.Module
         self.ref_model: torch.nn.Module | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR
+
+    def warm_up(self) -> dict:
+        """A spare runs the model's code once (a one-layer throwaway), so that its setup and first update after it
+        is adopted do not pay the lazy imports and first-call costs."""
+        warm_up_model_code(self.model_cfg)
+        return super().warm_up()
 
     # -- what each backend supplies --------------------------------------------------------------
 

@@ -62,7 +62,7 @@ class SparePool:
                 num_cpus=self.cpus, num_gpus=self.gpus, max_restarts=0, max_concurrency=1,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True, _spill_on_unavailable=True),
             ).remote(rank=SPARE_RANK, world_size=0, **self.worker_kwargs)
-            self.spares.append((actor, node, actor.ping.remote()))
+            self.spares.append((actor, node, actor.warm_up.remote()))
 
     def take(self, n: int, multiple_of: int = 1) -> list[Any]:
         """Up to `n` spares that are up, a multiple of `multiple_of` of them (a tensor-parallel group is placed

@@ -27,6 +27,11 @@ class Worker:
         self.rank = rank
         self.world_size = world_size
 
+    def warm_up(self) -> dict:
+        """A warm spare's preparation, before it is needed (first-call costs its rank would otherwise pay at once);
+        nothing by default. Returns `ping()`: the spare is up once this returns."""
+        return self.ping()
+
     def close(self) -> None:
         """Free what this worker holds before its process is killed (called by `WorkerGroup.shutdown` on a graceful
         end; never after a failure, when it may not answer). Nothing by default."""

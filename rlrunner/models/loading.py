@@ -154,3 +154,16 @@ def random_model(config: Any, seed: int, attn_implementation: str, dtype: torch.
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     model.config.use_cache = False
     return model
+
+
+def warm_up_model_code(model_cfg: Mapping[str, Any]) -> None:
+    """Pay the first-call costs of building and training the run's model (the lazy import of its architecture's code,
+    the first use of its kernels) in a throwaway: a one-layer random model of the same architecture runs one forward
+    and backward. What a warm spare does before it is needed; the caller's RNG is left as it was."""
+    tokenizer = build_tokenizer(model_cfg)
+    settings = build_hf_config(model_cfg, tokenizer).to_dict()
+    settings.update(num_hidden_layers=1, layer_types=None)  # one layer is enough to run every code path once
+    config = type(build_hf_config(model_cfg, tokenizer))(**settings)
+    model = random_model(config, 0, model_cfg["attn_implementation"], torch.float32)
+    input_ids = torch.zeros((1, 2), dtype=torch.long)
+    model(input_ids=input_ids, use_cache=False).logits.float().mean().backward()

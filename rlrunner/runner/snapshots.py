@@ -1,15 +1,16 @@
 """In-memory snapshots of the actor: after a step, every actor rank's state copied into another node's host memory.
 
     store = SnapshotStore(cfg.runner.snapshot)      # once per run (its holders outlive the attempts)
-    store.take(step, actor_group, driver_state)     # after the step: returns at once, the copies go on meanwhile
+    store.take(step, actor_group, driver_state)     # after the step's update: returns at once
     store.wait_for_copies()                         # before the next update: seconds blocked, usually ~0
-    snapshot = store.newest(world_size, min_step)   # after a failure: the newest complete snapshot, or None
+    snapshot = store.newest(world_size, min_step, max_step)  # after a failure: the newest complete one, or None
     driver_state = store.load(snapshot, actor_group)
 
-Each rank copies its state off the live tensors into host memory of its own (`ActorWorker.snapshot_part`: `torch.save`
-bytes) as a task of its own, queued before the next update, so the copy overlaps the next step's generation; the part then goes,
-through Ray's object store, to a `SnapshotHolder` on another node than the rank's (`holder_nodes`), with the driver's
-state of the step beside rank 0's part. Nothing here waits for a transfer. The holders keep the newest complete
+Each rank copies its state off the live tensors (`ActorWorker.snapshot_part`: `torch.save` bytes) in a task queued right
+after the step's update, before the weight sync's: so once a step has completed, every rank's part is out of the rank's
+process (in Ray's object store, owned by the driver) and a killed rank process costs no completed step. The part then
+goes to a `SnapshotHolder` on another node than the rank's (`holder_nodes`), with the driver's state of the step beside
+rank 0's part, while the next step's generation runs. Nothing here waits for a transfer. The holders keep the newest complete
 snapshot and the one being copied: the older one is dropped once every part of the newer one has arrived.
 
 A snapshot is used only when every rank's part of the same step is held by a live holder (`newest_complete`). A part
@@ -52,15 +53,17 @@ def holder_nodes(rank_nodes: Sequence[str], nodes: Sequence[str]) -> list[str]:
     return chosen
 
 
-def newest_complete(held: Mapping[str, Mapping[int, Sequence[int]]], world_size: int, min_step: int = 0) -> tuple[int, dict[int, str]] | None:
-    """The newest step of at least `min_step` whose every rank's part is held, with the node holding each rank's part;
-    `held` is {node: {step: ranks}} of the live holders. None when no step is complete."""
+def newest_complete(held: Mapping[str, Mapping[int, Sequence[int]]], world_size: int, min_step: int = 0,
+                    max_step: int | None = None) -> tuple[int, dict[int, str]] | None:
+    """The newest step from `min_step` to `max_step` whose every rank's part is held, with the node holding each rank's
+    part; `held` is {node: {step: ranks}} of the live holders. None when no step is complete."""
     where: dict[int, dict[int, str]] = {}
     for node in sorted(held):
         for step, ranks in held[node].items():
             for rank in ranks:
                 where.setdefault(int(step), {}).setdefault(int(rank), node)
-    complete = [step for step, ranks in where.items() if step >= min_step and set(ranks) >= set(range(world_size))]
+    complete = [step for step, ranks in where.items()
+                if min_step <= step <= (step if max_step is None else max_step) and set(ranks) >= set(range(world_size))]
     if not complete:
         return None
     step = max(complete)
@@ -194,8 +197,10 @@ class SnapshotStore:
 
     # -- using -----------------------------------------------------------------------------------
 
-    def newest(self, world_size: int, min_step: int = 0) -> Snapshot | None:
-        """The newest complete snapshot of at least `min_step`, asked of the holders that are alive; None if none."""
+    def newest(self, world_size: int, min_step: int = 0, max_step: int | None = None) -> Snapshot | None:
+        """The newest complete snapshot from `min_step` to `max_step` (the last step the driver completed: a step's
+        snapshot is taken before its weight sync, which may still fail), asked of the live holders; None if none."""
+        self.copies, self.in_flight = [], None  # judged by what the holders have: the attempt they belonged to failed
         if not self.enabled or not self.holders:
             return None
         asked = {node: holder.held.remote() for node, holder in self.holders.items()}
@@ -207,7 +212,7 @@ class SnapshotStore:
             except Exception:  # lost with its node, or not answering: its parts do not count
                 self.holders.pop(node, None)
                 self._placed = None
-        found = newest_complete(held, world_size, min_step)
+        found = newest_complete(held, world_size, min_step, max_step)
         if found is None:
             return None
         step, where = found

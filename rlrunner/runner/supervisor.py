@@ -112,8 +112,9 @@ class Supervisor:
                     connect()  # signal handlers again (ray.init installs its own)
             handler.remove_leftovers()
             checkpoint = handler.find_resume("auto") or initial
-            # the newest in-memory snapshot, unless the newest checkpoint is newer (no step is then redone)
-            snapshot = ctx.snapshots.newest(ctx.rank_map.world_size, min_step=checkpoint.step if checkpoint else 0)
+            # the newest in-memory snapshot of a completed step, unless the newest checkpoint is newer
+            snapshot = ctx.snapshots.newest(ctx.rank_map.world_size, min_step=checkpoint.step if checkpoint else 0,
+                                            max_step=trainer.global_step)
             restart_step = snapshot.step if snapshot else checkpoint.step if checkpoint else 0
             failure.update(lost_steps=failure["step"] - restart_step,
                            restore_from="snapshot" if snapshot else "checkpoint" if checkpoint else "none")

@@ -149,14 +149,35 @@ def test_actor_rank_killed_mid_step_comes_back_from_memory(cluster, reference, t
     assert_matches_reference(tmp_path, reference)
 
 
-def test_actor_rank_killed_while_copying_its_snapshot(cluster, reference, tmp_path):
-    """The rank dies inside its copy of step k: step k's snapshot is incomplete and never used; the one of step k-1
-    is, and step k is redone."""
+def dying_sender(original):
+    """A weight sender that kills its own process when it sends (a rank lost after its snapshot copy)."""
+
+    class Sender:
+        def __getattr__(self, name):
+            return getattr(original, name)
+
+        def send(self, *args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return Sender()
+
+
+@pytest.mark.parametrize("where", ["copy", "weight sync"])
+def test_actor_rank_killed_around_its_snapshot_copy(cluster, reference, tmp_path, where):
+    """The copy of step k is made after k's update, before k's weight sync. The rank dies inside its copy (step k's
+    snapshot is incomplete), or after it in the weight sync (step k's snapshot is whole, but the driver never
+    completed step k): either way step k-1's snapshot is used, and no completed step is redone."""
     runner = Supervisor(run_config(tmp_path, *RUN))
-    once(lambda: metrics_lines(tmp_path) >= 4,
-         lambda: patch_worker_module(runner.trainer.actor_group.workers[0], "rlrunner.backends.actor", "serialize", dying))
+    if where == "copy":
+        once(lambda: metrics_lines(tmp_path) >= 4,
+             lambda: patch_worker_module(runner.trainer.actor_group.workers[0], "rlrunner.backends.actor", "serialize",
+                                         dying))
+    else:
+        once(lambda: metrics_lines(tmp_path) >= 4,
+             lambda: patch_worker_attribute(runner.trainer.actor_group.workers[0], "weight_sync", dying_sender))
     runner.run()
-    assert_restored_from_memory(tmp_path, lost_steps=1)
+    failure = assert_restored_from_memory(tmp_path)
+    assert "actor rank 0" in failure["cause"]
     assert_matches_reference(tmp_path, reference)
 
 

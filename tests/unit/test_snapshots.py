@@ -46,6 +46,13 @@ def test_no_complete_step_or_none_new_enough_gives_none():
     assert newest_complete({"a": {4: [0, 1]}}, world_size=2, min_step=4) == (4, {0: "a", 1: "a"})
 
 
+def test_a_snapshot_of_a_step_the_driver_did_not_complete_is_not_used():
+    # step 5's parts were copied after its update, then its weight sync failed: the driver completed step 4 only
+    held = {"a": {4: [0, 1], 5: [0, 1]}}
+    assert newest_complete(held, world_size=2, max_step=4) == (4, {0: "a", 1: "a"})
+    assert newest_complete({"a": {5: [0, 1]}}, world_size=2, max_step=4) is None
+
+
 def test_a_holder_keeps_parts_and_drops_older_steps():
     holder = SnapshotHolder(reserve_bytes=0)
     assert holder.put(4, 0, b"rank0-step4", driver_state={"step": 4}) is None
