@@ -48,7 +48,8 @@ tests/test_recovery.py does.
    metrics.jsonl is checked to hold every step 1..N exactly once. The runs with failures are made without spares
    and again with spares (there a kill does not wait for the spares: one that falls before they are back up pays the
    process start), and the no-failure run is also made with spares idle beside it (what they cost a run without
-   failures). Every ratio is against the no-failure run without spares.
+   failures), and without spares with the in-memory snapshots off (what they cost). Every ratio is against the
+   no-failure run without spares, snapshots on (the default).
 
 3. Rollout repair (`--rollout-steps` steps, `--rollout-kills` SIGKILLs of the rollout worker, each `--kill-delay` s
    after the previous repair; benchlib/rollout_repair.py): per kill, detection, the repair's wait / rebuild / sync,
@@ -289,7 +290,7 @@ def no_killer(supervisor: Supervisor, done: threading.Event, kills: list[Kill]) 
 
 def measure_goodput_run(args: argparse.Namespace, workdir: Path, period: float | None, max_run_s: float | None,
                         spares: str = "none", overrides: Sequence[str] = ()) -> GoodputRow:
-    name = ("no-failures" if period is None else f"kill-every-{period:g}s") + ("-spares" if overrides else "")
+    name = ("no-failures" if period is None else f"kill-every-{period:g}s") + "".join(f"-{o.split('=')[0]}" for o in overrides)
     cfg = build_config(workdir / name, args.goodput_steps, args, *overrides)
     killer = no_killer if period is None else periodic_killer(period)
     supervisor, outcome, _ = run_with_killer(cfg, killer, stop_after_s=max_run_s)
@@ -314,6 +315,8 @@ def measure_goodput(args: argparse.Namespace, workdir: Path) -> None:
         flush=True,
     )
     rows = [measure_goodput_run(args, workdir, None, None)]
+    # what the in-memory snapshots (on by default, in every other run) cost a run without failures
+    rows.append(measure_goodput_run(args, workdir, None, None, "none, snapshots off", ["runner.snapshot.enabled=false"]))
     max_run_s = args.max_run_s if args.max_run_s is not None else 2.0 * rows[0].outcome.wall_s
     print(f"  runs with failures are stopped after {max_run_s:.0f} s (--max-run-s; their committed steps count)", flush=True)
     for label, overrides in args.variants:

@@ -98,6 +98,15 @@ def run_config(tmp_path: Path, *overrides: str):
     return load_config(base + list(overrides))
 
 
+def actor_worker_kwargs(cfg) -> dict:
+    """The keyword arguments of an actor worker class for `cfg` (a WorkerGroup built by hand in a test)."""
+    from omegaconf import OmegaConf
+
+    plain = lambda node: OmegaConf.to_container(node, resolve=True)  # noqa: E731
+    return {"model_cfg": plain(cfg.model), "actor_cfg": plain(cfg.actor), "algorithm_cfg": plain(cfg.algorithm),
+            "init_seed": 1, "total_optimizer_steps": 10}
+
+
 class Inspect:
     """A Supervisor callback running test code once an attempt is ready to train and once it has trained to the end
     (its groups still up): how the tests look inside a run started the way users start one."""

@@ -51,6 +51,7 @@ class Trainer:
         self.restart_to_report: int | None = None  # a restart whose first completed step is still to be logged
         self.rollout_repairs = 0  # rollout groups rebuilt since the last completed step
         self.spares_used = 0  # warm spares the attempt's groups took
+        self.spares_due = False  # spares to start once the next step has completed
 
     # -- the attempt's groups --------------------------------------------------------------------
 
@@ -82,7 +83,9 @@ class Trainer:
         self.spares_used = len(actor["spares"]) + len(rollout["spares"])
         self.actor_group = WorkerGroup(**actor)
         self.rollout_group = WorkerGroup(**rollout)
-        self._refill_spares()  # placed: the spares start beside the groups' processes, off their nodes
+        # Placed: the spares start off the groups' nodes, after the attempt's first step (their process starts would
+        # otherwise compete with it for the CPUs)
+        self.spares_due = True
         self.actor_group.wait_ready(self._stop_requested)
         # Building and sharding the model is start-up work (bounded like it), overlapping the rollout workers' start.
         setup = self.actor_group.call_all_async("setup")
@@ -92,8 +95,9 @@ class Trainer:
         # The direct channels from the actor ranks to every rollout worker (rebuilt with the groups on every attempt).
         connect_weight_sync(self.actor_group, self.rollout_group, timeout_s=step_timeout_s)
 
-    def _refill_spares(self) -> None:
+    def refill_spares(self) -> None:
         """Start the spares used (or not yet started) in the background, off the nodes of the groups they cover."""
+        self.spares_due = False
         pools = spare_pools(self.ctx)
         for group in self.groups():
             pools[group.name].refill(group.placement_nodes())
@@ -178,7 +182,7 @@ class Trainer:
                 _, rollout = group_specs(self.ctx, recovery.wait_timeout_s, self._stop_requested)
                 rollout["spares"] = spares = spare_pools(self.ctx)["rollout"].take(rollout["num_workers"])
                 self.rollout_group = WorkerGroup(**rollout)
-                self._refill_spares()
+                self.spares_due = True
                 self.rollout_group.wait_ready(self._stop_requested)
                 replaced = time.monotonic()
                 connect_weight_sync(self.actor_group, self.rollout_group, timeout_s=recovery.step_timeout_s)
@@ -262,6 +266,8 @@ class Trainer:
                     break
                 self.global_step = step
                 self.rollout_repairs = 0
+                if self.spares_due:
+                    self.refill_spares()
                 try:
                     save_started = time.perf_counter()
                     committed = self.commit_pending_save(wait=False)  # a background save that finished writing

@@ -214,12 +214,14 @@ def spares_up(runner: Supervisor) -> bool:
 
 
 def with_spares_up(tmp_path: Path) -> Supervisor:
-    """A run with warm spares whose first attempt trains once they are all up (they start beside its groups)."""
+    """A run with warm spares whose first attempt trains once they are all up (started now, not after its first
+    step)."""
     attempts: list[int] = []
 
     def wait_for_spares(trainer) -> None:
         attempts.append(1)
         if len(attempts) == 1:
+            trainer.refill_spares()
             wait_for(lambda: spares_up(runner))
 
     runner = Supervisor(run_config(tmp_path, *RUN, *SPARES), callbacks=[Inspect(on_start=wait_for_spares)])

@@ -22,7 +22,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import read_metrics, run_config, without_time
+from conftest import actor_worker_kwargs, read_metrics, run_config, without_time
 from rlrunner.algorithms.grpo import group_advantages
 from rlrunner.backends.fsdp.worker import FSDPActorWorker
 from rlrunner.cluster.worker_group import WorkerGroup
@@ -65,8 +65,7 @@ def test_weights_pushed_into_vllm_give_the_hf_engines_greedy_output(ray_session,
     prompt fills several KV blocks that its prefix cache would otherwise serve again)."""
     cfg = run_config(tmp_path, "actor.num_workers=1", "actor.optim.lr=0.05", "rollout.temperature=0",
                      "rollout.max_new_tokens=6", *VLLM, *HEAD_32)
-    actor_kwargs = {"model_cfg": plain(cfg.model), "actor_cfg": plain(cfg.actor), "algorithm_cfg": plain(cfg.algorithm),
-                    "init_seed": 1, "total_optimizer_steps": 10}
+    actor_kwargs = actor_worker_kwargs(cfg)
     groups = []
     try:
         actors = WorkerGroup("actor", FSDPActorWorker, 1, worker_kwargs=actor_kwargs, cpus_per_worker=0.5, distributed=True,

@@ -183,7 +183,7 @@ def test_ray_groups_sync_bit_exact_and_fail_fast(ray_session, tmp_path):
     from omegaconf import OmegaConf
     from ray import cloudpickle
 
-    from conftest import run_config
+    from conftest import actor_worker_kwargs, run_config
     from rlrunner.cluster.worker_group import WorkerGroup
     from rlrunner.weight_sync.driver import connect_weight_sync, sync_weights
     from rlrunner.backends.fsdp.worker import FSDPActorWorker
@@ -192,10 +192,7 @@ def test_ray_groups_sync_bit_exact_and_fail_fast(ray_session, tmp_path):
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import this module by name
     cfg = run_config(tmp_path, "actor.num_workers=2")
     plain = lambda node: OmegaConf.to_container(node, resolve=True)  # noqa: E731
-    actor_kwargs = {
-        "model_cfg": plain(cfg.model), "actor_cfg": plain(cfg.actor), "algorithm_cfg": plain(cfg.algorithm),
-        "init_seed": 1, "total_optimizer_steps": 10,
-    }
+    actor_kwargs = actor_worker_kwargs(cfg)
     groups = []
     try:
         actors = WorkerGroup("actor", FSDPActorWorker, 2, worker_kwargs=actor_kwargs, cpus_per_worker=0.5, distributed=True,
