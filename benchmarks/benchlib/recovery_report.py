@@ -92,9 +92,9 @@ def per_kill_table(restarts: list[Restart], step_s: float) -> str:
 REBUILD_PARTS = [
     ("wait_s", "wait for placement"),
     ("actor_start_s", "actor group: 2 processes started (or spares adopted), ping, process group"),
-    ("rollout_start_s", "rollout group: process started (or a spare adopted), ping"),
-    ("actor_setup_s", "actor setup (model built and sharded, optimizer)"),
-    ("rebuild_s", "rebuild_s (sum of the three above)"),
+    ("rollout_start_s", "rollout group: process started (or a spare adopted), ping (beside the actor group's)"),
+    ("actor_setup_s", "then: actor setup (model built and sharded, optimizer; waits for the rollout group), channels"),
+    ("rebuild_s", "rebuild_s (actor group start + the row above)"),
     ("load_s", "load_s (storage probe, snapshot or checkpoint load, weight sync)"),
 ]
 

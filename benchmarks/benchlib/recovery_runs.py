@@ -68,8 +68,9 @@ def first_step_logged(supervisor: Supervisor, restart: int) -> bool:
 
 def attempt_timings(supervisor: Supervisor) -> dict[str, float]:
     """The live attempt's start-up: the trainer's start_timings and each WorkerGroup's start_s (workers
-    created + ping + process group; the actor group's `setup` call, which builds and shards the model, is
-    the rest of rebuild_s)."""
+    created or adopted + ping + process group). Both groups start side by side; once the actor group is up, its
+    `setup` call (model built and sharded) runs while the rollout group may still be starting: rebuild_s minus the
+    actor group's start_s is that, plus the weight-sync channels."""
     trainer = supervisor.trainer
     if trainer is None:
         return {}
@@ -78,8 +79,8 @@ def attempt_timings(supervisor: Supervisor) -> dict[str, float]:
         start_s = getattr(group, "start_s", None)
         if start_s is not None:
             timings[f"{name}_start_s"] = float(start_s)
-    if {"rebuild_s", "actor_start_s", "rollout_start_s"} <= timings.keys():
-        timings["actor_setup_s"] = timings["rebuild_s"] - timings["actor_start_s"] - timings["rollout_start_s"]
+    if {"rebuild_s", "actor_start_s"} <= timings.keys():
+        timings["actor_setup_s"] = timings["rebuild_s"] - timings["actor_start_s"]
     return timings
 
 

@@ -65,12 +65,13 @@ class SparePool:
             self.spares.append((actor, node, actor.warm_up.remote()))
 
     def take(self, n: int, multiple_of: int = 1) -> list[Any]:
-        """Up to `n` spares that are up, a multiple of `multiple_of` of them (a tensor-parallel group is placed
-        whole); the dead ones are dropped. Never waits."""
+        """Up to `n` spares, a multiple of `multiple_of` of them (a tensor-parallel group is placed whole): those up
+        first, then those still starting (the group waits for them as for its own new processes, which they are ahead
+        of); the dead ones are dropped. Never waits."""
         if not self.spares:
             return []
         ready, _ = ray.wait([ping for _, _, ping in self.spares], num_returns=len(self.spares), timeout=0)
-        up = []
+        up, starting = [], []
         for actor, node, ping in self.spares:
             if ping in ready:
                 try:
@@ -79,17 +80,22 @@ class SparePool:
                     continue
                 up.append((actor, node, ping))
             else:
-                # Not up yet: stopped, so that it cannot take the resources the group about to be placed needs (a
-                # spare waiting in Ray's queue would get them first); the refill after the placement starts it again.
-                _kill(actor)
-        usable = min(n, len(up)) // multiple_of * multiple_of
+                starting.append((actor, node, ping))
+        candidates = up + starting
+        usable = min(n, len(candidates)) // multiple_of * multiple_of
         if len(up) < min(n, self.count) and not self._said_waiting:
             self._said_waiting = True
-            logger.warning("%d of %d %s spares are up (cluster.spare_workers.%s): the others start processes of their "
-                           "own", len(up), min(n, self.count), self.name, self.name)
-        self.spares = up[usable:]
-        self.covering = [node for _, node, _ in up[:usable]]
-        return [actor for actor, _, _ in up[:usable]]
+            logger.warning("%d of %d %s spares are up (cluster.spare_workers.%s): the group waits for the others to "
+                           "finish starting", len(up), min(n, self.count), self.name, self.name)
+        taken, rest = candidates[:usable], candidates[usable:]
+        # A spare left still starting is stopped, so that it cannot take the resources the group about to be placed
+        # needs (a spare waiting in Ray's queue would get them first); the refill after the placement starts it again.
+        for actor, _, ping in rest:
+            if ping not in ready:
+                _kill(actor)
+        self.spares = [spare for spare in rest if spare[2] in ready]
+        self.covering = [node for _, node, _ in taken]
+        return [actor for actor, _, _ in taken]
 
     def all_up(self) -> bool:
         """Whether the pool holds `count` spares and every one is up (never waits)."""

@@ -3,7 +3,8 @@ README's test command runs) in Ray rollout workers, never in this pytest process
 
 Weights pushed through the weight sync give the `hf` engine's greedy output; runs are the same for any number of
 rollout workers; a killed rollout worker and a killed engine core (a hung generate) cost no step (the rollout group
-alone is replaced) and the run ends as an uninterrupted one; the default task is learnt; bad input is refused in one
+alone is replaced), a killed actor rank comes back from the in-memory snapshot, and each run ends as an uninterrupted
+one; the default task is learnt; bad input is refused in one
 line before any worker.
 """
 
@@ -138,6 +139,35 @@ def test_runs_are_the_same_for_any_rollout_worker_count_and_after_a_killed_rollo
     repairs = rollout_repaired_alone(out)
     assert "rollout rank 1" in repairs["cause"], repairs
     assert without_time(read_metrics(out / "test" / "metrics.jsonl")) == expected
+
+
+def test_a_killed_actor_rank_comes_back_from_memory_with_vllm(reference, tmp_path):
+    """An actor rank killed once step 2 is logged: the new attempt (new vLLM engines too) loads the in-memory snapshot
+    of the last completed step, redoes no step, and ends with the uninterrupted run's metrics and weights."""
+    runner = Supervisor(run_config(tmp_path, *RUN))
+    killed: list[int] = []
+
+    def kill_actor_rank_1() -> None:
+        deadline = time.monotonic() + 300
+        metrics = tmp_path / "test" / "metrics.jsonl"
+        while time.monotonic() < deadline and not killed:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2 and runner.trainer.actor_group:
+                killed.append(runner.trainer.actor_group.hosts[1]["pid"])
+                os.kill(killed[0], signal.SIGKILL)
+            time.sleep(0.01)
+
+    threading.Thread(target=kill_actor_rank_1, daemon=True).start()
+    runner.run()
+    assert killed, "the actor rank was not killed"
+    events = [json.loads(line) for line in (tmp_path / "test" / "recovery.jsonl").read_text().splitlines()]
+    failure = next(e for e in events if e["event"] == "failure")
+    resumed = next(e for e in events if e["event"] == "resumed")
+    assert failure["restore_from"] == "snapshot" and failure["lost_steps"] == 0, failure
+    assert resumed["source"] == "snapshot" and resumed["step"] == failure["step"] >= 2, resumed
+    assert without_time(read_metrics(tmp_path / "test" / "metrics.jsonl")) == without_time(read_metrics(reference / "metrics.jsonl"))
+    weights = load_model_weights(tmp_path / "test" / "checkpoints" / "global_step_4")
+    expected = load_model_weights(reference / "checkpoints" / "global_step_4")
+    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
 
 
 def test_a_killed_engine_core_hangs_generate_and_is_repaired_like_a_lost_worker(reference, tmp_path):
