@@ -2,15 +2,17 @@
 
     pool = SparePool("actor", worker_cls, worker_kwargs, count=2, cpus=0.5, gpus=0.0)
     pool.refill(avoid_nodes)    # start the missing spares (never waits), preferably off `avoid_nodes`
-    spares = pool.take(n)       # up to n spares that are up (their constructor has run); the pool refills later
+    spares = pool.take(n)       # up to n spares, those up (warmed) first, then those still starting
     WorkerGroup(..., spares=spares)  # they become ranks 0..k-1 of the new group (`Worker.adopt`)
 
 A spare is an actor of the group's worker class built with the group's arguments and no rank yet: its process has
-imported torch, transformers and the worker's modules, and a rollout spare has built its engine. Each spare holds its
+imported torch, transformers and the worker's modules and run `Worker.warm_up` (an actor spare runs the model's code
+once), and a rollout spare has built its engine. Each spare holds its
 own resources (not a placement-group bundle of the group), placed with a soft preference for a node that runs none of
 the group's ranks (not the node whose loss it covers), going elsewhere when that node is full. A spare the cluster
-cannot place yet waits in Ray's queue and is used once it is up; one not up when a group is placed is stopped (it
-must not take the group's resources) and started again once the group is placed.
+cannot place yet waits in Ray's queue; a group placed meanwhile takes it all the same and waits for it (it is ahead of
+a new process). One left over, not up when a group is placed, is stopped (it must not take the group's resources) and
+started again once the group is placed.
 """
 
 from __future__ import annotations
