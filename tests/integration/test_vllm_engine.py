@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import psutil
 import pytest
@@ -50,6 +51,22 @@ def rollout_repaired_alone(output_dir: Path) -> dict:
     events = [json.loads(line) for line in (output_dir / "test" / "recovery.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events] == ["rollout_repaired"] and events[0]["lost_steps"] == 0, events
     return events[0]
+
+
+def kill_once(when: Callable[[], Any], pid: Callable[[], int], timeout_s: float = 300) -> list[int]:
+    """SIGKILL the process `pid()` names, from a thread, as soon as `when()` holds; the list gets its pid then."""
+    killed: list[int] = []
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not killed:
+            if when():
+                killed.append(pid())
+                os.kill(killed[0], signal.SIGKILL)
+            time.sleep(0.01)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return killed
 
 
 @pytest.fixture(scope="module")
@@ -122,18 +139,9 @@ def test_runs_are_the_same_for_any_rollout_worker_count_and_after_a_killed_rollo
     assert all(m["rollout/logprob_abs_diff"] < 1e-3 for m in expected)  # vLLM's log-probs against the actor's
     out = tmp_path / "two"
     runner = Supervisor(run_config(out, *RUN, "rollout.num_workers=2", "rollout.generation_batch_size=1"))
-    killed: list[int] = []
-
-    def kill_rollout_rank_1() -> None:
-        deadline = time.monotonic() + 300
-        committed = out / "test" / "checkpoints" / "global_step_2" / "manifest.json"
-        while time.monotonic() < deadline and not killed:
-            if committed.exists() and runner.trainer and runner.trainer.rollout_group:
-                killed.append(runner.trainer.rollout_group.hosts[1]["pid"])
-                os.kill(killed[0], signal.SIGKILL)
-            time.sleep(0.01)
-
-    threading.Thread(target=kill_rollout_rank_1, daemon=True).start()
+    committed = out / "test" / "checkpoints" / "global_step_2" / "manifest.json"
+    killed = kill_once(lambda: committed.exists() and runner.trainer and runner.trainer.rollout_group,
+                       lambda: runner.trainer.rollout_group.hosts[1]["pid"])
     runner.run()
     assert killed, "the rollout worker was not killed"
     repairs = rollout_repaired_alone(out)
@@ -145,18 +153,9 @@ def test_a_killed_actor_rank_comes_back_from_memory_with_vllm(reference, tmp_pat
     """An actor rank killed once step 2 is logged: the new attempt (new vLLM engines too) loads the in-memory snapshot
     of the last completed step, redoes no step, and ends with the uninterrupted run's metrics and weights."""
     runner = Supervisor(run_config(tmp_path, *RUN))
-    killed: list[int] = []
-
-    def kill_actor_rank_1() -> None:
-        deadline = time.monotonic() + 300
-        metrics = tmp_path / "test" / "metrics.jsonl"
-        while time.monotonic() < deadline and not killed:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2 and runner.trainer.actor_group:
-                killed.append(runner.trainer.actor_group.hosts[1]["pid"])
-                os.kill(killed[0], signal.SIGKILL)
-            time.sleep(0.01)
-
-    threading.Thread(target=kill_actor_rank_1, daemon=True).start()
+    metrics = tmp_path / "test" / "metrics.jsonl"
+    killed = kill_once(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2 and runner.trainer.actor_group,
+                       lambda: runner.trainer.actor_group.hosts[1]["pid"])
     runner.run()
     assert killed, "the actor rank was not killed"
     events = [json.loads(line) for line in (tmp_path / "test" / "recovery.jsonl").read_text().splitlines()]
