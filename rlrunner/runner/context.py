@@ -83,7 +83,7 @@ class RunContext:
         )
         self.lock = ExperimentLock(self.storage, self.experiment)
         # in-memory snapshots of the actor, held across attempts (their holders start with the first snapshot)
-        self.snapshots = SnapshotStore(cfg.runner.snapshot, cfg.runner.recovery.step_timeout_s)
+        self.snapshots = SnapshotStore(cfg.runner.snapshot)
         self.spare_pools: dict[str, Any] | None = None  # warm spares by group (rlrunner.runner.placement.spare_pools)
 
     def close_spares(self, lost: bool = False) -> None:

@@ -1,8 +1,7 @@
 """In-memory snapshots of the actor: after a step, every actor rank's state copied into another node's host memory.
 
     store = SnapshotStore(cfg.runner.snapshot)      # once per run (its holders outlive the attempts)
-    store.take(step, actor_group, driver_state)     # after the step's update: returns at once
-    store.wait_for_copies()                         # before the next update: seconds blocked, usually ~0
+    store.take(step, actor_group, driver_state)     # after the step's update, before its weight sync: returns at once
     snapshot = store.newest(world_size, min_step, max_step)  # after a failure: the newest complete one, or None
     driver_state = store.load(snapshot, actor_group)
 
@@ -21,7 +20,6 @@ warning: recovery then falls back to the newest checkpoint on storage.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -77,13 +75,11 @@ class Snapshot:
 
 
 class SnapshotStore:
-    def __init__(self, snapshot_cfg: Any, timeout_s: float):
-        self.timeout_s = timeout_s  # runner.recovery.step_timeout_s: how long a copy or a hand-over may take
+    def __init__(self, snapshot_cfg: Any):
         self.enabled = bool(snapshot_cfg.enabled)
         self.interval = int(snapshot_cfg.interval)
         self.reserve_bytes = int(snapshot_cfg.reserve_memory_gb * 2**30)
         self.holders: dict[str, Any] = {}  # node id -> its holder
-        self.copies: list[ray.ObjectRef] = []  # the ranks' copies of the newest snapshot, until they are done
         self.in_flight: tuple[int, list[ray.ObjectRef], list[str]] | None = None  # (step, the puts, their nodes)
         self.complete_step: int | None = None  # the newest step known complete
         self._warned: str | None = None
@@ -98,7 +94,6 @@ class SnapshotStore:
     def take(self, step: int, actor_group: Any, driver_state: dict[str, Any]) -> None:
         """Start `step`'s snapshot. Returns at once: each rank copies its state in a task queued before any later call
         to it, and hands the copy to its holder."""
-        self.wait_for_copies()
         if not self._settle():
             # one snapshot in flight at a time, and the loop never waits for one: the newest complete one stays
             self._warn("skipped", f"the in-memory snapshot of step {step} is skipped: the one of step {self.in_flight[0]} is still "
@@ -107,10 +102,10 @@ class SnapshotStore:
         if cluster_lost() is not None:
             return  # every GCS call would block until Ray gives up: the next call to a worker reports the loss
         nodes = self._holder_nodes(actor_group)
-        self.copies = actor_group.call_all_async("snapshot_part", self.reserve_bytes)
+        copies = actor_group.call_all_async("snapshot_part", self.reserve_bytes)
         puts = [
             self._holder(node).put.remote(step, rank, part, driver_state if rank == 0 else None)
-            for rank, (node, part) in enumerate(zip(nodes, self.copies))
+            for rank, (node, part) in enumerate(zip(nodes, copies))
         ]
         self.in_flight = (step, puts, nodes)
 
@@ -126,15 +121,6 @@ class SnapshotStore:
                             "cover the loss of a worker process, not of the node")
             self._placed = (actor_group, nodes)
         return self._placed[1]
-
-    def wait_for_copies(self) -> float:
-        """Wait until the ranks' copies of the newest snapshot are done (before their state changes again: the calls
-        after them queue behind them anyway); the seconds waited."""
-        started = time.perf_counter()
-        if self.copies:
-            ray.wait(self.copies, num_returns=len(self.copies), timeout=self.timeout_s, fetch_local=False)
-            self.copies = []  # the holders' puts keep the copies alive until they have them
-        return time.perf_counter() - started
 
     def _settle(self) -> bool:
         """Whether no snapshot is in flight any more (never waits). Once the one in flight has arrived whole, the older
@@ -200,7 +186,7 @@ class SnapshotStore:
     def newest(self, world_size: int, min_step: int = 0, max_step: int | None = None) -> Snapshot | None:
         """The newest complete snapshot from `min_step` to `max_step` (the last step the driver completed: a step's
         snapshot is taken before its weight sync, which may still fail), asked of the live holders; None if none."""
-        self.copies, self.in_flight = [], None  # judged by what the holders have: the attempt they belonged to failed
+        self.in_flight = None  # judged by what the holders have: the attempt they belonged to failed
         if not self.enabled or not self.holders:
             return None
         asked = {node: holder.held.remote() for node, holder in self.holders.items()}
@@ -226,7 +212,7 @@ class SnapshotStore:
 
     def forget(self) -> None:
         """Drop every holder (after the embedded Ray was restarted, they went with it)."""
-        self.holders, self.copies, self.in_flight, self.complete_step, self._placed = {}, [], None, None, None
+        self.holders, self.in_flight, self.complete_step, self._placed = {}, None, None, None
 
     def close(self) -> None:
         """Kill the holders: the run is over."""

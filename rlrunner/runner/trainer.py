@@ -213,7 +213,6 @@ class Trainer:
         advantages = group_advantages(rewards, cfg.algorithm.group_size, cfg.algorithm.norm_adv_by_std)
         batch = build_actor_batch(samples, advantages, ctx.token_ids.pad)
         shards = shard_actor_batch(batch, ctx.rank_map.dp, ctx.num_minibatches)
-        snapshot_wait_s = ctx.snapshots.wait_for_copies()  # the previous snapshot's copies (queued before the update)
         per_rank = self.actor_group.call_each("update", [(shard,) for shard in ctx.rank_map.scatter(shards)])
         actor_stats = ctx.rank_map.collect(per_rank)
         update_done = time.perf_counter()
@@ -221,8 +220,7 @@ class Trainer:
             # Queued before the weight sync's calls, so the ranks' copies are made before the step completes: a rank
             # lost after that costs no completed step. Their hand-over to the holders overlaps the next generation.
             ctx.snapshots.take(step, self.actor_group, self.data_state(step))
-            snapshot_wait_s += time.perf_counter() - update_done
-        sync_started = time.perf_counter()
+        sync_started = time.perf_counter()  # the snapshot's submission ends here: the loop never waits for more of it
 
         self.sync_weights_in_step(step)  # on the actor ranks it waits for their snapshot copies
         sync_done = time.perf_counter()
@@ -238,7 +236,7 @@ class Trainer:
             "time/step_s": sync_done - started,
         }
         if ctx.snapshots.enabled:
-            metrics["time/snapshot_s"] = snapshot_wait_s
+            metrics["time/snapshot_s"] = sync_started - update_done
         return metrics
 
     # -- the loop ------------------------------------------------------------------------------
