@@ -59,6 +59,9 @@ class RecoveryConfig:
     step_timeout_s: float = 600.0  # bound on every remote call and collective (also the process-group timeout)
     wait_timeout_s: float = 600.0  # how long a restart waits for the cluster to have the resources again
     checkpoint_timeout_s: float = 1800.0  # bound on one checkpoint save or load (its own: a big save on a slow disk is no hang)
+    # a lost actor rank whose node is still up is replaced alone, from the in-memory snapshot: the other ranks keep
+    # their processes and the rollout group is kept (false: every failure replaces both groups)
+    replace_lost_ranks: bool = True
 
 
 @dataclass

@@ -31,6 +31,7 @@ from rlrunner.weight_sync.channels import connect_store, serve_store
 from rlrunner.weight_sync.endpoints import WeightSource
 from rlrunner.weight_sync.transport import WeightSender
 
+ABANDON_SAVE_WAIT_S = 30.0  # how long a survivor of a lost rank waits for its save in flight to stop writing
 WeightsReader = Callable[[Any], dict[str, torch.Tensor]]  # HF config -> the full HF state dict of model.path's checkpoint
 
 
@@ -279,6 +280,13 @@ class ActorWorker(Worker, ABC):
         sync, self.weight_sync = self.weight_sync, None
         if sync is not None:
             sync.close()
+
+    def leave_process_group(self) -> None:
+        """A survivor of a lost rank: drop the weight-sync channel, the save in flight and the process group. The rank
+        is then set up again, in the group formed with the replacement, and loads its part of the snapshot."""
+        self.close_weight_sync()
+        self.saver.abandon(timeout_s=ABANDON_SAVE_WAIT_S)
+        super().leave_process_group()
 
     def close_weight_sync(self) -> None:
         """Drop the channel and (rank 0) the store; a later sync needs a new address and join."""

@@ -9,7 +9,7 @@ raises the write's error.
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Mapping
 
 Files = Mapping[str, Any]  # file name -> FileRecord or its dict
@@ -81,3 +81,10 @@ class BackgroundSave:
         records = future.result()
         files = {name: record.as_dict() if hasattr(record, "as_dict") else dict(record) for name, record in records.items()}
         return {"files": dict(sorted(files.items())), "write_s": self._write_s}
+
+    def abandon(self, timeout_s: float) -> None:
+        """Forget the save in flight, if any (its group lost a rank, so it is never committed), once its writes have
+        stopped or after `timeout_s`: a write in a collective with the lost rank fails when the peer is gone."""
+        future, self._future = self._future, None
+        if future is not None:
+            wait([future], timeout=timeout_s)

@@ -120,6 +120,11 @@ def _current_gcs_address() -> str | None:
         return None
 
 
+def alive_nodes() -> list[str]:
+    """The ids of the cluster's live nodes (asks the GCS)."""
+    return [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
+
+
 def is_embedded() -> bool:
     return _connection.mode == EMBEDDED
 

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rlrunner.cluster.ray_setup import cluster_lost
+from rlrunner.cluster.ray_setup import alive_nodes, cluster_lost
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class SparePool:
         """Start spares until the pool has `count` (never waits)."""
         if len(self.spares) >= self.count:
             return
-        nodes = [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
+        nodes = alive_nodes()
         while len(self.spares) < self.count:
             node = spare_node(nodes, [*avoid_nodes, *self.covering], [n for _, n, _ in self.spares])
             if node is None:
@@ -66,10 +66,11 @@ class SparePool:
             ).remote(rank=SPARE_RANK, world_size=0, **self.worker_kwargs)
             self.spares.append((actor, node, actor.warm_up.remote()))
 
-    def take(self, n: int, multiple_of: int = 1) -> list[Any]:
+    def take(self, n: int, multiple_of: int = 1, placing: bool = True) -> list[Any]:
         """Up to `n` spares, a multiple of `multiple_of` of them (a tensor-parallel group is placed whole): those up
         first, then those still starting (the group waits for them as for its own new processes, which they are ahead
-        of); the dead ones are dropped. Never waits."""
+        of); the dead ones are dropped. With `placing` (a group is about to be placed), the others still starting are
+        stopped. Never waits."""
         if not self.spares:
             return []
         ready, _ = ray.wait([ping for _, _, ping in self.spares], num_returns=len(self.spares), timeout=0)
@@ -92,11 +93,12 @@ class SparePool:
         taken, rest = candidates[:usable], candidates[usable:]
         # A spare left still starting is stopped, so that it cannot take the resources the group about to be placed
         # needs (a spare waiting in Ray's queue would get them first); the refill after the placement starts it again.
-        for actor, _, ping in rest:
-            if ping not in ready:
-                _kill(actor)
-        self.spares = [spare for spare in rest if spare[2] in ready]
-        self.covering = [node for _, node, _ in taken]
+        if placing:
+            for actor, _, ping in rest:
+                if ping not in ready:
+                    _kill(actor)
+        self.spares = [spare for spare in rest if spare[2] in ready or not placing]
+        self.covering = (self.covering if not placing else []) + [node for _, node, _ in taken]
         return [actor for actor, _, _ in taken]
 
     def all_up(self) -> bool:

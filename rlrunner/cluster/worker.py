@@ -62,3 +62,11 @@ class Worker:
             world_size=self.world_size,
             timeout=timedelta(seconds=timeout_s),
         )
+
+    def leave_process_group(self) -> None:
+        """A survivor of a lost peer: drop the process group (and every group made from it), so that the group can be
+        formed again with the peer's replacement (`init_process_group` once more)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

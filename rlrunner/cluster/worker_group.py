@@ -84,49 +84,93 @@ class WorkerGroup:
         self.name = name
         self.num_workers = num_workers
         self.call_timeout_s = call_timeout_s
-        bundle = {"CPU": cpus_per_worker}
+        self._bundle = {"CPU": cpus_per_worker}
         if gpus_per_worker:
-            bundle["GPU"] = gpus_per_worker
-        per_bundle = {key: value * workers_per_bundle for key, value in bundle.items()}
+            self._bundle["GPU"] = gpus_per_worker
+        self.workers_per_bundle = workers_per_bundle
+        self.placement_strategy = placement_strategy
         adopted = len(spares)
-        self.placement_group = None
+        self.placement_groups: list[Any] = []  # every placement group the group's ranks were placed in (removed with it)
+        self.rank_bundles: list[tuple[Any, int] | None] = [None] * adopted  # rank -> its (placement group, bundle)
+        self.idle_bundles: list[tuple[Any, int]] = []  # bundles left by a rank replaced by a spare: for the next new rank
         self.placement_wait_s = 0.0
         if adopted < num_workers:
-            self.placement_group = placement_group(
-                [dict(per_bundle) for _ in range((num_workers - adopted) // workers_per_bundle)], strategy=placement_strategy
-            )
-            self.placement_wait_s = self._wait_for_placement(bundle, placement_timeout_s, abandon)
+            group = self._place((num_workers - adopted) // workers_per_bundle, placement_timeout_s, abandon)
+            self.rank_bundles += [(group, rank // workers_per_bundle) for rank in range(num_workers - adopted)]
         self.distributed = distributed
         self.start_timeout_s = start_timeout_s
         self.dist_timeout_s = dist_timeout_s
         self.hosts: list[dict] = []
         self._created = time.monotonic()
-        remote_cls = ray.remote(worker_cls)
-        self.workers = list(spares) + [
-            remote_cls.options(
-                num_cpus=cpus_per_worker,
-                num_gpus=gpus_per_worker,
-                max_restarts=0,
-                max_concurrency=1,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.placement_group,
-                    placement_group_bundle_index=(rank - adopted) // workers_per_bundle,
-                ),
-            ).remote(rank=rank, world_size=self.num_workers, **(worker_kwargs or {}))
-            for rank in range(adopted, self.num_workers)
-        ]
+        self._remote_cls = ray.remote(worker_cls)
+        self._worker_kwargs = dict(worker_kwargs or {})
+        self._cpus, self._gpus = cpus_per_worker, gpus_per_worker
+        self.workers = list(spares) + [self._start_rank(rank) for rank in range(adopted, self.num_workers)]
         for rank, spare in enumerate(spares):
             spare.adopt.remote(rank, self.num_workers)  # runs before anything else this driver asks of it
         if wait:
             self.wait_ready(abandon)
 
+    @property
+    def placement_group(self) -> Any:
+        """The placement group of the ranks placed when the group was made (None when spares took every rank)."""
+        return self.placement_groups[0] if self.placement_groups else None
+
+    def _place(self, bundles: int, timeout_s: float, abandon: Callable[[], bool] | None) -> Any:
+        """A new placement group of `bundles` bundles, once the cluster fits it (the wait adds to `placement_wait_s`)."""
+        per_bundle = {key: value * self.workers_per_bundle for key, value in self._bundle.items()}
+        group = placement_group([dict(per_bundle) for _ in range(bundles)], strategy=self.placement_strategy)
+        self.placement_groups.append(group)
+        self.placement_wait_s += self._wait_for_placement(group, self._bundle, timeout_s, abandon)
+        return group
+
+    def _start_rank(self, rank: int) -> Any:
+        """A new actor for `rank`, in its bundle."""
+        group, index = self.rank_bundles[rank]
+        return self._remote_cls.options(
+            num_cpus=self._cpus,
+            num_gpus=self._gpus,
+            max_restarts=0,
+            max_concurrency=1,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index),
+        ).remote(rank=rank, world_size=self.num_workers, **self._worker_kwargs)
+
+    def replace_ranks(self, ranks: Sequence[int], spares: Sequence[Any] = (), placement_timeout_s: float = 60.0,
+                      abandon: Callable[[], bool] | None = None) -> None:
+        """Replace lost `ranks` in place, then form the group again (see `wait_ready`); the other ranks keep their
+        processes and must have left their process group (`Worker.leave_process_group`).
+
+        The first ranks take `spares` (their bundles are kept for a later replacement); the others start in their own
+        bundle (freed when its actor died), else in one left idle, else in a new placement group of their own.
+        """
+        if len(spares) > len(ranks) or (spares and self.workers_per_bundle != 1):
+            raise ValueError(f"{self.name}: {len(spares)} spares for ranks {list(ranks)} in bundles of {self.workers_per_bundle}")
+        started = time.monotonic()
+        self.placement_wait_s = 0.0
+        for rank in ranks:
+            _kill_quietly(self.workers[rank])
+        for rank, spare in zip(ranks, spares):
+            if self.rank_bundles[rank] is not None:
+                self.idle_bundles.append(self.rank_bundles[rank])
+            self.rank_bundles[rank] = None
+            self.workers[rank] = spare
+            spare.adopt.remote(rank, self.num_workers)
+        for rank in ranks[len(spares):]:
+            if self.rank_bundles[rank] is None:
+                self.rank_bundles[rank] = (self.idle_bundles.pop() if self.idle_bundles
+                                           else (self._place(1, placement_timeout_s, abandon), 0))
+            self.workers[rank] = self._start_rank(rank)
+        self._created = started
+        self.wait_ready(abandon)
+
     def placement_nodes(self) -> list[str]:
         """The nodes the group's placement bundles are on (known once placed; not those of adopted spares)."""
-        if self.placement_group is None:
-            return []
         from ray.util.placement_group import placement_group_table
 
-        return sorted(set(placement_group_table(self.placement_group).get("bundles_to_node_id", {}).values()))
+        nodes: set[str] = set()
+        for group in self.placement_groups:
+            nodes |= set(placement_group_table(group).get("bundles_to_node_id", {}).values())
+        return sorted(nodes)
 
     def wait_ready(self, abandon: Callable[[], bool] | None = None) -> None:
         """Wait until every actor has started (and joined the process group); shut the group down on failure.
@@ -146,12 +190,13 @@ class WorkerGroup:
         self.start_s = time.monotonic() - self._created
 
     def _wait_for_placement(
-        self, bundle: dict[str, float], timeout_s: float, abandon: Callable[[], bool] | None, log_every_s: float = 10.0
+        self, group: Any, bundle: dict[str, float], timeout_s: float, abandon: Callable[[], bool] | None,
+        log_every_s: float = 10.0,
     ) -> float:
         """Seconds waited until the cluster fits the group; ResourceError (naming what is missing) after `timeout_s`,
         CallAbandoned when `abandon()` turns true."""
         started = time.monotonic()
-        ready_ref = self.placement_group.ready()
+        ready_ref = group.ready()
         next_log = started + log_every_s
         while True:
             remaining = timeout_s - (time.monotonic() - started)
@@ -160,10 +205,10 @@ class WorkerGroup:
                 return time.monotonic() - started
             waited = time.monotonic() - started
             if cluster_lost() is not None:
-                remove_placement_group_quietly(self.placement_group)
+                remove_placement_group_quietly(group)
                 _raise_if_cluster_lost()
             if waited >= timeout_s or (abandon is not None and abandon()):
-                remove_placement_group_quietly(self.placement_group)
+                remove_placement_group_quietly(group)
                 if waited < timeout_s:
                     raise CallAbandoned(f"stopped waiting for the cluster to fit the {self.name} group")
                 raise ResourceError(describe_missing_resources(self.name, self.num_workers, bundle, timeout_s))
@@ -267,11 +312,16 @@ class WorkerGroup:
             ray.wait(closing, num_returns=len(closing), timeout=close_timeout_s)
             drain(closing)
         for worker in self.workers:
-            try:
-                ray.kill(worker, no_restart=True)
-            except Exception:  # already dead
-                pass
-        remove_placement_group_quietly(self.placement_group)
+            _kill_quietly(worker)
+        for group in self.placement_groups:
+            remove_placement_group_quietly(group)
+
+
+def _kill_quietly(actor: Any) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # already dead
+        pass
 
 
 def remove_placement_group_quietly(group) -> None:

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rlrunner.cluster.ray_setup import cluster_lost
+from rlrunner.cluster.ray_setup import alive_nodes, cluster_lost
 from rlrunner.cluster.snapshot_holder import SnapshotHolder
 from rlrunner.errors import describe
 
@@ -84,7 +84,8 @@ class SnapshotStore:
         self.complete_step: int | None = None  # the newest step known complete
         self._warned: str | None = None
         self._said_own_node = False
-        self._placed: tuple[Any, list[str]] | None = None  # (the actor group, the node holding each rank's part)
+        # ((the actor group's id, the node of each rank), the node holding each rank's part)
+        self._placed: tuple[tuple[int, list[str]], list[str]] | None = None
 
     def due(self, step: int) -> bool:
         return self.enabled and step % self.interval == 0
@@ -112,14 +113,14 @@ class SnapshotStore:
     def _holder_nodes(self, actor_group: Any) -> list[str]:
         """Where each rank's part goes; chosen once per group (asking the GCS for the nodes every step would make a
         lost head node block the loop)."""
-        if self._placed is None or self._placed[0] is not actor_group:
-            rank_nodes = [host["node_id"] for host in actor_group.hosts]
-            nodes = holder_nodes(rank_nodes, _alive_nodes())
+        rank_nodes = [host["node_id"] for host in actor_group.hosts]
+        if self._placed is None or self._placed[0] != (id(actor_group), rank_nodes):  # a new group, or ranks replaced
+            nodes = holder_nodes(rank_nodes, alive_nodes())
             if len(set(nodes) | set(rank_nodes)) == 1 and not self._said_own_node:
                 self._said_own_node = True
                 logger.info("in-memory snapshots are held on the ranks' own node (the cluster has no other): they "
                             "cover the loss of a worker process, not of the node")
-            self._placed = (actor_group, nodes)
+            self._placed = ((id(actor_group), rank_nodes), nodes)
         return self._placed[1]
 
     def _settle(self) -> bool:
@@ -164,7 +165,7 @@ class SnapshotStore:
         """Start a holder on every node, without waiting, so that they are up by the first snapshot (a node that joins
         later gets one when a part is first put there)."""
         if self.enabled:
-            for node in _alive_nodes():
+            for node in alive_nodes():
                 self._holder(node)
 
     def _warn(self, kind: str, message: str) -> None:
@@ -226,6 +227,3 @@ class SnapshotStore:
                 pass
         self.forget()
 
-
-def _alive_nodes() -> list[str]:
-    return [node["NodeID"] for node in ray.nodes() if node.get("Alive")]

@@ -22,12 +22,11 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig
 
-from rlrunner.cluster.ray_setup import cluster_lost, is_embedded, restart_embedded
-from rlrunner.checkpoint.handler import Checkpoint
+from rlrunner.cluster.ray_setup import alive_nodes, cluster_lost, is_embedded, restart_embedded
 from rlrunner.cluster.worker_group import CallAbandoned
-from rlrunner.errors import ClusterLostError, RecoveryExhaustedError, StoppedEarly
+from rlrunner.errors import ClusterLostError, RecoveryExhaustedError, StoppedEarly, describe
 from rlrunner.runner.context import RunContext
-from rlrunner.runner.recovery import RestartBudget, repairable_cause, same_failure, unrepairable
+from rlrunner.runner.recovery import RestartBudget, ranks_to_replace, repairable_cause, same_failure, unrepairable
 from rlrunner.runner.stopping import StopRequest
 from rlrunner.runner.snapshots import Snapshot
 from rlrunner.runner.trainer import Trainer
@@ -83,11 +82,20 @@ class Supervisor:
         checkpoint, placement_timeout_s = initial, self.cfg.cluster.placement_timeout_s
         budget = RestartBudget(recovery.max_restarts)
         snapshot = None
+        trainer: Trainer | None = None
+        replace: list[int] = []  # the lost actor ranks the next attempt replaces alone, keeping the rest of `trainer`
         while True:
-            trainer = self.trainer = Trainer(ctx)
+            if not replace:
+                trainer = self.trainer = Trainer(ctx)
+            error: Exception | None = None
             graceful = False  # the attempt ended as it should (finished or stopped): its workers may close first
             try:
-                last = self._attempt(trainer, checkpoint, placement_timeout_s, budget, snapshot)
+                if replace:
+                    last = self._attempt(trainer, budget, snapshot,
+                                         lambda: trainer.replace_actor_ranks(replace, snapshot, recovery.wait_timeout_s))
+                else:
+                    last = self._attempt(trainer, budget, snapshot,
+                                         lambda: trainer.start(checkpoint, placement_timeout_s, snapshot))
                 graceful = True
                 return last
             except StoppedEarly:
@@ -98,40 +106,71 @@ class Supervisor:
                                    "resume with runner.resume_dir=auto") from None
             except Exception as exc:
                 failure = self._repairable_failure(exc, trainer, budget)  # or raises the error that ends the run
+                error = exc
             finally:
+                if error is None:
+                    trainer.close(CLOSE_TIMEOUT_S if graceful else 0.0)
+            replace, snapshot = self._lost_ranks_to_replace(trainer)
+            teardown_s = 0.0
+            if not replace:
                 teardown_started = time.monotonic()
-                trainer.close(CLOSE_TIMEOUT_S if graceful else 0.0)
+                trainer.close()
                 teardown_s = time.monotonic() - teardown_started
-            lost_cluster = cluster_lost(force=True)
-            if lost_cluster is not None:  # the embedded Ray lost its node: nobody else will bring it back
-                logger.error("%s: restarting the embedded Ray", lost_cluster)
-                restart_embedded()
-                ctx.snapshots.forget()  # the holders and spares went with it
-                ctx.close_spares(lost=True)
-                if connect is not None:
-                    connect()  # signal handlers again (ray.init installs its own)
-            handler.remove_leftovers()
-            checkpoint = handler.find_resume("auto") or initial
-            # the newest in-memory snapshot of a completed step, unless the newest checkpoint is newer
-            snapshot = ctx.snapshots.newest(ctx.rank_map.world_size, min_step=checkpoint.step if checkpoint else 0,
-                                            max_step=trainer.global_step)
+                lost_cluster = cluster_lost(force=True)
+                if lost_cluster is not None:  # the embedded Ray lost its node: nobody else will bring it back
+                    logger.error("%s: restarting the embedded Ray", lost_cluster)
+                    restart_embedded()
+                    ctx.snapshots.forget()  # the holders and spares went with it
+                    ctx.close_spares(lost=True)
+                    if connect is not None:
+                        connect()  # signal handlers again (ray.init installs its own)
+                handler.remove_leftovers()
+                checkpoint = handler.find_resume("auto") or initial
+                # the newest in-memory snapshot of a completed step, unless the newest checkpoint is newer
+                snapshot = ctx.snapshots.newest(ctx.rank_map.world_size, min_step=checkpoint.step if checkpoint else 0,
+                                                max_step=trainer.global_step)
             restart_step = snapshot.step if snapshot else checkpoint.step if checkpoint else 0
             failure.update(lost_steps=failure["step"] - restart_step,
-                           restore_from="snapshot" if snapshot else "checkpoint" if checkpoint else "none")
-            logger.error("restart %d (%d of %d without progress): from the %s of step %d, %d completed "
+                           restore_from="snapshot" if snapshot else "checkpoint" if checkpoint else "none",
+                           replaced="actor ranks " + ",".join(map(str, replace)) if replace else "both groups")
+            logger.error("restart %d (%d of %d without progress): %s, from the %s of step %d, %d completed "
                          "steps to redo", budget.total, budget.count, recovery.max_restarts,
+                         f"replacing actor rank(s) {', '.join(map(str, replace))} alone" if replace else "replacing both groups",
                          "in-memory snapshot" if snapshot else "checkpoint", restart_step, failure["lost_steps"])
             ctx.recovery_log.write("failure", restart=budget.total, **failure, teardown_s=teardown_s)
             placement_timeout_s = recovery.wait_timeout_s
 
-    def _attempt(self, trainer: Trainer, checkpoint: Checkpoint | None, placement_timeout_s: float,
-                 budget: RestartBudget, snapshot: Snapshot | None) -> dict[str, Any]:
-        """One attempt: start, restore (the in-memory `snapshot` if any, else `checkpoint`), train to the end; the last
-        step's metrics."""
-        trainer.start(checkpoint, placement_timeout_s, snapshot)
+    def _lost_ranks_to_replace(self, trainer: Trainer) -> tuple[list[int], Snapshot | None]:
+        """After a repairable failure: the lost actor ranks to replace alone (`runner.recovery.replace_lost_ranks`) and
+        the snapshot to go on from, when the attempt had started, its other workers are alive, the dead ranks' nodes
+        are up and a complete snapshot at least as new as the newest checkpoint holds the last completed step or one
+        before; ([], None) when both groups are to be replaced."""
+        ctx = self.ctx
+        if not (self.cfg.runner.recovery.replace_lost_ranks and trainer.started and ctx.snapshots.enabled):
+            return [], None
+        if cluster_lost(force=True) is not None:
+            return [], None
+        actor, rollout = trainer.actor_group, trainer.rollout_group
+        try:
+            ranks = ranks_to_replace(actor.dead_ranks(timeout_s=1.0), [host["node_id"] for host in actor.hosts],
+                                     alive_nodes(), rollout.dead_ranks(timeout_s=1.0))
+        except Exception as exc:  # the cluster answered no more: replace everything
+            logger.warning("could not tell which workers are lost (%s): replacing both groups", describe(exc))
+            return [], None
+        if not ranks:
+            return [], None
+        snapshot = ctx.snapshots.newest(ctx.rank_map.world_size, min_step=trainer.last_saved_step or 0,
+                                        max_step=trainer.global_step)
+        return (ranks, snapshot) if snapshot is not None else ([], None)
+
+    def _attempt(self, trainer: Trainer, budget: RestartBudget, snapshot: Snapshot | None,
+                 start: Callable[[], None]) -> dict[str, Any]:
+        """One attempt: `start` (the groups up and the state restored: the in-memory `snapshot` if any, else a
+        checkpoint), then train to the end; the last step's metrics."""
+        start()
         if budget.total:
             self.ctx.recovery_log.write("resumed", restart=budget.total, step=trainer.global_step,
-                                        source="snapshot" if snapshot else "checkpoint" if checkpoint else "none",
+                                        source="snapshot" if snapshot else "checkpoint" if trainer.global_step else "none",
                                         **trainer.start_timings)
             trainer.restart_to_report = budget.total
         for callback in self.callbacks:

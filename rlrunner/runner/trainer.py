@@ -52,6 +52,7 @@ class Trainer:
         self.rollout_repairs = 0  # rollout groups rebuilt since the last completed step
         self.spares_used = 0  # warm spares the attempt's groups took
         self.spares_due = False  # spares to start once the next step has completed
+        self.started = False  # both groups up, the state restored and the weights pushed (`start` returned)
 
     # -- the attempt's groups --------------------------------------------------------------------
 
@@ -64,7 +65,7 @@ class Trainer:
         check_shared_folder(self.ctx.storage, self.ctx.handler.root, self.groups())
         if snapshot is not None:
             self._raise_if_stopping()
-            self.restore_snapshot(snapshot, checkpoint)
+            self.restore_snapshot(snapshot, checkpoint.step if checkpoint is not None else None)
         elif checkpoint is not None:
             self._raise_if_stopping()
             self.restore(checkpoint)
@@ -73,6 +74,38 @@ class Trainer:
         waited = sum(g.placement_wait_s for g in self.groups())
         self.start_timings = {"wait_s": waited, "rebuild_s": built - started - waited, "load_s": time.monotonic() - built,
                               "spares_used": self.spares_used}
+        self.started = True
+
+    def replace_actor_ranks(self, ranks: list[int], snapshot: Snapshot, placement_timeout_s: float) -> None:
+        """Replace the lost actor `ranks` alone and go on from `snapshot` (of the last completed step, or one before):
+        the other ranks leave their process group, the group is formed again with the replacements (warm spares when
+        the pool has them), every rank is set up again and loads its part of the snapshot, and the rollout group,
+        kept, joins new weight-sync channels and gets the weights. The save in flight (it had the lost ranks) is
+        dropped, never committed."""
+        self.started = False
+        started = time.monotonic()
+        recovery, group = self.cfg.runner.recovery, self.actor_group
+        survivors = [rank for rank in range(group.num_workers) if rank not in ranks]
+        group.get([group.workers[rank].leave_process_group.remote() for rank in survivors], recovery.step_timeout_s)
+        self.pending_save = None
+        self.ctx.handler.remove_leftovers()  # what the dropped save wrote
+        self._raise_if_stopping()
+        pool = spare_pools(self.ctx)["actor"]
+        spares = pool.take(len(ranks), placing=False) if group.workers_per_bundle == 1 else []
+        self.spares_used = len(spares)
+        group.replace_ranks(ranks, spares, placement_timeout_s, self._stop_requested)
+        self.spares_due = True
+        group.get(group.call_all_async("setup"), max(recovery.step_timeout_s, START_TIMEOUT_S), self._stop_requested)
+        built = time.monotonic()
+        check_shared_folder(self.ctx.storage, self.ctx.handler.root, [group])  # a replacement may be on a new node
+        connect_weight_sync(group, self.rollout_group, timeout_s=recovery.step_timeout_s)
+        self._raise_if_stopping()
+        self.restore_snapshot(snapshot, self.last_saved_step)
+        self.sync_weights()
+        waited = group.placement_wait_s
+        self.start_timings = {"wait_s": waited, "rebuild_s": built - started - waited, "load_s": time.monotonic() - built,
+                              "spares_used": self.spares_used, "replaced_ranks": list(ranks)}
+        self.started = True
 
     def _start_groups(self, placement_timeout_s: float) -> None:
         self.ctx.snapshots.prepare()  # the snapshot holders start beside the groups
@@ -349,13 +382,14 @@ class Trainer:
         self.global_step = int(data_state["runner"]["global_step"])
         self.last_saved_step = self.global_step
 
-    def restore_snapshot(self, snapshot: Snapshot, newest_checkpoint: Checkpoint | None) -> None:
-        """Load an in-memory snapshot into the new actor group. A part lost since it was chosen fails the attempt
-        (the ranks may hold half of it): the next attempt finds the snapshot incomplete and loads the checkpoint."""
+    def restore_snapshot(self, snapshot: Snapshot, last_saved_step: int | None) -> None:
+        """Load an in-memory snapshot into the actor group (`last_saved_step`: the newest committed checkpoint's). A part
+        lost since it was chosen fails the attempt (the ranks may hold half of it): the next attempt finds the snapshot
+        incomplete and loads the checkpoint."""
         data_state = self.ctx.snapshots.load(snapshot, self.actor_group, self.cfg.runner.recovery.step_timeout_s)
         self.loader.load_state_dict(data_state["dataloader"])
         self.global_step = int(data_state["runner"]["global_step"])
-        self.last_saved_step = newest_checkpoint.step if newest_checkpoint is not None else None
+        self.last_saved_step = last_saved_step
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
         """The actor's full weights (HF key names), gathered from the ranks."""

@@ -139,13 +139,39 @@ def assert_restored_from_memory(output_dir: Path, lost_steps: int = 0) -> dict:
     return failure
 
 
+def worker_pids(trainer) -> dict[str, list[int]]:
+    return {group.name: [host["pid"] for host in group.hosts] for group in trainer.groups()}
+
+
 def test_actor_rank_killed_mid_step_comes_back_from_memory(cluster, reference, tmp_path):
-    """No step is redone: the newest snapshot (the last completed step's) is in the head node's holder."""
-    runner = Supervisor(run_config(tmp_path, *RUN))
+    """No step is redone: the newest snapshot (the last completed step's) is in the head node's holder. Only the lost
+    rank is replaced: rank 0 and the rollout worker keep their processes (the same attempt goes on)."""
+    pids: list[dict[str, list[int]]] = []
+    runner = Supervisor(run_config(tmp_path, *RUN), callbacks=[Inspect(on_start=lambda t: pids.append(worker_pids(t)))])
     kill_in_next_update(runner, 1, 4, tmp_path)
     runner.run()
     failure = assert_restored_from_memory(tmp_path)
     assert "actor rank 1" in failure["cause"] and failure["step"] >= 4
+    assert failure["replaced"] == "actor ranks 1" and failure["teardown_s"] == 0.0, failure
+    [resumed] = recovery_events(tmp_path, "resumed")
+    assert resumed["replaced_ranks"] == [1] and resumed["spares_used"] == 0, resumed
+    before, after = pids
+    assert after["rollout"] == before["rollout"] and after["actor"][0] == before["actor"][0], pids
+    assert after["actor"][1] != before["actor"][1], pids
+    assert_matches_reference(tmp_path, reference)
+
+
+def test_lost_ranks_not_replaced_alone_when_switched_off(cluster, reference, tmp_path):
+    """`runner.recovery.replace_lost_ranks=false`: both groups are replaced (every process new), still from memory."""
+    pids: list[dict[str, list[int]]] = []
+    runner = Supervisor(run_config(tmp_path, *RUN, "runner.recovery.replace_lost_ranks=false"),
+                        callbacks=[Inspect(on_start=lambda t: pids.append(worker_pids(t)))])
+    kill_in_next_update(runner, 1, 4, tmp_path)
+    runner.run()
+    failure = assert_restored_from_memory(tmp_path)
+    assert failure["replaced"] == "both groups", failure
+    before, after = pids
+    assert not set(before["actor"] + before["rollout"]) & set(after["actor"] + after["rollout"]), pids
     assert_matches_reference(tmp_path, reference)
 
 
@@ -213,7 +239,7 @@ def spares_up(runner: Supervisor) -> bool:
     return pools is not None and all(pool.all_up() for pool in pools.values())
 
 
-def with_spares_up(tmp_path: Path) -> Supervisor:
+def with_spares_up(tmp_path: Path, *overrides: str) -> Supervisor:
     """A run with warm spares whose first attempt trains once they are all up (started now, not after its first
     step)."""
     attempts: list[int] = []
@@ -224,21 +250,23 @@ def with_spares_up(tmp_path: Path) -> Supervisor:
             trainer.refill_spares()
             wait_for(lambda: spares_up(runner))
 
-    runner = Supervisor(run_config(tmp_path, *RUN, *SPARES), callbacks=[Inspect(on_start=wait_for_spares)])
+    runner = Supervisor(run_config(tmp_path, *RUN, *SPARES, *overrides), callbacks=[Inspect(on_start=wait_for_spares)])
     return runner
 
 
-def test_warm_spares_replace_a_lost_actor_rank_without_process_starts(cluster, reference, tmp_path):
-    """Two actor spares and a rollout spare (off the nodes of the groups they cover where CPUs allow): the restart
-    takes all three, restores the snapshot and starts no process."""
-    runner = with_spares_up(tmp_path)
+@pytest.mark.parametrize("replace_alone", [True, False])
+def test_warm_spares_replace_a_lost_actor_rank_without_process_starts(cluster, reference, tmp_path, replace_alone):
+    """Two actor spares and a rollout spare (off the nodes of the groups they cover where CPUs allow). The lost rank
+    replaced alone takes one actor spare; with `replace_lost_ranks=false` the restart takes all three. Either way the
+    snapshot is restored and no process is started."""
+    runner = with_spares_up(tmp_path, f"runner.recovery.replace_lost_ranks={str(replace_alone).lower()}")
     once(lambda: metrics_lines(tmp_path) >= 2,
          lambda: patch_worker_module(runner.trainer.actor_group.workers[1], "rlrunner.backends.actor",
                                      "clipped_policy_loss", dying))
     runner.run()
     assert_restored_from_memory(tmp_path)
     [resumed] = recovery_events(tmp_path, "resumed")
-    assert resumed["spares_used"] == 3, resumed
+    assert resumed["spares_used"] == (1 if replace_alone else 3), resumed
     assert_matches_reference(tmp_path, reference)
 
 

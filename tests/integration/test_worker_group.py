@@ -137,3 +137,43 @@ def test_workers_per_bundle_keeps_consecutive_ranks_in_one_bundle(ray_session):
         assert group.call_all("rank_plus", 1) == [1, 2, 3, 4]  # all four ranks placed and running
     finally:
         group.shutdown()
+
+
+def test_lost_ranks_are_replaced_in_place_and_the_process_group_formed_again(ray_session):
+    """Rank 1 killed: the survivors leave their process group, a new process starts in rank 1's own bundle and the
+    group (rank 0 keeps its process) all-reduces again. Then rank 0 is killed and a spare takes its place: its bundle
+    is kept idle, and the next rank replaced without a spare starts there rather than in a new placement group."""
+    group = WorkerGroup("sum", SumWorker, 3, cpus_per_worker=0.25, distributed=True)
+    spare = None
+    try:
+        assert group.call_all("all_reduce_rank") == [6.0, 6.0, 6.0]
+        pids = [host["pid"] for host in group.hosts]
+        ray.kill(group.workers[1], no_restart=True)
+        assert group.dead_ranks() == [1]
+        for rank in (0, 2):
+            group.call_rank(rank, "leave_process_group")
+        group.replace_ranks([1])
+        assert group.call_all("all_reduce_rank") == [6.0, 6.0, 6.0]
+        new_pids = [host["pid"] for host in group.hosts]
+        assert new_pids[0] == pids[0] and new_pids[2] == pids[2] and new_pids[1] != pids[1]
+        assert [host["rank"] for host in group.hosts] == [0, 1, 2] and len(group.placement_groups) == 1
+
+        spare = ray.remote(SumWorker).options(num_cpus=0.25).remote(rank=-1, world_size=0)
+        ray.get(spare.ping.remote())
+        ray.kill(group.workers[0], no_restart=True)
+        for rank in (1, 2):
+            group.call_rank(rank, "leave_process_group")
+        group.replace_ranks([0], spares=[spare])
+        assert group.workers[0] is spare and group.call_all("all_reduce_rank") == [6.0, 6.0, 6.0]
+        assert group.rank_bundles[0] is None and len(group.idle_bundles) == 1
+
+        ray.kill(group.workers[0], no_restart=True)  # the adopted spare: it has no bundle, so it takes the idle one
+        for rank in (1, 2):
+            group.call_rank(rank, "leave_process_group")
+        group.replace_ranks([0])
+        assert group.call_all("all_reduce_rank") == [6.0, 6.0, 6.0]
+        assert group.idle_bundles == [] and len(group.placement_groups) == 1
+        with pytest.raises(ValueError, match="spares"):
+            group.replace_ranks([0], spares=[spare, spare])
+    finally:
+        group.shutdown()

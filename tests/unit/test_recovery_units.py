@@ -17,7 +17,7 @@ from rlrunner.errors import (
     is_storage_full_or_forbidden,
 )
 from rlrunner.errors import describe
-from rlrunner.runner.recovery import RestartBudget, failure_cause, same_failure
+from rlrunner.runner.recovery import RestartBudget, failure_cause, ranks_to_replace, same_failure
 from rlrunner.runner.stopping import DUPLICATE_WINDOW_S, StopRequest
 
 
@@ -112,3 +112,11 @@ def test_exit_codes_tell_the_launch_script_what_a_relaunch_can_mend():
     assert CheckpointSaveError("x").exit_code == 1
 
 
+
+
+def test_only_lost_processes_of_the_actor_group_are_replaced_alone():
+    nodes = ["a", "a", "b"]  # the node of each actor rank
+    assert ranks_to_replace([2, 0], nodes, ["a", "b"], []) == [0, 2]
+    assert ranks_to_replace([], nodes, ["a", "b"], []) == []  # nothing lost in the actor group
+    assert ranks_to_replace([2], nodes, ["a"], []) == []  # rank 2's node is gone: both groups are replaced
+    assert ranks_to_replace([1], nodes, ["a", "b"], [0]) == []  # a rollout worker is lost too
