@@ -21,11 +21,16 @@ tests/test_recovery.py does.
                  supervisor instance to timestamp it; nothing else changes)
      classify    repairable_cause (pings every worker for up to 1 s to name the dead ones) + the log line
      teardown    failure.teardown_s (Trainer.close: ray.kill of every worker of both groups, placement groups
-                 removed)
-     find ckpt   the rest of the gap up to Trainer.start(): remove leftovers + verify the newest checkpoint (CRC-32)
+                 removed; 0 when the lost rank is replaced alone, runner.recovery.replace_lost_ranks)
+     find ckpt   the rest of the gap up to the start of the new attempt: which ranks to replace alone (a ping of
+                 every worker) and the newest complete snapshot; for a restart of both groups also remove leftovers +
+                 verify the newest checkpoint (CRC-32)
      wait        resumed.wait_s (the new placement groups waiting for free CPUs)
-     rebuild     resumed.rebuild_s (new worker processes, process group, model built and sharded)
-     load        resumed.load_s (storage probe + checkpoint load + weight sync to the rollout worker)
+     rebuild     resumed.rebuild_s (new worker processes or adopted spares, process group, model built and sharded;
+                 replacing a rank alone: the survivors leave their process group, the group forms it again with the
+                 replacement and every rank sets its model up again)
+     load        resumed.load_s (storage probe + weight-sync channels + snapshot or checkpoint load + weight sync to
+                 the rollout worker)
      1st step    first_step.time_unix - resumed.time_unix (the first training step after the restart)
      total       first_step.time_unix - kill time
    plus the steps lost per kill (failure.lost_steps: completed steps redone; 0 when the restart loads the in-memory
@@ -34,7 +39,8 @@ tests/test_recovery.py does.
    for the newest complete snapshot, and "load" is the snapshot's (or checkpoint's) load plus the weight sync.
 
    The part runs twice: without spares, then with warm spares (`cluster.spare_workers.actor=--actor-spares`,
-   `.rollout=--rollout-spares`; a restart replaces both groups, so 2 + 1 spares cover the default job whole). With
+   `.rollout=--rollout-spares`; a lost rank replaced alone takes one actor spare, a restart of both groups takes
+   2 + 1, the default job whole). With
    spares each kill waits until every spare is up again (they are refilled in the background after a restart).
 
 2. Goodput under failure injection (`--goodput-steps` steps; 400 by default, half the default job, to keep

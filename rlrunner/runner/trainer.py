@@ -90,11 +90,13 @@ class Trainer:
         self.pending_save = None
         self.ctx.handler.remove_leftovers()  # what the dropped save wrote
         self._raise_if_stopping()
+        left = time.monotonic()
         pool = spare_pools(self.ctx)["actor"]
         spares = pool.take(len(ranks), placing=False) if group.workers_per_bundle == 1 else []
         self.spares_used = len(spares)
         group.replace_ranks(ranks, spares, placement_timeout_s, self._stop_requested)
         self.spares_due = True
+        joined = time.monotonic()
         group.get(group.call_all_async("setup"), max(recovery.step_timeout_s, START_TIMEOUT_S), self._stop_requested)
         built = time.monotonic()
         check_shared_folder(self.ctx.storage, self.ctx.handler.root, [group])  # a replacement may be on a new node
@@ -104,7 +106,9 @@ class Trainer:
         self.sync_weights()
         waited = group.placement_wait_s
         self.start_timings = {"wait_s": waited, "rebuild_s": built - started - waited, "load_s": time.monotonic() - built,
-                              "spares_used": self.spares_used, "replaced_ranks": list(ranks)}
+                              "spares_used": self.spares_used, "replaced_ranks": list(ranks),
+                              # the rebuild's parts: survivors leaving, replacements up and the group formed, set-up
+                              "leave_s": left - started, "join_s": joined - left - waited, "setup_s": built - joined}
         self.started = True
 
     def _start_groups(self, placement_timeout_s: float) -> None:
