@@ -161,20 +161,6 @@ def test_actor_rank_killed_mid_step_comes_back_from_memory(cluster, reference, t
     assert_matches_reference(tmp_path, reference)
 
 
-def test_lost_ranks_not_replaced_alone_when_switched_off(cluster, reference, tmp_path):
-    """`runner.recovery.replace_lost_ranks=false`: both groups are replaced (every process new), still from memory."""
-    pids: list[dict[str, list[int]]] = []
-    runner = Supervisor(run_config(tmp_path, *RUN, "runner.recovery.replace_lost_ranks=false"),
-                        callbacks=[Inspect(on_start=lambda t: pids.append(worker_pids(t)))])
-    kill_in_next_update(runner, 1, 4, tmp_path)
-    runner.run()
-    failure = assert_restored_from_memory(tmp_path)
-    assert failure["replaced"] == "both groups", failure
-    before, after = pids
-    assert not set(before["actor"] + before["rollout"]) & set(after["actor"] + after["rollout"]), pids
-    assert_matches_reference(tmp_path, reference)
-
-
 def dying_sender(original):
     """A weight sender that kills its own process when it sends (a rank lost after its snapshot copy)."""
 
@@ -239,9 +225,9 @@ def spares_up(runner: Supervisor) -> bool:
     return pools is not None and all(pool.all_up() for pool in pools.values())
 
 
-def with_spares_up(tmp_path: Path, *overrides: str) -> Supervisor:
+def with_spares_up(tmp_path: Path, *overrides: str, on_start=None) -> Supervisor:
     """A run with warm spares whose first attempt trains once they are all up (started now, not after its first
-    step)."""
+    step); `on_start(trainer)` as each attempt is ready to train."""
     attempts: list[int] = []
 
     def wait_for_spares(trainer) -> None:
@@ -249,6 +235,8 @@ def with_spares_up(tmp_path: Path, *overrides: str) -> Supervisor:
         if len(attempts) == 1:
             trainer.refill_spares()
             wait_for(lambda: spares_up(runner))
+        if on_start is not None:
+            on_start(trainer)
 
     runner = Supervisor(run_config(tmp_path, *RUN, *SPARES, *overrides), callbacks=[Inspect(on_start=wait_for_spares)])
     return runner
@@ -259,14 +247,20 @@ def test_warm_spares_replace_a_lost_actor_rank_without_process_starts(cluster, r
     """Two actor spares and a rollout spare (off the nodes of the groups they cover where CPUs allow). The lost rank
     replaced alone takes one actor spare; with `replace_lost_ranks=false` the restart takes all three. Either way the
     snapshot is restored and no process is started."""
-    runner = with_spares_up(tmp_path, f"runner.recovery.replace_lost_ranks={str(replace_alone).lower()}")
+    pids: list[dict[str, list[int]]] = []
+    runner = with_spares_up(tmp_path, f"runner.recovery.replace_lost_ranks={str(replace_alone).lower()}",
+                            on_start=lambda t: pids.append(worker_pids(t)))
     once(lambda: metrics_lines(tmp_path) >= 2,
          lambda: patch_worker_module(runner.trainer.actor_group.workers[1], "rlrunner.backends.actor",
                                      "clipped_policy_loss", dying))
     runner.run()
-    assert_restored_from_memory(tmp_path)
+    failure = assert_restored_from_memory(tmp_path)
+    assert failure["replaced"] == ("actor ranks 1" if replace_alone else "both groups"), failure
     [resumed] = recovery_events(tmp_path, "resumed")
     assert resumed["spares_used"] == (1 if replace_alone else 3), resumed
+    before, after = pids
+    kept = set(before["actor"] + before["rollout"]) & set(after["actor"] + after["rollout"])
+    assert kept == ({before["actor"][0], *before["rollout"]} if replace_alone else set()), pids
     assert_matches_reference(tmp_path, reference)
 
 

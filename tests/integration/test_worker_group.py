@@ -149,6 +149,9 @@ def test_lost_ranks_are_replaced_in_place_and_the_process_group_formed_again(ray
         assert group.call_all("all_reduce_rank") == [6.0, 6.0, 6.0]
         pids = [host["pid"] for host in group.hosts]
         ray.kill(group.workers[1], no_restart=True)
+        deadline = time.monotonic() + 30  # ray.kill returns before the actor is gone
+        while group.dead_ranks() != [1] and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert group.dead_ranks() == [1]
         for rank in (0, 2):
             group.call_rank(rank, "leave_process_group")
