@@ -3,10 +3,12 @@
     Supervisor(cfg).run(connect)
 
 Each attempt is a fresh `Trainer`: its groups start, the checkpoint (if any) is restored, and it trains. When a
-worker, a node, a collective or the embedded Ray fails, the failure is classified (`rlrunner.runner.recovery`):
-a lost or hung worker is repaired by a new attempt from the newest complete checkpoint, up to
-`runner.recovery.max_restarts` times in a row without a new checkpoint committed in between; an exception in
-worker code, a bad input or a lost joined cluster ends the run with its exit code. A stop request (SIGTERM,
+worker, a node, a collective or the embedded Ray fails, the failure is classified (`rlrunner.runner.recovery`).
+Lost actor rank processes (their nodes up, the rest alive, a complete in-memory snapshot at hand) are replaced alone
+and the same Trainer goes on from the snapshot (`Trainer.replace_actor_ranks`); any other lost or hung worker is
+repaired by a new attempt from the newest complete snapshot, else checkpoint. Both count as restarts, up to
+`runner.recovery.max_restarts` in a row without progress in between; an exception in worker code, a bad input or a
+lost joined cluster ends the run with its exit code. A stop request (SIGTERM,
 SIGINT, `runner.max_wall_time_s`) ends the loop with an emergency checkpoint.
 
 Callbacks see each attempt once it is ready to train (`on_train_start`) and once it has trained to the end,

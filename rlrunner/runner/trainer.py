@@ -8,8 +8,9 @@
 Each step reads top to bottom: rollout -> reward (scored by the rollout workers) -> advantages -> policy update ->
 weight sync, then the metrics line and, when the handler says so, a save. A lost or hung rollout worker costs no step:
 the attempt rebuilds its rollout group alone, pushes the actor's current weights and redoes the generation or the weight
-sync it interrupted (the same seeds give the same samples). For any other failure the supervisor
-(`rlrunner.runner.supervisor`) makes a new Trainer, a new attempt from the newest checkpoint.
+sync it interrupted (the same seeds give the same samples). For lost actor ranks the supervisor
+(`rlrunner.runner.supervisor`) has the Trainer replace them alone (`replace_actor_ranks`) and train on; for any other
+failure it makes a new Trainer, a new attempt from the newest snapshot or checkpoint.
 """
 
 from __future__ import annotations
