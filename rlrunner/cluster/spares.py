@@ -24,6 +24,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlrunner.cluster.ray_setup import alive_nodes, cluster_lost
+from rlrunner.cluster.worker_group import kill_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class SparePool:
         if placing:
             for actor, _, ping in rest:
                 if ping not in ready:
-                    _kill(actor)
+                    kill_quietly(actor)
         self.spares = [spare for spare in rest if spare[2] in ready or not placing]
         self.covering = (self.covering if not placing else []) + [node for _, node, _ in taken]
         return [actor for actor, _, _ in taken]
@@ -110,16 +111,10 @@ class SparePool:
         """Kill the spares: the run is over."""
         if cluster_lost(force=True) is None:
             for actor, _, _ in self.spares:
-                _kill(actor)
+                kill_quietly(actor)
         self.spares = []
 
     def forget(self) -> None:
         """Drop every spare (the embedded Ray was restarted: they went with it)."""
         self.spares = []
 
-
-def _kill(actor: Any) -> None:
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception:  # already gone
-        pass

@@ -148,7 +148,7 @@ class WorkerGroup:
         started = time.monotonic()
         self.placement_wait_s = 0.0
         for rank in ranks:
-            _kill_quietly(self.workers[rank])
+            kill_quietly(self.workers[rank])
         for rank, spare in zip(ranks, spares):
             if self.rank_bundles[rank] is not None:
                 self.idle_bundles.append(self.rank_bundles[rank])
@@ -312,12 +312,13 @@ class WorkerGroup:
             ray.wait(closing, num_returns=len(closing), timeout=close_timeout_s)
             drain(closing)
         for worker in self.workers:
-            _kill_quietly(worker)
+            kill_quietly(worker)
         for group in self.placement_groups:
             remove_placement_group_quietly(group)
 
 
-def _kill_quietly(actor: Any) -> None:
+def kill_quietly(actor: Any) -> None:
+    """`ray.kill` an actor that may be gone already."""
     try:
         ray.kill(actor, no_restart=True)
     except Exception:  # already dead

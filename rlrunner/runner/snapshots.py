@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlrunner.cluster.ray_setup import alive_nodes, cluster_lost
 from rlrunner.cluster.snapshot_holder import SnapshotHolder
+from rlrunner.cluster.worker_group import kill_quietly
 from rlrunner.errors import describe
 
 logger = logging.getLogger(__name__)
@@ -221,9 +222,6 @@ class SnapshotStore:
             self.forget()  # every call would block on a GCS that is gone
             return
         for holder in self.holders.values():
-            try:
-                ray.kill(holder, no_restart=True)
-            except Exception:  # already gone
-                pass
+            kill_quietly(holder)
         self.forget()
 
