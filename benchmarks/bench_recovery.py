@@ -55,7 +55,8 @@ tests/test_recovery.py does.
    and again with spares (there a kill does not wait for the spares: one that falls before they are back up pays the
    process start), and the no-failure run is also made with spares idle beside it (what they cost a run without
    failures), and without spares with the in-memory snapshots off (what they cost). Every ratio is against the
-   no-failure run without spares, snapshots on (the default).
+   no-failure run without spares, snapshots on (the default). `--rounds N` runs that whole set N times (each round's
+   ratios against its own no-failure run, since the machine's speed drifts between runs) and prints the medians.
 
 3. Rollout repair (`--rollout-steps` steps, `--rollout-kills` SIGKILLs of the rollout worker, each `--kill-delay` s
    after the previous repair; benchlib/rollout_repair.py): per kill, detection, the repair's wait / rebuild / sync,
@@ -95,6 +96,7 @@ from benchlib.recovery_report import (  # noqa: E402
     GoodputRow,
     Restart,
     describe_outcome,
+    goodput_rounds_table,
     goodput_table,
     match_restarts,
     median_restart_s,
@@ -140,6 +142,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rollout-steps", type=int, default=200, help="steps of each rollout-repair job")
     parser.add_argument("--periods", default="10,20,40", help="comma-separated kill periods T (seconds) for the goodput part")
     parser.add_argument("--goodput-steps", type=int, default=400, help="steps of each goodput job (the default job has 800)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the goodput part's whole set of runs this many times; each round's ratios are against "
+                             "its own no-failure run, and the medians over the rounds are printed at the end")
     parser.add_argument(
         "--max-run-s", type=float, default=None,
         help="stop a goodput run with failures still going after this long; its committed steps count (default: 2 x the no-failure run's wall time)",
@@ -317,9 +322,22 @@ def measure_goodput_run(args: argparse.Namespace, workdir: Path, period: float |
 def measure_goodput(args: argparse.Namespace, workdir: Path) -> None:
     print(
         f"\n## 2. Goodput under failure injection: {args.goodput_steps} steps per run (the default job has 800), "
-        f"runner.save_interval={args.save_interval}\n",
+        f"runner.save_interval={args.save_interval}, {args.rounds} round(s)\n",
         flush=True,
     )
+    rounds = []
+    for number in range(1, args.rounds + 1):
+        if args.rounds > 1:
+            print(f"### round {number} of {args.rounds}\n", flush=True)
+        rounds.append(measure_goodput_round(args, workdir / f"round-{number}"))
+    if args.rounds > 1:
+        print(f"\n### Goodput over the {args.rounds} rounds (each against its own round's no-failure run)\n")
+        print(goodput_rounds_table(rounds))
+
+
+def measure_goodput_round(args: argparse.Namespace, workdir: Path) -> list[GoodputRow]:
+    """Every goodput run once: no failures (snapshots on, off; with idle spares), then each period without and with
+    spares; prints the round's table and returns its rows (the first is the baseline)."""
     rows = [measure_goodput_run(args, workdir, None, None)]
     # what the in-memory snapshots (on by default, in every other run) cost a run without failures
     rows.append(measure_goodput_run(args, workdir, None, None, "none, snapshots off", ["runner.snapshot.enabled=false"]))
@@ -347,6 +365,7 @@ def measure_goodput(args: argparse.Namespace, workdir: Path) -> None:
         if not row.outcome.finished:
             print(f"- {'no failures' if row.period is None else f'T={row.period:g}s'} (spares: {row.spares}): did not finish: "
                   f"{row.outcome.error}")
+    return rows
 
 
 # -- main ------------------------------------------------------------------------------------------

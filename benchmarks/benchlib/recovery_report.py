@@ -155,19 +155,45 @@ def median_restart_s(log_path: Path) -> float | None:
     return statistics.median(spans) if spans else None
 
 
-def goodput_table(rows: list[GoodputRow]) -> str:
+def goodput_ratios(rows: list[GoodputRow]) -> list[float]:
+    """Each run's steps/s over the first run's (the round's no-failure baseline)."""
     baseline = rows[0].outcome.last_step / rows[0].outcome.wall_s
+    return [row.outcome.last_step / row.outcome.wall_s / baseline for row in rows]
+
+
+def goodput_rounds_table(rounds: list[list[GoodputRow]]) -> str:
+    """One line per run of a round (the rounds run the same runs in the same order): each round's goodput against its
+    own baseline, their median, and the kills and wall times behind them."""
+    ratios = [goodput_ratios(rows) for rows in rounds]
+    lines = [
+        "| T (s) | spares | goodput per round | median goodput | kills per round | wall s per round |",
+        "|---|---|---|---:|---|---|",
+    ]
+    for index, row in enumerate(rounds[0]):
+        runs = [rows[index] for rows in rounds]
+        period = "no failures" if row.period is None else f"{row.period:g}"
+        per_round = [r[index] for r in ratios]
+        lines.append(
+            f"| {period} | {row.spares} | {' / '.join(f'{g:.2f}' for g in per_round)} | "
+            f"{statistics.median(per_round):.2f} | {' / '.join(str(len(r.outcome.kills)) for r in runs)} | "
+            f"{' / '.join(f'{r.outcome.wall_s:.1f}' for r in runs)} |"
+        )
+    return "\n".join(lines)
+
+
+def goodput_table(rows: list[GoodputRow]) -> str:
+    ratios = goodput_ratios(rows)
     lines = [
         "| T (s) | spares | kills | restarts | steps done | lost steps (redone) | restart s (median) | wall s | steps/s | goodput | metrics 1..N once |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for row in rows:
+    for row, ratio in zip(rows, ratios):
         rate = row.outcome.last_step / row.outcome.wall_s
         period = "no failures" if row.period is None else f"{row.period:g}"
         done = f"{row.outcome.last_step}" + ("" if row.outcome.finished else " (stopped)")
         lines.append(
             f"| {period} | {row.spares} | {len(row.outcome.kills)} | {row.restarts} | {done} | {row.lost_steps} | "
             f"{'-' if row.restart_s is None else f'{row.restart_s:.1f}'} | {row.outcome.wall_s:.1f} | "
-            f"{rate:.2f} | {rate / baseline:.2f} | {row.outcome.metrics_check} |"
+            f"{rate:.2f} | {ratio:.2f} | {row.outcome.metrics_check} |"
         )
     return "\n".join(lines)

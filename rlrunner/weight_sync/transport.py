@@ -7,7 +7,8 @@ At join (a collective of every actor rank and rollout worker, through the rendez
 At each sync, actor rank r broadcasts a header (magic, sync number, bucket size, number of buckets), then its
 pieces packed into buckets of at most `bucket_bytes` (two buffers: one is packed while the other is sent); the
 rollout workers post bucket k of every channel at once (the actor ranks send side by side) and unpack round k-1
-meanwhile. After any failure the channels are marked broken and must be joined again.
+meanwhile. After any failure a member closes its channels (its peers' waits on it fail at once, instead of at the
+channel's timeout) and must join again.
 """
 
 from __future__ import annotations
@@ -66,6 +67,13 @@ class _Member:
             stats = sync(bucket_bytes)
         except BaseException as exc:
             self.broken = describe(exc)
+            # Close our end at once, so that the peers still blocked on us fail now instead of at the channel's
+            # timeout: a sender waits for its receivers to post their buckets, so a receiver whose wait on a dead
+            # rank's channel failed would otherwise hold every other actor rank in its sync (unable to leave its
+            # process group). A gloo group's connections close when its last reference goes, and the pending works
+            # in the failed sync's frames hold it too: the traceback (which keeps those frames) is dropped.
+            self.close()
+            exc.__traceback__ = None
             raise
         finally:
             for channel in self.channels:

@@ -32,6 +32,7 @@ from rlrunner.runner.stopping import StopRequest
 from rlrunner.storage import basename
 
 STEPS = 10
+STEP_TIMEOUT_S = 30
 RUN = [
     "data.synthetic.num_problems=26",
     f"runner.max_steps={STEPS}",
@@ -39,7 +40,7 @@ RUN = [
     "rollout.max_new_tokens=2",
     "cluster.cpus_per_actor_worker=1",
     "cluster.cpus_per_rollout_worker=1",
-    "runner.recovery.step_timeout_s=30",
+    f"runner.recovery.step_timeout_s={STEP_TIMEOUT_S}",
     "runner.recovery.wait_timeout_s=120",
 ]
 
@@ -190,6 +191,11 @@ def test_actor_rank_killed_around_its_snapshot_copy(cluster, reference, tmp_path
     runner.run()
     failure = assert_restored_from_memory(tmp_path)
     assert "actor rank 0" in failure["cause"]
+    # Rank 1 was in its weight sync, blocked on the rollout worker, whose wait on rank 0's channel failed: the rollout
+    # worker closed its channels, so rank 1's sync failed at once and it left its process group, instead of waiting
+    # for the channel's timeout (runner.recovery.step_timeout_s) first.
+    [resumed] = recovery_events(tmp_path, "resumed")
+    assert resumed["replaced_ranks"] == [0] and resumed["leave_s"] < STEP_TIMEOUT_S / 2, resumed
     assert_matches_reference(tmp_path, reference)
 
 
