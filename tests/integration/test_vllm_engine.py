@@ -21,10 +21,12 @@ from typing import Any, Callable
 
 import psutil
 import pytest
+import ray
 import torch
 from omegaconf import OmegaConf
+from ray import cloudpickle
 
-from conftest import actor_worker_kwargs, read_metrics, run_config, without_time
+from conftest import Inspect, actor_worker_kwargs, read_metrics, run_config, without_time
 from rlrunner.algorithms.grpo import group_advantages
 from rlrunner.backends.fsdp.worker import FSDPActorWorker
 from rlrunner.cluster.worker_group import WorkerGroup
@@ -169,32 +171,49 @@ def test_a_killed_actor_rank_comes_back_from_memory_with_vllm(reference, tmp_pat
     assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
 
 
+def killing_the_engine_core_at_call(call: int):
+    """Run inside the rollout worker: its engine's `call`-th generate first SIGKILLs the engine core (the worker's child
+    process) and then goes on as if nothing had happened; returns the killed pid."""
+
+    def patch(worker) -> int | None:
+        engine, calls = worker.engine, []
+        original = engine.generate
+
+        def generate(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == call:
+                cores = [p for p in psutil.Process().children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+                os.kill(cores[0].pid, signal.SIGKILL)
+            return original(*args, **kwargs)
+
+        engine.generate = generate  # an instance attribute: the worker looks the engine's method up at each call
+        cores = [p for p in psutil.Process().children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+        return cores[0].pid if cores else None
+
+    return patch
+
+
 def test_a_killed_engine_core_hangs_generate_and_is_repaired_like_a_lost_worker(reference, tmp_path):
-    """With multiprocessing on, vLLM's engine core is a process of its own. Killed, it leaves a generate in flight hung
-    (the step's time bound turns that into a repairable failure) or makes the next call fail at once (the rollout worker
-    then exits): either way a lost rollout worker, whose group alone is replaced, and the run ends exactly as the
-    uninterrupted one (multiprocessing changes nothing in what is generated)."""
-    runner = Supervisor(run_config(tmp_path, *RUN, "rollout.vllm.multiprocessing=true", "runner.recovery.step_timeout_s=10"))
-    killed: list[int] = []
+    """With multiprocessing on, vLLM's engine core is a process of its own. Killed (here in step 3, just before its
+    generate), it leaves that generate hung (the step's time bound turns that into a repairable failure) or makes it
+    fail at once (the rollout worker then exits): either way a lost rollout worker, whose group alone is replaced, and
+    the run ends exactly as the uninterrupted one (multiprocessing changes nothing in what is generated)."""
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the rollout worker cannot import this test module
+    cores: list[int | None] = []
 
-    def kill_the_engine_core() -> None:
-        deadline = time.monotonic() + 300
-        committed = tmp_path / "test" / "checkpoints" / "global_step_2" / "manifest.json"
-        while time.monotonic() < deadline:
-            trainer = runner.trainer
-            if committed.exists() and trainer and trainer.rollout_group:
-                worker = psutil.Process(trainer.rollout_group.hosts[0]["pid"])
-                cores = [p for p in worker.children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) + p.name()]
-                if cores:
-                    killed.append(cores[0].pid)
-                    os.kill(cores[0].pid, signal.SIGKILL)
-                    return
-            time.sleep(0.05)
+    def patch_the_first_attempt(trainer) -> None:
+        if not cores:
+            worker = trainer.rollout_group.workers[0]
+            cores.append(ray.get(worker.__ray_call__.remote(killing_the_engine_core_at_call(3))))
 
-    threading.Thread(target=kill_the_engine_core, daemon=True).start()
+    runner = Supervisor(run_config(tmp_path, *RUN, "rollout.vllm.multiprocessing=true", "runner.recovery.step_timeout_s=10"),
+                        callbacks=[Inspect(on_start=patch_the_first_attempt)])
     runner.run()
-    assert killed, "no engine core was found to kill"
-    cause = rollout_repaired_alone(tmp_path)["cause"]
+    assert cores and cores[0] is not None, "the rollout worker has no engine core process"
+    assert not psutil.pid_exists(cores[0]), "the engine core was not killed"
+    repair = rollout_repaired_alone(tmp_path)
+    assert repair["step"] == 3, repair
+    cause = repair["cause"]
     assert cause.startswith("hang: the rollout group did not answer") or "rollout rank 0" in cause, cause
     # every step's metrics once, as the uninterrupted run logged them
     assert without_time(read_metrics(tmp_path / "test" / "metrics.jsonl")) == without_time(read_metrics(reference / "metrics.jsonl"))
