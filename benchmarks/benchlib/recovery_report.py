@@ -94,7 +94,10 @@ REBUILD_PARTS = [
     ("actor_start_s", "actor group: 2 processes started (or spares adopted), ping, process group"),
     ("rollout_start_s", "rollout group: process started (or a spare adopted), ping (beside the actor group's)"),
     ("actor_setup_s", "then: actor setup (model built and sharded, optimizer; waits for the rollout group), channels"),
-    ("rebuild_s", "rebuild_s (actor group start + the row above)"),
+    ("leave_s", "a rank replaced alone: the survivors leave their process group"),
+    ("join_s", "a rank replaced alone: the replacement (spare or new process) joins, process group formed again"),
+    ("setup_s", "a rank replaced alone: every rank sets its model up again"),
+    ("rebuild_s", "rebuild_s (actor group start + actor setup; or leave + join + setup)"),
     ("load_s", "load_s (storage probe, snapshot or checkpoint load, weight sync)"),
 ]
 

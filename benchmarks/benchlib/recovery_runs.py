@@ -70,11 +70,15 @@ def attempt_timings(supervisor: Supervisor) -> dict[str, float]:
     """The live attempt's start-up: the trainer's start_timings and each WorkerGroup's start_s (workers
     created or adopted + ping + process group). Both groups start side by side; once the actor group is up, its
     `setup` call (model built and sharded) runs while the rollout group may still be starting: rebuild_s minus the
-    actor group's start_s is that, plus the weight-sync channels."""
+    actor group's start_s is that, plus the weight-sync channels. A lost rank replaced alone has its own phases instead
+    (leave_s, join_s, setup_s)."""
     trainer = supervisor.trainer
     if trainer is None:
         return {}
-    timings = {key: float(value) for key, value in trainer.start_timings.items()}
+    # the numbers only (a lost rank replaced alone also records which ranks: `replaced_ranks`)
+    timings = {key: float(value) for key, value in trainer.start_timings.items() if isinstance(value, (int, float))}
+    if "leave_s" in timings:  # a lost rank replaced alone: the groups were not started again (their start_s is old)
+        return timings
     for name, group in (("actor", trainer.actor_group), ("rollout", trainer.rollout_group)):
         start_s = getattr(group, "start_s", None)
         if start_s is not None:

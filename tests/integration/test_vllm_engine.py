@@ -14,8 +14,6 @@ import json
 import os
 import signal
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,20 +53,50 @@ def rollout_repaired_alone(output_dir: Path) -> dict:
     return events[0]
 
 
-def kill_once(when: Callable[[], Any], pid: Callable[[], int], timeout_s: float = 300) -> list[int]:
-    """SIGKILL the process `pid()` names, from a thread, as soon as `when()` holds; the list gets its pid then."""
-    killed: list[int] = []
+def engine_core_pids() -> list[int]:
+    """Run inside a rollout worker: the pids of its vLLM engine core processes (multiprocessing on)."""
+    return [p.pid for p in psutil.Process().children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) + p.name()]
 
-    def watch() -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not killed:
-            if when():
-                killed.append(pid())
-                os.kill(killed[0], signal.SIGKILL)
-            time.sleep(0.01)
 
-    threading.Thread(target=watch, daemon=True).start()
-    return killed
+def kill_at_call(call: int, owner_of: Callable[[Any], Any], name: str, victims: Callable[[], list[int]]):
+    """Run inside a worker: the `call`-th call of `owner_of(worker).<name>` first SIGKILLs `victims()` (the worker's
+    own process, or its engine core) and then goes on as if nothing had happened. Returns the victims' pids as they
+    are when patched."""
+
+    def patch(worker) -> list[int]:
+        owner, calls = owner_of(worker), []
+        original = getattr(owner, name)
+
+        def killing(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == call:
+                for pid in victims():
+                    os.kill(pid, signal.SIGKILL)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, killing)
+        return victims()
+
+    return patch
+
+
+def own_process() -> list[int]:
+    return [os.getpid()]
+
+
+def patched_at_the_first_start(group: str, rank: int, patch) -> tuple[Inspect, list[list[int]]]:
+    """A Supervisor callback applying `patch` to worker `rank` of `group` ("actor" or "rollout") as the first attempt is
+    ready to train, so that what it does happens at a known call, not when a watcher thread gets to it (a race with the
+    end of a 4-step run); the list gets what `patch` returned."""
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
+    done: list[list[int]] = []
+
+    def on_start(trainer) -> None:
+        if not done:
+            worker = getattr(trainer, f"{group}_group").workers[rank]
+            done.append(ray.get(worker.__ray_call__.remote(patch)))
+
+    return Inspect(on_start=on_start), done
 
 
 @pytest.fixture(scope="module")
@@ -133,64 +161,43 @@ def test_weights_pushed_into_vllm_give_the_hf_engines_greedy_output(ray_session,
 
 
 def test_runs_are_the_same_for_any_rollout_worker_count_and_after_a_killed_rollout_worker(reference, tmp_path):
-    """Two rollout workers instead of one, and the second killed once global_step_2 is committed: the rollout group
+    """Two rollout workers instead of one, and the second killed in step 3's generation: the rollout group
     alone is replaced (no checkpoint loaded, no step lost) and the run logs the uninterrupted one-worker run's
     metrics, bit for bit."""
     expected = without_time(read_metrics(reference / "metrics.jsonl"))
     assert [m["step"] for m in expected] == [1, 2, 3, 4]
     assert all(m["rollout/logprob_abs_diff"] < 1e-3 for m in expected)  # vLLM's log-probs against the actor's
     out = tmp_path / "two"
-    runner = Supervisor(run_config(out, *RUN, "rollout.num_workers=2", "rollout.generation_batch_size=1"))
-    committed = out / "test" / "checkpoints" / "global_step_2" / "manifest.json"
-    killed = kill_once(lambda: committed.exists() and runner.trainer and runner.trainer.rollout_group,
-                       lambda: runner.trainer.rollout_group.hosts[1]["pid"])
+    # the second worker dies inside its third generate (step 3's)
+    callback, killed = patched_at_the_first_start("rollout", 1, kill_at_call(3, lambda w: w.engine, "generate", own_process))
+    runner = Supervisor(run_config(out, *RUN, "rollout.num_workers=2", "rollout.generation_batch_size=1"),
+                        callbacks=[callback])
     runner.run()
-    assert killed, "the rollout worker was not killed"
+    assert killed and not psutil.pid_exists(killed[0][0]), "the rollout worker was not killed"
     repairs = rollout_repaired_alone(out)
-    assert "rollout rank 1" in repairs["cause"], repairs
+    assert "rollout rank 1" in repairs["cause"] and repairs["step"] == 3, repairs
     assert without_time(read_metrics(out / "test" / "metrics.jsonl")) == expected
 
 
 def test_a_killed_actor_rank_comes_back_from_memory_with_vllm(reference, tmp_path):
-    """An actor rank killed once step 2 is logged: the new attempt (new vLLM engines too) loads the in-memory snapshot
-    of the last completed step, redoes no step, and ends with the uninterrupted run's metrics and weights."""
-    runner = Supervisor(run_config(tmp_path, *RUN))
-    metrics = tmp_path / "test" / "metrics.jsonl"
-    killed = kill_once(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2 and runner.trainer.actor_group,
-                       lambda: runner.trainer.actor_group.hosts[1]["pid"])
+    """An actor rank killed in step 3's update: the rank is replaced (the rollout worker and its vLLM engine are kept)
+    and loads the in-memory snapshot of the last completed step, no step is redone, and the run ends with the
+    uninterrupted run's metrics and weights."""
+    # each rank's update has 2 micro-batches (8 rows of 4): the 5th loss is step 3's first
+    callback, killed = patched_at_the_first_start(
+        "actor", 1, kill_at_call(5, lambda w: sys.modules["rlrunner.backends.actor"], "clipped_policy_loss", own_process))
+    runner = Supervisor(run_config(tmp_path, *RUN), callbacks=[callback])
     runner.run()
-    assert killed, "the actor rank was not killed"
+    assert killed and not psutil.pid_exists(killed[0][0]), "the actor rank was not killed"
     events = [json.loads(line) for line in (tmp_path / "test" / "recovery.jsonl").read_text().splitlines()]
     failure = next(e for e in events if e["event"] == "failure")
     resumed = next(e for e in events if e["event"] == "resumed")
     assert failure["restore_from"] == "snapshot" and failure["lost_steps"] == 0, failure
-    assert resumed["source"] == "snapshot" and resumed["step"] == failure["step"] >= 2, resumed
+    assert resumed["source"] == "snapshot" and resumed["step"] == failure["step"] == 2, resumed
     assert without_time(read_metrics(tmp_path / "test" / "metrics.jsonl")) == without_time(read_metrics(reference / "metrics.jsonl"))
     weights = load_model_weights(tmp_path / "test" / "checkpoints" / "global_step_4")
     expected = load_model_weights(reference / "checkpoints" / "global_step_4")
     assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
-
-
-def killing_the_engine_core_at_call(call: int):
-    """Run inside the rollout worker: its engine's `call`-th generate first SIGKILLs the engine core (the worker's child
-    process) and then goes on as if nothing had happened; returns the killed pid."""
-
-    def patch(worker) -> int | None:
-        engine, calls = worker.engine, []
-        original = engine.generate
-
-        def generate(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == call:
-                cores = [p for p in psutil.Process().children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) + p.name()]
-                os.kill(cores[0].pid, signal.SIGKILL)
-            return original(*args, **kwargs)
-
-        engine.generate = generate  # an instance attribute: the worker looks the engine's method up at each call
-        cores = [p for p in psutil.Process().children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) + p.name()]
-        return cores[0].pid if cores else None
-
-    return patch
 
 
 def test_a_killed_engine_core_hangs_generate_and_is_repaired_like_a_lost_worker(reference, tmp_path):
@@ -198,19 +205,12 @@ def test_a_killed_engine_core_hangs_generate_and_is_repaired_like_a_lost_worker(
     generate), it leaves that generate hung (the step's time bound turns that into a repairable failure) or makes it
     fail at once (the rollout worker then exits): either way a lost rollout worker, whose group alone is replaced, and
     the run ends exactly as the uninterrupted one (multiprocessing changes nothing in what is generated)."""
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the rollout worker cannot import this test module
-    cores: list[int | None] = []
-
-    def patch_the_first_attempt(trainer) -> None:
-        if not cores:
-            worker = trainer.rollout_group.workers[0]
-            cores.append(ray.get(worker.__ray_call__.remote(killing_the_engine_core_at_call(3))))
-
+    callback, cores = patched_at_the_first_start("rollout", 0, kill_at_call(3, lambda w: w.engine, "generate", engine_core_pids))
     runner = Supervisor(run_config(tmp_path, *RUN, "rollout.vllm.multiprocessing=true", "runner.recovery.step_timeout_s=10"),
-                        callbacks=[Inspect(on_start=patch_the_first_attempt)])
+                        callbacks=[callback])
     runner.run()
-    assert cores and cores[0] is not None, "the rollout worker has no engine core process"
-    assert not psutil.pid_exists(cores[0]), "the engine core was not killed"
+    assert cores and len(cores[0]) == 1, f"the rollout worker has no engine core process of its own: {cores}"
+    assert not psutil.pid_exists(cores[0][0]), "the engine core was not killed"
     repair = rollout_repaired_alone(tmp_path)
     assert repair["step"] == 3, repair
     cause = repair["cause"]
