@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -146,6 +147,30 @@ class VLLMEngine(RolloutEngine):
             kv_cache_memory_bytes=None if kv_cache_gb is None else int(kv_cache_gb * (1 << 30)),
         )
         self.sink = VLLMSink(self)
+        self.closing = False
+        if self.multiprocessing:
+            self._watch_engine_core()
+
+    def _watch_engine_core(self) -> None:
+        """With multiprocessing on, the engine core is a child process: when it dies (killed, out of memory) a
+        generate in flight never returns, so a thread watches it and makes this worker exit at once (Ray then reports
+        the worker lost, repaired like any lost rollout worker) instead of the step's time bound finding a hang."""
+        import psutil  # vLLM's own dependency
+
+        cores = [p for p in psutil.Process().children(recursive=True) if "EngineCore" in _process_title(p)]
+        if not cores:
+            logger.warning("no vLLM engine core process found among this worker's children: its loss is found by the "
+                           "step's time bound (runner.recovery.step_timeout_s)")
+            return
+
+        def watch() -> None:
+            gone: list = []
+            while not gone:
+                gone, _ = psutil.wait_procs(cores, timeout=1.0)
+            if not self.closing:
+                _exit_for_dead_engine(f"process {gone[0].pid} exited")
+
+        threading.Thread(target=watch, name="vllm-engine-core-watch", daemon=True).start()
 
     def generate(self, chunks: Sequence[Sequence[SampleRequest]]) -> list[list[Completion]]:
         from vllm import SamplingParams
@@ -207,25 +232,38 @@ class VLLMEngine(RolloutEngine):
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
+        self.closing = True  # the engine core's exit is expected from now on
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()  # the engine core (its own processes, with multiprocessing on)
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def _process_title(process) -> str:
+    try:
+        return " ".join(process.cmdline()) + " " + process.name()
+    except Exception:  # gone meanwhile, or not readable
+        return ""
+
+
+def _exit_for_dead_engine(why: str) -> None:
+    logger.error("the vLLM engine core is dead (%s): this rollout worker exits, to be replaced", why)
+    logging.shutdown()
+    os._exit(1)
+
+
 @contextlib.contextmanager
 def _engine_alive() -> Iterator[None]:
     """A dead engine core (killed, or out of memory) makes its rollout worker exit: Ray then reports the worker lost,
-    which the run repairs like any lost worker. (A generate in flight when the core dies does not return at all; the
-    step's time bound, runner.recovery.step_timeout_s, turns that into a hang, repaired the same way.)"""
+    which the run repairs like any lost worker. (A generate in flight when the core dies does not return at all: the
+    engine's watcher thread makes the worker exit then; were it missing, the step's time bound,
+    runner.recovery.step_timeout_s, would turn that into a hang, repaired the same way.)"""
     from vllm.v1.engine.exceptions import EngineDeadError
 
     try:
         yield
     except EngineDeadError as exc:
-        logger.error("the vLLM engine core is dead (%s): this rollout worker exits, to be replaced", first_line(exc))
-        logging.shutdown()
-        os._exit(1)
+        _exit_for_dead_engine(first_line(exc))
 
 
 class VLLMSink(WeightSink):
