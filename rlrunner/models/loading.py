@@ -11,6 +11,7 @@ import torch
 
 from rlrunner.checkpoint.layout import ACTOR_HF_DIR, HF_DIR
 from rlrunner.errors import ConfigError, describe
+from rlrunner.models.hf_tensors import HFTensors, SafetensorsFolder, SeededInit, StateDict, tied_aliases
 from rlrunner.models.tokenizer import build_char_tokenizer
 
 TINY_CONFIG_PATH = Path(__file__).with_name("tiny_qwen2.json")
@@ -118,25 +119,19 @@ def build_model(
     dtype: str | None = None,
     read_weights: Callable[[Any], dict[str, torch.Tensor]] | None = None,
 ) -> torch.nn.Module:
-    """The causal LM on CPU: the weights `read_weights(config)` returns (model.path is a training checkpoint), or
-    pretrained weights from the `model.path` HF folder, or a random init seeded by `seed`.
+    """The whole causal LM on CPU: the weights `read_weights(config)` returns (model.path is a training checkpoint),
+    or pretrained weights from the `model.path` HF folder, or the random init seeded by `seed`.
 
-    Every rank that calls this with the same arguments gets bit-identical weights.
-    """
+    Every rank that calls this with the same arguments gets bit-identical weights. What a process that needs the
+    whole model calls (a rollout worker, a converter); a training rank builds only its part (`initial_tensors`)."""
     from transformers import AutoModelForCausalLM
 
     config = build_hf_config(model_cfg, tokenizer)
     torch_type = torch_dtype(dtype or model_cfg["dtype"])
     attn = model_cfg["attn_implementation"]
-    if read_weights is not None:
-        state = read_weights(config)
-        with torch.random.fork_rng(devices=[]):  # the init is overwritten; it must not move the caller's RNG
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch_type)
-        if config.tie_word_embeddings:
-            state["lm_head.weight"] = state["model.embed_tokens.weight"]
-        model.load_state_dict({k: v.to(torch_type) for k, v in state.items()}, strict=True)
-    elif model_cfg["path"] is None:
-        model = random_model(config, seed, attn, torch_type)
+    if read_weights is not None or model_cfg["path"] is None:
+        model = meta_model(config, attn, torch_type)
+        materialize(model, initial_tensors(model_cfg, config, seed, model, read_weights), config)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             str(Path(model_cfg["path"]).expanduser()), config=config, attn_implementation=attn, dtype=torch_type
@@ -145,14 +140,67 @@ def build_model(
     return model
 
 
-def random_model(config: Any, seed: int, attn_implementation: str, dtype: torch.dtype) -> torch.nn.Module:
-    """The causal LM of `config` with random weights seeded by `seed` (the caller's RNG is left as it was)."""
+def meta_model(config: Any, attn_implementation: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The causal LM of `config` on the meta device: its structure, names and shapes, and no storage."""
     from transformers import AutoModelForCausalLM
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     model.config.use_cache = False
+    return model
+
+
+def initial_tensors(
+    model_cfg: Mapping[str, Any],
+    config: Any,
+    seed: int,
+    model: torch.nn.Module,
+    read_weights: Callable[[Any], dict[str, torch.Tensor]] | None = None,
+) -> HFTensors:
+    """Where the run's initial weights are read from, slice by slice: a training checkpoint's weights (read whole by
+    `read_weights`), the `model.path` folder (safetensors slices, or memory-mapped `.bin` files), or the random
+    init of `model` (a meta-device model is enough) seeded by `seed`."""
+    if read_weights is not None:
+        return StateDict(read_weights(config), aliases=tied_aliases(config))
+    if model_cfg["path"] is None:
+        return SeededInit(model, config, seed)
+    folder = Path(model_cfg["path"]).expanduser()
+    if any(folder.glob("*.safetensors")):
+        return SafetensorsFolder(folder, config)
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("pytorch_model*.bin")):
+        state.update(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
+    return StateDict(state, aliases=tied_aliases(config))
+
+
+@torch.no_grad()
+def materialize(model: torch.nn.Module, tensors: HFTensors, config: Any) -> None:
+    """Give the meta-device `model` CPU storage and its weights from `tensors`, one parameter at a time."""
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives each module its own tensor: a tied output layer would come untied
+    for name, param in model.named_parameters():
+        param.copy_(tensors.read(name))
+    restore_buffers(model, config, torch.device("cpu"))
+
+
+def restore_buffers(model: torch.nn.Module, config: Any, device: torch.device) -> None:
+    """Recompute the buffers `to_empty` left uninitialised: the rotary tables (a model's only buffers here), from a
+    rotary module built again from `config`; NotImplementedError for any other buffer."""
+    rotary = {name for name, module in model.named_modules() if type(module).__name__.endswith("RotaryEmbedding")}
+    for name, module in model.named_modules():
+        if name in rotary:
+            fresh = type(module)(config=config)
+            for key, buffer in module.named_buffers(recurse=False):
+                module._buffers[key] = fresh.get_buffer(key).to(device=device, dtype=buffer.dtype)
+        elif any(True for _ in module.named_buffers(recurse=False)):
+            raise NotImplementedError(f"{name or 'the model'} has buffers a meta-device build cannot restore")
+
+
+def random_model(config: Any, seed: int, attn_implementation: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The causal LM of `config` with the random init seeded by `seed` (`SeededInit`: the same weights a training
+    rank builds its part of; no RNG is used)."""
+    model = meta_model(config, attn_implementation, dtype)
+    materialize(model, SeededInit(model, config, seed), config)
     return model
 
 

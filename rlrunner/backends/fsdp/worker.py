@@ -10,9 +10,10 @@ import torch.distributed as dist
 
 from rlrunner.backends.actor import ActorWorker
 from rlrunner.backends.fsdp.dcp_state import fsdp_state, load_fsdp_state, new_stager, start_dcp_save
-from rlrunner.backends.fsdp.weights import FSDPWeightSource
+from rlrunner.backends.fsdp.weights import FSDPWeightSource, shard_rows
 from rlrunner.backends.optim import apply_schedule, build_optimizer
-from rlrunner.models.loading import build_model, build_tokenizer, torch_dtype
+from rlrunner.models.hf_tensors import HFTensors
+from rlrunner.models.loading import build_hf_config, build_tokenizer, initial_tensors, meta_model, restore_buffers, torch_dtype
 from rlrunner.weight_sync.endpoints import WeightSource
 
 
@@ -30,6 +31,19 @@ def shard_model(model: torch.nn.Module, param_dtype: str, reduce_dtype: str, tra
     fully_shard(model, mp_policy=policy)
     model.requires_grad_(trainable)
     return model
+
+
+@torch.no_grad()
+def fill_own_rows(model: torch.nn.Module, tensors: HFTensors) -> None:
+    """Copy into each parameter's local shard (its dim-0 rows, FSDP2's torch.chunk split) those rows of the HF tensor."""
+    for name, param in model.named_parameters():
+        local = _local(param)
+        if hasattr(param, "device_mesh"):
+            start, stop = shard_rows(param.shape[0], param.device_mesh.size(), param.device_mesh.get_local_rank())
+        else:
+            start, stop = 0, param.shape[0]
+        if stop > start:
+            local.copy_(tensors.read(name, 0, start, stop).reshape(local.shape))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -67,8 +81,16 @@ class FSDPActorWorker(ActorWorker):
             self.ref_model.eval()
 
     def _build(self, tokenizer, trainable: bool) -> torch.nn.Module:
-        model = build_model(self.model_cfg, tokenizer, self.init_seed, dtype="float32", read_weights=self.read_weights)
-        return shard_model(model.to(self.device), self.actor_cfg["param_dtype"], self.actor_cfg["reduce_dtype"], trainable)
+        # Sharded while on the meta device; then each rank gives storage to its own rows only and reads (or generates)
+        # just those rows of each HF tensor, one tensor at a time: no rank holds the whole model.
+        config = build_hf_config(self.model_cfg, tokenizer)
+        model = meta_model(config, self.model_cfg["attn_implementation"], torch.float32)
+        tensors = initial_tensors(self.model_cfg, config, self.init_seed, model, self.read_weights)
+        shard_model(model, self.actor_cfg["param_dtype"], self.actor_cfg["reduce_dtype"], trainable)
+        model.to_empty(device=self.device)
+        fill_own_rows(model, tensors)
+        restore_buffers(model, config, self.device)
+        return model
 
     # -- the update's backend parts ------------------------------------------------------------
 

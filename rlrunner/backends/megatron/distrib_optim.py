@@ -3,12 +3,13 @@
 Each rank of a tensor-parallel (TP) x data-parallel (DP) layout holds its TP shard of the model. The DP replicas
 of one TP rank hold the same parameters, so they split the optimizer's work between them:
 
-* the local parameters are flattened (in the given order) into one fp32 index space of N elements, padded to a
-  multiple of the DP size D; DP rank d owns elements [d*N/D, (d+1)*N/D);
-* a fp32 "main" copy of the owned slice is the single parameter of an inner `torch.optim.AdamW`, so the moments
-  cost 1/D of the unsharded optimizer on each replica;
-* after a step each replica writes its updated slice and one all_gather over DP gives every replica the whole,
-  identical update.
+* the local parameters are views of one fp32 buffer (in the given order) of N elements, padded to a multiple of
+  the DP size D, and their gradients views of a second one; DP rank d owns elements [d*N/D, (d+1)*N/D);
+* the owned slice of the parameter buffer is the single parameter of an inner `torch.optim.AdamW` (the "main"
+  weights are the model's own: no copy), so the moments cost 1/D of the unsharded optimizer on each replica, and a
+  rank holds 4 + 4 + 8/D bytes per parameter;
+* after a step each replica has updated its slice in place, and one all_gather over DP into the buffer gives every
+  replica the whole, identical update.
 
 The gradient norm is the whole model's: TP-sharded parameters' squares are summed over the TP group, replicated
 ones (layer norms, identical on every TP rank) are counted once. `full_state` returns the moments per parameter
@@ -40,7 +41,10 @@ class DistributedAdamW:
         betas: tuple[float, float],
         weight_decay: float,
         eps: float = 1e-8,
+        device: torch.device | str | None = None,
     ):
+        """`named_params` (fp32) become views of this optimizer's buffer: their values are kept, or zero for parameters
+        on the meta device (a model built there gets its storage here, and its weights are copied in afterwards)."""
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
         _check_names(self.names, replicated)
@@ -49,7 +53,10 @@ class DistributedAdamW:
         self.dp_size = dist.get_world_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group)
         self.tp_size = dist.get_world_size(tp_group)
-        self.device = self.params[0].device
+        self.device = torch.device(device) if device is not None else self.params[0].device
+        not_fp32 = [(name, param.dtype) for name, param in named_params if param.dtype != torch.float32]
+        if not_fp32:
+            raise ValueError(f"DistributedAdamW steps fp32 parameters in place, and {not_fp32[0][0]!r} is {not_fp32[0][1]}")
 
         self.offsets = _offsets(self.params)
         self.numel = self.offsets[-1]
@@ -57,10 +64,11 @@ class DistributedAdamW:
         start = self.dp_rank * self.slice_size
         self.owned = slice(start, start + self.slice_size)
 
-        with torch.no_grad():
-            self.main = torch.nn.Parameter(self._flat_params()[self.owned].clone())
-        # what the model held after our last write, to notice weights loaded into the model from outside
-        self._written = self.main.detach().clone()
+        self.flat_params = bind_to_buffer(self.params, self.slice_size * self.dp_size, self.device)
+        self.flat_grads = self._padded()
+        for param, view in zip(self.params, self._views(self.flat_grads)):
+            param.grad = view  # autograd accumulates into it in place: the gradients are never copied
+        self.main = torch.nn.Parameter(self.flat_params[self.owned])  # the model's owned weights themselves
         # foreach=False: the plain per-element AdamW, the same bits whatever slice an element falls in
         self.optimizer = torch.optim.AdamW(
             [self.main], lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, foreach=False
@@ -69,42 +77,50 @@ class DistributedAdamW:
     # --- gradients ---------------------------------------------------------------------------------------------
 
     def reduce_gradients(self) -> None:
-        """Average every parameter's `.grad` over the DP group (one flat fp32 all_reduce)."""
-        flat = self._flat_grads()
+        """Average every parameter's `.grad` over the DP group (one all_reduce of the gradient buffer, in place)."""
+        self._grads_in_buffer()
         if self.dp_size > 1:
-            dist.all_reduce(flat, group=self.dp_group)
-            flat.div_(self.dp_size)
-        for param, view in zip(self.params, self._views(flat)):
-            if param.grad is None:
-                param.grad = view.to(param.dtype).clone()
-            else:
-                param.grad.copy_(view)
+            dist.all_reduce(self.flat_grads, group=self.dp_group)
+            self.flat_grads.div_(self.dp_size)
 
     def grad_norm(self) -> float:
         """L2 norm of the whole model's gradient; the same value on every rank (after `reduce_gradients`)."""
-        return self._norm(self._flat_grads())
+        return self._norm(self.flat_grads)
 
     def clip_and_step(self, max_norm: float) -> float:
         """Clip the gradient to `max_norm` (clip_grad_norm_'s rule) and take one AdamW step; returns the norm.
 
         A non-finite norm skips the step (nothing changes, the step count included) on every rank alike.
         """
-        flat = self._flat_grads()
-        norm = self._norm(flat)
+        norm = self._norm(self.flat_grads)
         if not math.isfinite(norm):
             return norm
         coef = min(1.0, max_norm / (norm + 1e-6))
-        self._adopt_loaded_weights()
-        self.main.grad = flat[self.owned].mul_(coef) if coef < 1.0 else flat[self.owned]
-        self.optimizer.step()
+        owned = self.flat_grads[self.owned]
+        self.main.grad = owned.mul_(coef) if coef < 1.0 else owned
+        self.optimizer.step()  # updates this rank's slice of the model's weights in place
         self.main.grad = None
-        self._write_params(self._gather(self.main.detach()))
+        if self.dp_size > 1:  # every replica's slice into every replica's buffer
+            dist.all_gather(list(self.flat_params.chunk(self.dp_size)), self.main.detach().clone(), group=self.dp_group)
         return norm
 
     def zero_grad(self) -> None:
-        """Drop every parameter's gradient (set_to_none)."""
-        for param in self.params:
-            param.grad = None
+        """Zero every parameter's gradient (they stay views of the gradient buffer)."""
+        self.flat_grads.zero_()
+        self._grads_in_buffer()
+
+    @torch.no_grad()
+    def _grads_in_buffer(self) -> None:
+        """A `.grad` set from outside (replaced, or set to None) goes back to being its view of the gradient buffer,
+        with the value it was given (None: zero)."""
+        for param, view in zip(self.params, self._views(self.flat_grads)):
+            if param.grad is None:
+                view.zero_()
+            elif param.grad.data_ptr() == view.data_ptr():
+                continue
+            else:
+                view.copy_(param.grad)
+            param.grad = view
 
     # --- state ---------------------------------------------------------------------------------------------
 
@@ -132,16 +148,15 @@ class DistributedAdamW:
         self.optimizer.load_state_dict(saved)
 
     def local_state(self) -> dict[str, Any]:
-        """This DP rank's own part of the state, live (no collective): its fp32 main slice and the inner AdamW's state."""
-        return {"main": self.main.detach(), "optimizer": self.optimizer.state_dict()}
+        """This DP rank's own part of the state, live (no collective): the inner AdamW's state (its weights are the
+        model's)."""
+        return {"optimizer": self.optimizer.state_dict()}
 
     @torch.no_grad()
     def load_local_state(self, state: dict[str, Any]) -> None:
-        """Put back what `local_state` gave, on the same DP rank of the same layout, once the model holds the weights
-        of the same moment (they are taken as this optimizer's own last write)."""
-        self.main.copy_(state["main"])
+        """Put back what `local_state` gave, on the same DP rank of the same layout (the model's weights of the same
+        moment are loaded into the model)."""
         self.optimizer.load_state_dict(state["optimizer"])
-        self._written = self._flat_params()[self.owned]
 
     def param_groups_state(self) -> dict[str, Any]:
         """The hyperparameters and step count as plain Python values (the checkpoint's `optimizer` entry)."""
@@ -170,12 +185,6 @@ class DistributedAdamW:
                 view.copy_(tensor.detach())
         return flat
 
-    def _flat_params(self) -> torch.Tensor:
-        return self._flatten(list(self.params))
-
-    def _flat_grads(self) -> torch.Tensor:
-        return self._flatten([param.grad for param in self.params])
-
     def _flatten_named(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         return self._flatten([tensors[name] for name in self.names])
 
@@ -203,25 +212,6 @@ class DistributedAdamW:
             # one rank's copy skip the step on all of them rather than on that rank alone
             sums = torch.stack([gathered[:, 0].sum(), gathered[:, 1].max()])
         return math.sqrt(sums.sum().item())
-
-    @torch.no_grad()
-    def _adopt_loaded_weights(self) -> None:
-        """Take into the main copy the owned elements the model's weights changed since our last write.
-
-        A checkpoint's weights loaded into the model must not be overwritten by a stale main copy; elements left
-        alone keep the main copy's fp32 bits (a bf16 model would otherwise lose them at every step).
-        """
-        current = self._flat_params()[self.owned]
-        if not torch.equal(current, self._written):
-            changed = current != self._written
-            self.main[changed] = current[changed]
-
-    @torch.no_grad()
-    def _write_params(self, flat: torch.Tensor) -> None:
-        """Copy the gathered update into the model; the main copy already holds its own slice, in fp32."""
-        for param, view in zip(self.params, self._views(flat)):
-            param.copy_(view)
-        self._written = self._flat_params()[self.owned]
 
     def _check_state(self, state: dict[str, Any]) -> int:
         """The state's step count; ValueError naming the first key that does not fit this optimizer."""
@@ -271,3 +261,21 @@ def _offsets(params: list[torch.nn.Parameter]) -> list[int]:
 def _step_of(state: dict[str, Any]) -> int:
     step = state.get("step", 0)
     return int(step.item() if isinstance(step, torch.Tensor) else step)
+
+
+@torch.no_grad()
+def bind_to_buffer(params: list[torch.nn.Parameter], numel: int, device: torch.device | str) -> torch.Tensor:
+    """Make each of `params` a view of one zeroed fp32 buffer of `numel` elements (in order, any rest padding), which
+    is returned. A parameter with storage keeps its values; one on the meta device gets its storage here (zeros).
+    The Parameter objects stay the same (their contents are swapped), so modules and optimizers still hold them."""
+    flat = torch.zeros(numel, dtype=torch.float32, device=device)
+    offset = 0
+    for param in params:
+        view = flat[offset : offset + param.numel()].view(param.shape)
+        offset += param.numel()
+        if param.device.type != "meta":
+            view.copy_(param.detach())
+        torch.utils.swap_tensors(param, torch.nn.Parameter(view, requires_grad=param.requires_grad))
+    if offset > numel:
+        raise ValueError(f"{offset} parameter elements do not fit a buffer of {numel}")
+    return flat

@@ -33,6 +33,8 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from rlrunner.models.hf_tensors import HFTensors, StateDict
+
 SUPPORTED_MODEL_TYPES = ("qwen2",)
 DEFAULT_VOCAB_DIVISIBLE_BY = 128  # megatron's --make-vocab-size-divisible-by default
 EXTRA_STATE = "_extra_state"
@@ -171,73 +173,91 @@ def _check_hf_state(state: Mapping[str, torch.Tensor], dims: Qwen2Dims) -> None:
         raise ValueError(f"model.embed_tokens.weight has {vocab_rows} rows but the config's vocab_size is {dims.vocab_size}")
 
 
-def _piece(tensor: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
-    """Rank `rank`'s contiguous 1/parts of `tensor` along `dim`, as its own storage (torch.save of a view would
-    save the whole tensor)."""
-    return tensor.chunk(parts, dim=dim)[rank].clone(memory_format=torch.contiguous_format)
-
-
-def _vocab_piece(weight: torch.Tensor, padded: int, rank: int, tp: int) -> torch.Tensor:
+def _vocab_piece(tensors: HFTensors, name: str, vocab_size: int, padded: int, rank: int, tp: int) -> torch.Tensor:
+    """Rank `rank`'s run of padded vocabulary rows: the real rows it holds, zeros below them for the padding."""
     rows = padded // tp
-    start = rank * rows
-    out = weight.new_zeros((rows, weight.shape[1]))
-    stop = min(start + rows, weight.shape[0])
-    if stop > start:
-        out[: stop - start] = weight[start:stop]
+    start = min(rank * rows, vocab_size)
+    real = tensors.read(name, 0, start, min(rank * rows + rows, vocab_size))  # empty for a rank of padding only
+    out = torch.zeros((rows, *real.shape[1:]), dtype=real.dtype)
+    out[: real.shape[0]] = real
     return out
 
 
-def _fused_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: Qwen2Dims, rank: int, tp: int) -> torch.Tensor:
+def _split(tensors: HFTensors, name: str, dim: int, rank: int, tp: int) -> torch.Tensor:
+    """Rank `rank`'s contiguous 1/tp of tensor `name` along `dim` (torch.chunk's split; the sizes divide here)."""
+    size = tensors.shape(name)[dim] // tp
+    return tensors.read(name, dim, rank * size, (rank + 1) * size)
+
+
+def _fused_qkv(tensors: HFTensors, prefix: str, suffix: str, dims: Qwen2Dims, rank: int, tp: int) -> torch.Tensor:
     """Rank `rank`'s fused QKV rows (weight [out, in] or bias [out]): per group, its query heads, key head, value head."""
     groups = dims.num_kv_heads // tp
     first = rank * groups
-    tail = q.shape[1:]
-    q = q.reshape(dims.num_kv_heads, dims.heads_per_group * dims.head_dim, *tail)[first : first + groups]
-    k = k.reshape(dims.num_kv_heads, dims.head_dim, *tail)[first : first + groups]
-    v = v.reshape(dims.num_kv_heads, dims.head_dim, *tail)[first : first + groups]
-    return torch.cat([q, k, v], dim=1).reshape(-1, *tail).contiguous()
+    parts = []
+    for n, rows in (("q", dims.heads_per_group * dims.head_dim), ("k", dims.head_dim), ("v", dims.head_dim)):
+        part = tensors.read(f"{prefix}{n}_proj.{suffix}", 0, first * rows, (first + groups) * rows)
+        parts.append(part.reshape(groups, rows, *part.shape[1:]))
+    return torch.cat(parts, dim=1).reshape(-1, *parts[0].shape[2:]).contiguous()
 
 
 def hf_to_megatron_rank(
-    state: Mapping[str, torch.Tensor],
+    state: Mapping[str, torch.Tensor] | HFTensors,
     config: Any,
     tp: int,
     rank: int,
     divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
 ) -> dict[str, torch.Tensor | None]:
-    """Tensor-parallel rank `rank`'s megatron-core model dict from a full HF Qwen2 state dict (the HF tensors are
-    only read; every returned tensor has its own storage)."""
+    """Tensor-parallel rank `rank`'s megatron-core model dict from a full HF Qwen2 state dict, or from `HFTensors`
+    (then only this rank's rows and columns are read). Every returned tensor has its own storage; the HF tensors
+    are only read."""
+    return dict(iter_hf_to_megatron_rank(state, config, tp, rank, divisible_by))
+
+
+def iter_hf_to_megatron_rank(
+    state: Mapping[str, torch.Tensor] | HFTensors,
+    config: Any,
+    tp: int,
+    rank: int,
+    divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
+) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """`hf_to_megatron_rank`'s entries one at a time, each read when it is asked for: what a rank building its shard
+    iterates, so that it holds one tensor beyond its own parameters."""
     dims = Qwen2Dims.from_config(config)
     check_splittable(dims, tp)
     if not 0 <= rank < tp:
         raise ValueError(f"tensor-parallel rank {rank} is outside 0..{tp - 1}")
-    _check_hf_state(state, dims)
+    if isinstance(state, HFTensors):
+        tensors = state
+        vocab_rows = tensors.shape("model.embed_tokens.weight")[0]
+        if vocab_rows != dims.vocab_size:
+            raise ValueError(f"model.embed_tokens.weight has {vocab_rows} rows but the config's vocab_size is {dims.vocab_size}")
+    else:
+        _check_hf_state(state, dims)
+        tensors = StateDict(state)
     padded = padded_vocab_size(dims.vocab_size, tp, divisible_by)
-    out: dict[str, torch.Tensor | None] = {
-        "embedding.word_embeddings.weight": _vocab_piece(state["model.embed_tokens.weight"], padded, rank, tp)
-    }
+    yield "embedding.word_embeddings.weight", _vocab_piece(tensors, "model.embed_tokens.weight", dims.vocab_size, padded, rank, tp)
     for layer in range(dims.num_layers):
         k = layer_keys(layer)
         attn, mlp = k["hf"] + "self_attn.", k["hf"] + "mlp."
-        out[k["input_norm"]] = state[k["hf"] + "input_layernorm.weight"].clone()
-        out[k["proj"] + "weight"] = _piece(state[attn + "o_proj.weight"], 1, rank, tp)
-        out[k["proj"] + EXTRA_STATE] = None
-        out[k["qkv"] + "weight"] = _fused_qkv(*(state[attn + f"{n}_proj.weight"] for n in "qkv"), dims, rank, tp)
+        yield k["input_norm"], tensors.read(k["hf"] + "input_layernorm.weight")
+        yield k["proj"] + "weight", _split(tensors, attn + "o_proj.weight", 1, rank, tp)
+        yield k["proj"] + EXTRA_STATE, None
+        yield k["qkv"] + "weight", _fused_qkv(tensors, attn, "weight", dims, rank, tp)
         if dims.qkv_bias:
-            out[k["qkv"] + "bias"] = _fused_qkv(*(state[attn + f"{n}_proj.bias"] for n in "qkv"), dims, rank, tp)
-        out[k["qkv"] + EXTRA_STATE] = None
-        out[k["mlp_norm"]] = state[k["hf"] + "post_attention_layernorm.weight"].clone()
-        gate = state[mlp + "gate_proj.weight"].chunk(tp, dim=0)[rank]
-        up = state[mlp + "up_proj.weight"].chunk(tp, dim=0)[rank]
-        out[k["fc1"] + "weight"] = torch.cat([gate, up], dim=0)
-        out[k["fc1"] + EXTRA_STATE] = None
-        out[k["fc2"] + "weight"] = _piece(state[mlp + "down_proj.weight"], 1, rank, tp)
-        out[k["fc2"] + EXTRA_STATE] = None
-    out["decoder.final_layernorm.weight"] = state["model.norm.weight"].clone()
+            yield k["qkv"] + "bias", _fused_qkv(tensors, attn, "bias", dims, rank, tp)
+        yield k["qkv"] + EXTRA_STATE, None
+        yield k["mlp_norm"], tensors.read(k["hf"] + "post_attention_layernorm.weight")
+        gate = _split(tensors, mlp + "gate_proj.weight", 0, rank, tp)
+        up = _split(tensors, mlp + "up_proj.weight", 0, rank, tp)
+        yield k["fc1"] + "weight", torch.cat([gate, up], dim=0)
+        del gate, up
+        yield k["fc1"] + EXTRA_STATE, None
+        yield k["fc2"] + "weight", _split(tensors, mlp + "down_proj.weight", 1, rank, tp)
+        yield k["fc2"] + EXTRA_STATE, None
+    yield "decoder.final_layernorm.weight", tensors.read("model.norm.weight")
     if not dims.tie_word_embeddings:
-        out["output_layer.weight"] = _vocab_piece(state["lm_head.weight"], padded, rank, tp)
-    out["output_layer." + EXTRA_STATE] = None
-    return out
+        yield "output_layer.weight", _vocab_piece(tensors, "lm_head.weight", dims.vocab_size, padded, rank, tp)
+    yield "output_layer." + EXTRA_STATE, None
 
 
 def hf_to_megatron(

@@ -13,7 +13,7 @@ are already whole on every rank and the shard gradients are the HF gradients spl
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -249,26 +249,38 @@ class TPQwen2ForCausalLM(nn.Module):
         self.decoder = _Decoder(dims, eps, self.tp, tp_group, **factory)
         if not dims.tie_word_embeddings:
             self.output_layer = ColumnParallelLinear(dims.hidden_size, rows_local, False, tp_group, **factory)
-        # HF's rotary table (rope_theta, scaling types), not a parameter: kept out of the state dict
-        self.rotary = Qwen2RotaryEmbedding(config).to(device)
+        # HF's rotary table (rope_theta, scaling types), not a parameter: kept out of the state dict, and computed
+        # on the CPU for a meta-device build (whose parameters get their storage from `bind_to_buffer`)
+        self.rotary = Qwen2RotaryEmbedding(config).to(None if torch.device(device or "cpu").type == "meta" else device)
 
-    def load_megatron_shard(self, shard: Mapping[str, Any]) -> None:
-        """Copy this rank's megatron-core dict into the parameters (`_extra_state` entries ignored); ValueError
-        naming the first missing, unexpected or misshapen key."""
+    def load_megatron_shard(self, shard: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
+        """Copy this rank's megatron-core dict (or its entries, one at a time) into the parameters (`_extra_state`
+        entries ignored); ValueError naming the first missing, unexpected or misshapen key. A dict is checked whole
+        before anything is copied."""
         own = self.state_dict()
-        given = {k: v for k, v in shard.items() if not k.endswith(EXTRA_STATE)}
-        missing, unexpected = sorted(set(own) - set(given)), sorted(set(given) - set(own))
+        if isinstance(shard, Mapping):
+            given = {k: v for k, v in shard.items() if not k.endswith(EXTRA_STATE)}
+            missing, unexpected = sorted(set(own) - set(given)), sorted(set(given) - set(own))
+            if missing:
+                raise ValueError(f"the shard lacks {len(missing)} key(s) of this tp={self.tp} model, e.g. {missing[:3]}")
+            if unexpected:
+                raise ValueError(f"the shard has {len(unexpected)} key(s) this model does not have, e.g. {unexpected[:3]}")
+            shard = given.items()
+        loaded = set()
+        with torch.no_grad():
+            for key, tensor in shard:
+                if key.endswith(EXTRA_STATE):
+                    continue
+                if key not in own:
+                    raise ValueError(f"the shard has the key {key!r} this model does not have")
+                if tuple(tensor.shape) != tuple(own[key].shape):
+                    raise ValueError(f"{key} has shape {tuple(tensor.shape)} in the shard, expected "
+                                     f"{tuple(own[key].shape)} for tensor-parallel size {self.tp}")
+                own[key].copy_(tensor)
+                loaded.add(key)
+        missing = sorted(set(own) - loaded)
         if missing:
             raise ValueError(f"the shard lacks {len(missing)} key(s) of this tp={self.tp} model, e.g. {missing[:3]}")
-        if unexpected:
-            raise ValueError(f"the shard has {len(unexpected)} key(s) this model does not have, e.g. {unexpected[:3]}")
-        for key, tensor in given.items():
-            if tuple(tensor.shape) != tuple(own[key].shape):
-                raise ValueError(f"{key} has shape {tuple(tensor.shape)} in the shard, expected "
-                                 f"{tuple(own[key].shape)} for tensor-parallel size {self.tp}")
-        with torch.no_grad():
-            for key, tensor in given.items():
-                own[key].copy_(tensor)
 
     def forward(
         self,

@@ -20,20 +20,20 @@ import torch
 import torch.distributed as dist
 
 from rlrunner.backends.actor import ActorWorker
-from rlrunner.backends.megatron.distrib_optim import DistributedAdamW
+from rlrunner.backends.megatron.distrib_optim import DistributedAdamW, bind_to_buffer
 from rlrunner.backends.megatron.files import megatron_args, megatron_rng_entry, rng_from_megatron_entry
 from rlrunner.backends.megatron.layout import (
     DEFAULT_VOCAB_DIVISIBLE_BY,
     EXTRA_STATE,
     Qwen2Dims,
     expected_megatron_keys,
-    hf_to_megatron_rank,
+    iter_hf_to_megatron_rank,
     megatron_to_hf,
 )
 from rlrunner.backends.megatron.model import TPQwen2ForCausalLM
 from rlrunner.backends.megatron.rank_state import MegatronRankState, load_rank
 from rlrunner.backends.optim import apply_schedule, build_schedule
-from rlrunner.models.loading import build_hf_config, build_model, build_tokenizer, torch_dtype
+from rlrunner.models.loading import build_hf_config, build_tokenizer, initial_tensors, meta_model, torch_dtype
 from rlrunner.utils.rng import capture_rng, restore_rng
 from rlrunner.backends.megatron.weights import MegatronWeightSource
 from rlrunner.weight_sync.endpoints import WeightSource
@@ -72,26 +72,30 @@ class MegatronActorWorker(ActorWorker):
         self.divisible_by = DEFAULT_VOCAB_DIVISIBLE_BY
         tokenizer = build_tokenizer(self.model_cfg)
         self.hf_config = build_hf_config(self.model_cfg, tokenizer)
-        self.model = self._build_shard(tokenizer)
-        self.model.train()
+        # Built on the meta device: the parameters get their storage from the optimizer's buffer (or, for the frozen
+        # reference, one of its own) and then only this rank's rows and columns of each HF tensor are read (or
+        # generated) into them, one tensor at a time: no rank holds the whole model, nor a second copy of its part.
+        self.model = TPQwen2ForCausalLM(self.hf_config, self.tp_group, self.divisible_by, device="meta")
         optim = self.actor_cfg["optim"]
         self.optimizer = DistributedAdamW(
             list(self.model.named_parameters()), self.dp_group, self.tp_group, replicated_names(self.model),
-            lr=optim["lr"], betas=tuple(optim["betas"]), weight_decay=optim["weight_decay"],
+            lr=optim["lr"], betas=tuple(optim["betas"]), weight_decay=optim["weight_decay"], device=self.device,
         )
+        self._load_initial_weights(self.model)
+        self.model.train()
         self.scheduler = build_schedule(self.optimizer.optimizer, optim, self.total_optimizer_steps)
         if self.algorithm_cfg["use_kl_loss"]:
-            self.ref_model = self._build_shard(tokenizer).requires_grad_(False)
+            self.ref_model = TPQwen2ForCausalLM(self.hf_config, self.tp_group, self.divisible_by, device="meta")
+            params = list(self.ref_model.parameters())
+            bind_to_buffer(params, sum(p.numel() for p in params), self.device)
+            self._load_initial_weights(self.ref_model.requires_grad_(False))
             self.ref_model.eval()
 
-    def _build_shard(self, tokenizer) -> TPQwen2ForCausalLM:
-        # Every rank builds the same full HF model (the seeded init or model.path) and keeps its own shard of it.
-        hf = build_model(self.model_cfg, tokenizer, self.init_seed, dtype="float32", read_weights=self.read_weights)
-        shard = hf_to_megatron_rank(hf.state_dict(), hf.config, self.tp, self.tp_rank, self.divisible_by)
-        del hf
-        model = TPQwen2ForCausalLM(self.hf_config, self.tp_group, self.divisible_by, device=self.device)
-        model.load_megatron_shard(shard)
-        return model
+    def _load_initial_weights(self, model: TPQwen2ForCausalLM) -> None:
+        plan = meta_model(self.hf_config, self.model_cfg["attn_implementation"], torch.float32)  # names and shapes
+        tensors = initial_tensors(self.model_cfg, self.hf_config, self.init_seed, plan, self.read_weights)
+        model.load_megatron_shard(iter_hf_to_megatron_rank(tensors, self.hf_config, self.tp, self.tp_rank, self.divisible_by))
+        model.to(self.device)  # the rotary table (the parameters are there already)
 
     # -- the update's backend parts ------------------------------------------------------------
 
