@@ -12,7 +12,7 @@ from rlrunner.backends.actor import ActorWorker
 from rlrunner.backends.fsdp.dcp_state import fsdp_state, load_fsdp_state, new_stager, start_dcp_save
 from rlrunner.backends.fsdp.weights import FSDPWeightSource, shard_rows
 from rlrunner.backends.optim import apply_schedule, build_optimizer
-from rlrunner.models.hf_tensors import HFTensors
+from rlrunner.models.hf_tensors import BLOCK_ELEMENTS, HFTensors
 from rlrunner.models.loading import build_hf_config, build_tokenizer, initial_tensors, meta_model, restore_buffers, torch_dtype
 from rlrunner.weight_sync.endpoints import WeightSource
 
@@ -42,8 +42,14 @@ def fill_own_rows(model: torch.nn.Module, tensors: HFTensors) -> None:
             start, stop = shard_rows(param.shape[0], param.device_mesh.size(), param.device_mesh.get_local_rank())
         else:
             start, stop = 0, param.shape[0]
-        if stop > start:
-            local.copy_(tensors.read(name, 0, start, stop).reshape(local.shape))
+        # a block of rows at a time (aligned as the seeded init's blocks are): the only temporary is one block, not
+        # this rank's whole part of the largest tensor (half the embedding, at 2 ranks)
+        rows_per_read = max(1, BLOCK_ELEMENTS // max(1, local[0].numel() if local.dim() else 1))
+        lo = start
+        while lo < stop:
+            hi = min(stop, (lo // rows_per_read + 1) * rows_per_read)
+            local[lo - start : hi - start].copy_(tensors.read(name, 0, lo, hi).reshape(hi - lo, *local.shape[1:]))
+            lo = hi
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
