@@ -103,7 +103,9 @@ class Rank:
 
     def optimizer(self, params: dict[str, torch.nn.Parameter], dp_group=None) -> DistributedAdamW:
         dp_group = self.dp_group if dp_group is None else dp_group
-        return DistributedAdamW(list(params.items()), dp_group, self.tp_group, REPLICATED, LR, BETAS, WEIGHT_DECAY)
+        # chunks of 5 elements: every slice is stepped in several chunks, some cut inside a parameter
+        return DistributedAdamW(list(params.items()), dp_group, self.tp_group, REPLICATED, LR, BETAS, WEIGHT_DECAY,
+                                step_chunk_elements=5)
 
     def backward(self, params: dict[str, torch.nn.Parameter], step: int) -> None:
         _loss(params, step, self.dp_rank, self.tp, self.tp_rank).backward()
@@ -174,6 +176,12 @@ def _check_training(rank: Rank) -> None:
     }
     _assert_dp_identical(rank, _snapshot(params))
     _assert_dp_identical(rank, {"exp_avg." + k: v for k, v in state["exp_avg"].items()})  # returned on every DP rank
+    # a checkpoint's copy is gathered onto DP rank 0 alone: the other replicas hold none
+    to_save = opt.state_to_save(copy=True)
+    if rank.dp_rank == 0:
+        _assert_states_equal(to_save, state)
+    else:
+        assert to_save is None
 
     # run after run: the same bits
     again = rank.params()
@@ -248,6 +256,15 @@ def _check_dp_resharding(rank: Rank) -> None:
     single.clip_and_step(MAX_NORM)
     _assert_equal(_snapshot(alone), _snapshot(params))
     _assert_states_equal(single.full_state(), expected)
+    # at DP size 1 a synchronous save writes the live moments (no copy), a background one a copy of its own
+    live_moments = single.moments
+    for copy in (False, True):
+        to_save = single.state_to_save(copy=copy)
+        _assert_states_equal(to_save, expected)
+        for key in ("exp_avg", "exp_avg_sq"):
+            shares = {t.untyped_storage().data_ptr() == live_moments[key].untyped_storage().data_ptr()
+                      for t in to_save[key].values()}
+            assert shares == {not copy}, (key, copy)
 
     # and back: the DP size 1 state loads at DP size 2
     back = rank.optimizer(rank.params())
@@ -274,7 +291,8 @@ def _check_bad_state(rank: Rank) -> None:
     for state, message in cases:
         with pytest.raises(ValueError, match=message):
             fresh.load_full_state(state)
-        assert fresh.param_groups_state()["step"] == 0 and not fresh.optimizer.state
+        assert fresh.param_groups_state()["step"] == 0
+        assert all(not moment.any() for moment in fresh.moments.values())
     with pytest.raises(ValueError, match="replicated parameter 'norm.wieght'"):
         DistributedAdamW(list(params.items()), rank.dp_group, rank.tp_group, {"norm.wieght"}, LR, BETAS, 0.0)
 

@@ -5,9 +5,10 @@ of one TP rank hold the same parameters, so they split the optimizer's work betw
 
 * the local parameters are views of one fp32 buffer (in the given order) of N elements, padded to a multiple of
   the DP size D, and their gradients views of a second one; DP rank d owns elements [d*N/D, (d+1)*N/D);
-* the owned slice of the parameter buffer is the single parameter of an inner `torch.optim.AdamW` (the "main"
-  weights are the model's own: no copy), so the moments cost 1/D of the unsharded optimizer on each replica, and a
-  rank holds 4 + 4 + 8/D bytes per parameter;
+* the owned slice of the parameter buffer, cut into chunks, is what an inner `torch.optim.AdamW` steps (the "main"
+  weights are the model's own: no copy), with the moments in two flat tensors of the slice's size, so they cost 1/D
+  of the unsharded optimizer on each replica, a rank holds 4 + 4 + 8/D bytes per parameter, and a step's
+  temporaries are one chunk;
 * after a step each replica has updated its slice in place, and one all_gather over DP into the buffer gives every
   replica the whole, identical update.
 
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+STEP_CHUNK_ELEMENTS = 1 << 22  # 16 MiB of fp32: the largest temporary of a step
 
 
 class DistributedAdamW:
@@ -42,6 +44,7 @@ class DistributedAdamW:
         weight_decay: float,
         eps: float = 1e-8,
         device: torch.device | str | None = None,
+        step_chunk_elements: int = STEP_CHUNK_ELEMENTS,
     ):
         """`named_params` (fp32) become views of this optimizer's buffer: their values are kept, or zero for parameters
         on the meta device (a model built there gets its storage here, and its weights are copied in afterwards)."""
@@ -68,11 +71,16 @@ class DistributedAdamW:
         self.flat_grads = self._padded()
         for param, view in zip(self.params, self._views(self.flat_grads)):
             param.grad = view  # autograd accumulates into it in place: the gradients are never copied
-        self.main = torch.nn.Parameter(self.flat_params[self.owned])  # the model's owned weights themselves
-        # foreach=False: the plain per-element AdamW, the same bits whatever slice an element falls in
+        # The inner AdamW steps the owned slice of the model's weights itself, cut into chunks: its per-element
+        # temporaries (the square root of exp_avg_sq, the update) are one chunk, not the whole slice. The moments are
+        # two flat tensors of the slice's size; each chunk's state is a view of them, made before AdamW would make its
+        # own. foreach=False: the plain per-element AdamW, the same bits whatever chunk or slice an element falls in.
+        self.chunks = [torch.nn.Parameter(view) for view in self.flat_params[self.owned].split(step_chunk_elements)]
+        self.moments = {key: torch.zeros(self.slice_size, dtype=torch.float32, device=self.device) for key in _MOMENTS}
         self.optimizer = torch.optim.AdamW(
-            [self.main], lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, foreach=False
+            self.chunks, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, foreach=False
         )
+        self._set_chunk_state(0)
 
     # --- gradients ---------------------------------------------------------------------------------------------
 
@@ -97,11 +105,16 @@ class DistributedAdamW:
             return norm
         coef = min(1.0, max_norm / (norm + 1e-6))
         owned = self.flat_grads[self.owned]
-        self.main.grad = owned.mul_(coef) if coef < 1.0 else owned
+        if coef < 1.0:
+            owned.mul_(coef)
+        for chunk, grad in zip(self.chunks, owned.split(self.chunks[0].numel())):
+            chunk.grad = grad
         self.optimizer.step()  # updates this rank's slice of the model's weights in place
-        self.main.grad = None
+        for chunk in self.chunks:
+            chunk.grad = None
         if self.dp_size > 1:  # every replica's slice into every replica's buffer
-            dist.all_gather(list(self.flat_params.chunk(self.dp_size)), self.main.detach().clone(), group=self.dp_group)
+            mine = self.flat_params[self.owned].clone()
+            dist.all_gather(list(self.flat_params.chunk(self.dp_size)), mine, group=self.dp_group)
         return norm
 
     def zero_grad(self) -> None:
@@ -125,38 +138,64 @@ class DistributedAdamW:
     # --- state ---------------------------------------------------------------------------------------------
 
     def full_state(self) -> dict[str, Any]:
-        """The whole (every DP slice) state of this TP rank, per parameter name, as CPU fp32 clones.
+        """The whole (every DP slice) state of this TP rank, per parameter name, as CPU fp32 tensors of their own
+        (views of one flat copy per moment).
 
         A collective over the DP group: every DP rank must call it, and every one gets the result.
         """
-        state = self.optimizer.state.get(self.main, {})
-        result: dict[str, Any] = {"step": _step_of(state)}
-        for key in _MOMENTS:
-            owned = state[key] if key in state else torch.zeros_like(self.main)
-            full = self._gather(owned.detach().float())
-            result[key] = {name: view.cpu().clone() for name, view in zip(self.names, self._views(full))}
-        return result
+        return self._whole_state(everywhere=True, copy=True)
 
+    def state_to_save(self, copy: bool) -> dict[str, Any] | None:
+        """What a checkpoint writes: `full_state` on DP rank 0 only (None on the others, which hold no gathered copy).
+
+        With `copy` false and DP size 1 the moments are views of the live state: a synchronous save writes them
+        without a copy (they must not be stepped until it is written). A collective over the DP group.
+        """
+        return self._whole_state(everywhere=False, copy=copy)
+
+    def _whole_state(self, everywhere: bool, copy: bool) -> dict[str, Any] | None:
+        result: dict[str, Any] = {"step": self._step_count()}
+        for key in _MOMENTS:  # every rank takes part in both gathers
+            full = self._gather(self.moments[key], everywhere, copy)
+            result[key] = None if full is None else dict(zip(self.names, self._views(full.to("cpu"))))
+        return None if result["exp_avg"] is None else result
+
+    @torch.no_grad()
     def load_full_state(self, state: dict[str, Any]) -> None:
         """Load what `full_state` returned (at any DP size): each DP rank keeps its own slice."""
         step = self._check_state(state)
-        # cloned: a view would keep the whole padded flat tensor alive in the optimizer's state
-        slices = {key: self._flatten_named(state[key])[self.owned].clone() for key in _MOMENTS}
-        saved = self.optimizer.state_dict()
-        # the public loader: it moves the moments to the main copy's device and dtype
-        saved["state"] = {0: {"step": torch.tensor(float(step), dtype=torch.float32), **slices}}
-        self.optimizer.load_state_dict(saved)
+        for key in _MOMENTS:
+            self.moments[key].copy_(self._flatten_named(state[key])[self.owned])
+        self._set_chunk_state(step)
 
     def local_state(self) -> dict[str, Any]:
-        """This DP rank's own part of the state, live (no collective): the inner AdamW's state (its weights are the
-        model's)."""
-        return {"optimizer": self.optimizer.state_dict()}
+        """This DP rank's own part of the state, live (no collective): the step count and its slice of the moments
+        (its weights are the model's)."""
+        return {"step": self._step_count(), **self.moments}
 
     @torch.no_grad()
     def load_local_state(self, state: dict[str, Any]) -> None:
         """Put back what `local_state` gave, on the same DP rank of the same layout (the model's weights of the same
         moment are loaded into the model)."""
-        self.optimizer.load_state_dict(state["optimizer"])
+        for key in _MOMENTS:
+            if tuple(state[key].shape) != tuple(self.moments[key].shape):
+                raise ValueError(f"optimizer state {key} has shape {tuple(state[key].shape)}, this rank's slice is "
+                                 f"{tuple(self.moments[key].shape)}: not the same layout")
+            self.moments[key].copy_(state[key])
+        self._set_chunk_state(int(state["step"]))
+
+    def _set_chunk_state(self, step: int) -> None:
+        """Each chunk's AdamW state: the step count, and its views of the flat moments."""
+        size = self.chunks[0].numel()
+        views = {key: flat.split(size) for key, flat in self.moments.items()}
+        for index, chunk in enumerate(self.chunks):
+            # the step as AdamW keeps it (a float32 scalar tensor on the CPU); the moments as views, so AdamW updates
+            # the flat tensors in place
+            self.optimizer.state[chunk] = {"step": torch.tensor(float(step), dtype=torch.float32),
+                                           **{key: views[key][index] for key in _MOMENTS}}
+
+    def _step_count(self) -> int:
+        return _step_of(self.optimizer.state[self.chunks[0]])
 
     def param_groups_state(self) -> dict[str, Any]:
         """The hyperparameters and step count as plain Python values (the checkpoint's `optimizer` entry)."""
@@ -166,7 +205,7 @@ class DistributedAdamW:
             "betas": tuple(float(b) for b in group["betas"]),
             "eps": float(group["eps"]),
             "weight_decay": float(group["weight_decay"]),
-            "step": _step_of(self.optimizer.state.get(self.main, {})),
+            "step": self._step_count(),
         }
 
     # --- flat index space ------------------------------------------------------------------------------------
@@ -188,13 +227,18 @@ class DistributedAdamW:
     def _flatten_named(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         return self._flatten([tensors[name] for name in self.names])
 
-    def _gather(self, owned: torch.Tensor) -> torch.Tensor:
-        """The whole flat tensor from every DP rank's slice (`all_gather` with a list: gloo has no `_into_tensor`)."""
+    def _gather(self, owned: torch.Tensor, everywhere: bool, copy: bool) -> torch.Tensor | None:
+        """The whole flat tensor from every DP rank's slice: on every rank (`all_gather` with a list: gloo has no
+        `_into_tensor`), or on DP rank 0 only (None elsewhere); at DP size 1 `owned` itself unless `copy`."""
         if self.dp_size == 1:
-            return owned.clone()
-        parts = [torch.empty_like(owned) for _ in range(self.dp_size)]
-        dist.all_gather(parts, owned.contiguous(), group=self.dp_group)
-        return torch.cat(parts)
+            return owned.clone() if copy else owned
+        full = self._padded() if everywhere or self.dp_rank == 0 else None
+        parts = list(full.chunk(self.dp_size)) if full is not None else None  # gathered in place: no second copy
+        if everywhere:
+            dist.all_gather(parts, owned.contiguous(), group=self.dp_group)
+        else:
+            dist.gather(owned.contiguous(), parts, group=self.dp_group, group_dst=0)
+        return full
 
     # --- step helpers ----------------------------------------------------------------------------------------
 

@@ -5,9 +5,10 @@
     <actor folder>/latest_checkpointed_iteration.txt            written by the driver once every file is written
 
 Data-parallel rank 0 of each tensor-parallel rank writes that rank's two files; `rng_state` holds one entry per
-data-parallel rank (Megatron's list-of-dicts), gathered before the write. The state is copied off the training
-tensors on the training thread (`MegatronRankState`); the files are written, or uploaded, in a thread (the
-worker's `BackgroundSave`), so a save blocks training only for the copy.
+data-parallel rank (Megatron's list-of-dicts), gathered before the write, as are the moments (onto DP rank 0
+only). A background save copies the state off the training tensors on the training thread (`MegatronRankState`) and
+writes, or uploads, the files in a thread (the worker's `BackgroundSave`), so it blocks training only for the copy;
+a synchronous save writes the live tensors, with no copy, before training goes on.
 
 A load reads this rank's files when the tensor-parallel size is the saved one; with another size it merges every
 saved rank's model and Adam moments into the HF layout and splits them again for this size (the converters'
@@ -39,7 +40,8 @@ from rlrunner.storage import FileRecord, open_storage
 
 @dataclass
 class MegatronRankState:
-    """What one tensor-parallel rank's files hold, copied off the live tensors (CPU tensors of its own)."""
+    """What one tensor-parallel rank's files hold: CPU tensors copied off the live ones (a background save), or the
+    live ones themselves (a synchronous save, written before the next step)."""
 
     iteration: int
     tp_rank: int

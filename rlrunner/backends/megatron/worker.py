@@ -121,9 +121,11 @@ class MegatronActorWorker(ActorWorker):
     # -- checkpoints ---------------------------------------------------------------------------
 
     def start_checkpoint(self, url: str, step: int, background: bool, storage_options: dict[str, Any] | None) -> None:
-        """Collective: copy this rank's state; data-parallel rank 0 of each tensor-parallel rank writes its files
-        under `url` (the checkpoint's actor folder), in a thread with `background`."""
-        moments = self.optimizer.full_state()  # collective over the data-parallel group
+        """Collective: data-parallel rank 0 of each tensor-parallel rank gathers that rank's moments and writes its files
+        under `url` (the checkpoint's actor folder): a copy of its state, in a thread, with `background`; the live
+        tensors, before returning, without."""
+        # a synchronous save writes the live tensors (training waits for it); a background one writes a copy
+        moments = self.optimizer.state_to_save(copy=background)  # collective over the data-parallel group
         rng = [None] * self.data_parallel_size
         dist.all_gather_object(rng, megatron_rng_entry(capture_rng()), group=self.dp_group)
         if self.dp_rank != 0:
@@ -137,7 +139,7 @@ class MegatronActorWorker(ActorWorker):
                 iteration=step, train_iters=self.total_optimizer_steps, lr=self.actor_cfg["optim"]["lr"],
                 use_distributed_optimizer=True,
             ),
-            model={**{k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()},
+            model={**{k: v.detach().to("cpu", copy=background) for k, v in self.model.state_dict().items()},
                    **{k: None for k in _extra_state_keys(self)}},
             optimizer={**self.optimizer.param_groups_state(), "distributed_optimizer": True, "state_file": "distrib_optim.pt"},
             scheduler=self.scheduler.state_dict(),
