@@ -8,6 +8,7 @@ from datetime import timedelta
 
 from rlrunner.cluster.node import node_id, node_ip
 from rlrunner.cluster.shared_storage import answer_probe_at
+from rlrunner.utils.heap import release_freed_memory
 
 
 class Worker:
@@ -16,6 +17,7 @@ class Worker:
     def __init__(self, rank: int, world_size: int, threads: int = 1, use_gpu: bool = False):
         import torch
 
+        release_freed_memory()  # a worker's peak memory is its state, not blocks freed long ago
         self.rank = rank
         self.world_size = world_size
         # A fixed thread count keeps float reductions in the same order run after run.

@@ -1,0 +1,31 @@
+"""Freed tensor memory goes back to the operating system.
+
+glibc's malloc serves a block below its mmap threshold from its heaps, and raises that threshold (up to 32 MiB)
+each time a larger mmapped block is freed. A training process allocates and frees tensors of a few MiB over and
+over (a layer's gathered weights, a bucket, activations); once the threshold has risen, they come from the heaps,
+where blocks freed between live ones are kept by the process: measured with FSDP on a 120M model over 2 ranks, each
+rank's peak resident set was 3.07 GiB instead of 1.87 GiB. A fixed threshold turns the adjustment off, so every
+block of at least that size is mapped on its own and unmapped when freed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+logger = logging.getLogger(__name__)
+
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def release_freed_memory(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Fix glibc's mmap threshold at `threshold_bytes` for this process; False where the C library has no `mallopt`
+    (not glibc) or refuses it."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return False
+    done = bool(mallopt(M_MMAP_THRESHOLD, int(threshold_bytes)))
+    if not done:
+        logger.warning("mallopt(M_MMAP_THRESHOLD, %d) was refused: freed memory may stay with the process", threshold_bytes)
+    return done
