@@ -10,9 +10,12 @@ resident set (VmHWM in /proc/<pid>/status: the machine is the only node) is read
             two AdamW moments in float32 (16 bytes per parameter) over the actor ranks
   overhead  what a rank holds besides its state: the peak of the same layout with the tiny embedded model
             (interpreter, torch, transformers, Ray, the framework), measured in the same invocation
+  layout's  what a rank of the layout holds by design: the share for FSDP; for Megatron's distributed optimizer
+            (ZeRO-1) the whole fp32 weights and gradients of the tensor-parallel shard plus its slice of the moments
+            (more than the share when dp > 1)
 
 and printed as peak / share and (peak - overhead) / share (issue 18's goal: within 1.3x of the share plus the
-overhead). The rollout worker holds the whole model in its engine's dtype, by design; its peak is shown beside.
+overhead), and (peak - overhead) / layout's. The rollout worker holds the whole model in its engine's dtype, by design; its peak is shown beside.
 Start-up is the attempt's `rebuild_s + load_s` (workers started, model built and sharded, weights synced).
 
 Sizes (Qwen2 shapes with the embedded character tokenizer, so nearly every parameter is in the layers):
@@ -22,8 +25,8 @@ Sizes (Qwen2 shapes with the embedded character tokenizer, so nearly every param
   358m   hidden 896, 24 layers, MLP 4864, 14 heads (2 KV): the size of issue 18's table
   1b     hidden 1536, 24 layers, MLP 8960, 12 heads (2 KV), about 1.1B
 
-A configuration whose estimated need (today's ranks build the whole model in float32: about the share plus 8 bytes
-per parameter per rank, and 8 per parameter for the rollout worker) exceeds 85% of the memory available is skipped
+A configuration whose estimated need (the training state with half again for the ranks' temporaries, 8 bytes per
+parameter for the rollout worker, and 0.5 GiB of each process's own) exceeds 85% of the memory available is skipped
 with a line saying so, never started.
 
 Run from the repository root (the defaults take a few minutes on 2 cores, 24 GiB):
@@ -59,6 +62,7 @@ SIZES = {
 }
 STATE_BYTES_PER_PARAM = 16  # float32 parameters, gradients, AdamW's two moments
 CPUS_PER_WORKER = 0.5
+OVERHEAD_BYTES = 0.5 * 2**30  # a process's own (interpreter, torch, Ray, the framework): the tiny model's peak
 
 
 @dataclass(frozen=True)
@@ -136,8 +140,8 @@ def count_params(size: str) -> int:
 
 
 def estimated_need_bytes(params: int, ranks: int) -> float:
-    """What today's start-up needs at most, all processes together (see the module's docstring)."""
-    return params * (STATE_BYTES_PER_PARAM + 8 * ranks + 8)
+    """What a run needs at most, all processes together (see the module's docstring)."""
+    return params * (1.5 * STATE_BYTES_PER_PARAM + 8) + (ranks + 1) * OVERHEAD_BYTES
 
 
 def available_bytes() -> float:
@@ -196,25 +200,38 @@ def run_one(args: argparse.Namespace, workdir: Path, backend: str, layout: Layou
     return Row(backend, layout, size, params, probe.actor, max(probe.rollout), probe.startup_s)
 
 
+def layout_bytes(backend: str, layout: Layout, params: int) -> float:
+    """What a rank of this layout holds of the training state by design: FSDP shards everything over the ranks;
+    Megatron's distributed optimizer (ZeRO-1) shards the moments over every rank but keeps the fp32 weights and
+    gradients of the tensor-parallel shard whole on each data-parallel replica (4 + 4 + 8/dp bytes per parameter of
+    the shard), so with dp > 1 it holds more than the even share."""
+    if backend == "megatron":
+        return params * 8 / layout.tp + params * 8 / layout.ranks
+    return params * STATE_BYTES_PER_PARAM / layout.ranks
+
+
 def table(rows: list[Row]) -> str:
     gib = 2**30
     overhead = {(r.backend, r.layout): max(r.actor_peaks) for r in rows if r.size == "tiny" and r.actor_peaks}
     lines = [
         "| backend | dp x tp | size | params | share per rank GiB | peak per actor rank GiB (max) | peak / share | "
-        "(peak - overhead) / share | rollout peak GiB | start-up s |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "(peak - overhead) / share | layout's state GiB | (peak - overhead) / layout's | rollout peak GiB | start-up s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         head = f"| {r.backend} | {r.layout.label} | {r.size} | {r.params / 1e6:.1f}M |"
         if r.skipped:
-            lines.append(f"{head} - | skipped: {r.skipped} | - | - | - | - |")
+            lines.append(f"{head} - | skipped: {r.skipped} | - | - | - | - | - | - |")
             continue
         share = r.params * STATE_BYTES_PER_PARAM / r.layout.ranks
+        held = layout_bytes(r.backend, r.layout, r.params)
         peak = max(r.actor_peaks)
         base = overhead.get((r.backend, r.layout))
-        above = f"{(peak - base) / share:.2f}" if base is not None and r.size != "tiny" else "-"
-        lines.append(f"{head} {share / gib:.3f} | {peak / gib:.2f} | {peak / share:.1f} | {above} | "
-                     f"{r.rollout_peak / gib:.2f} | {r.startup_s:.1f} |")
+        measured = base is not None and r.size != "tiny"
+        above = f"{(peak - base) / share:.2f}" if measured else "-"
+        above_held = f"{(peak - base) / held:.2f}" if measured else "-"
+        lines.append(f"{head} {share / gib:.3f} | {peak / gib:.2f} | {peak / share:.1f} | {above} | {held / gib:.3f} | "
+                     f"{above_held} | {r.rollout_peak / gib:.2f} | {r.startup_s:.1f} |")
     return "\n".join(lines)
 
 
@@ -249,8 +266,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     print()
     print(table(rows))
-    print(f"\nshare = {STATE_BYTES_PER_PARAM} bytes per parameter / actor ranks; overhead = the same layout's peak with "
-          f"the tiny model; total benchmark time: {time.monotonic() - began:.0f} s")
+    print(f"\nshare = {STATE_BYTES_PER_PARAM} bytes per parameter / actor ranks; layout's = the state a rank of the layout "
+          f"holds by design; overhead = the same layout's peak with the tiny model; total benchmark time: "
+          f"{time.monotonic() - began:.0f} s")
     return 0
 
 
