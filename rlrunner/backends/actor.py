@@ -5,8 +5,8 @@ The GRPO update is written once, here. The driver sends each rank its shard of t
 split into micro-batches whose gradients accumulate. The loss is a token mean over the whole mini-batch on all
 data-parallel ranks: each rank divides its token sum by the mini-batch's global token count, known in advance.
 
-A backend supplies, as abstract methods: building the model (`setup`), the forward pass, when gradients are
-reduced, the clipped optimizer step, the checkpoint files, the full weights (`full_state_dict`) and what this rank
+A backend supplies, as abstract methods: building the model (`setup`), the forward pass, the gradient reduction and
+clipped optimizer step, the checkpoint files, the full weights (`full_state_dict`) and what this rank
 sends in a weight sync (`weight_source`). The weight-sync endpoints and the save in flight are shared.
 """
 
@@ -92,10 +92,6 @@ class ActorWorker(Worker, ABC):
     @abstractmethod
     def forward_logits(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """Next-token logits [rows, width, vocab] of `model` (the policy or the reference) for `input_ids` [rows, width]."""
-
-    @abstractmethod
-    def set_gradient_sync(self, enabled: bool) -> None:
-        """Called before each micro-batch's backward: `enabled` on the last one of a mini-batch."""
 
     @abstractmethod
     def clip_and_step(self, max_norm: float) -> float:
@@ -202,9 +198,9 @@ class ActorWorker(Worker, ABC):
         for _ in range(cfg["ppo_epochs"]):
             for mb, global_tokens in enumerate(token_counts):
                 rows_mb = range(mb * rows_per_minibatch, (mb + 1) * rows_per_minibatch)
-                micro_batches = list(self._micro_batches(shard, rows_mb))
-                for i, (index, width) in enumerate(micro_batches):
-                    self.set_gradient_sync(i == len(micro_batches) - 1)
+                # FSDP reduce-scatters each micro-batch's gradients in its backward: accumulating them unsharded
+                # over the micro-batches would hold the whole model's gradients on every rank
+                for index, width in self._micro_batches(shard, rows_mb):
                     logits = self._logits(self.model, shard["input_ids"][index], width)
                     targets = shard["input_ids"][index, 1:width].to(self.device)
                     mask = shard["loss_mask"][index, : width - 1].to(self.device)

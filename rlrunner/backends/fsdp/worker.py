@@ -107,10 +107,6 @@ class FSDPActorWorker(ActorWorker):
     def forward_logits(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=input_ids, use_cache=False).logits
 
-    def set_gradient_sync(self, enabled: bool) -> None:
-        """FSDP reduces gradients in backward: only on the last micro-batch of a mini-batch."""
-        self.model.set_requires_gradient_sync(enabled)
-
     def clip_and_step(self, max_norm: float) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if hasattr(norm, "full_tensor"):

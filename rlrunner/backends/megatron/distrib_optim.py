@@ -113,8 +113,7 @@ class DistributedAdamW:
         for chunk in self.chunks:
             chunk.grad = None
         if self.dp_size > 1:  # every replica's slice into every replica's buffer
-            mine = self.flat_params[self.owned].clone()
-            dist.all_gather(list(self.flat_params.chunk(self.dp_size)), mine, group=self.dp_group)
+            self._exchange_slices(self.flat_params[self.owned], self.flat_params, everywhere=True)
         return norm
 
     def zero_grad(self) -> None:
@@ -228,17 +227,28 @@ class DistributedAdamW:
         return self._flatten([tensors[name] for name in self.names])
 
     def _gather(self, owned: torch.Tensor, everywhere: bool, copy: bool) -> torch.Tensor | None:
-        """The whole flat tensor from every DP rank's slice: on every rank (`all_gather` with a list: gloo has no
-        `_into_tensor`), or on DP rank 0 only (None elsewhere); at DP size 1 `owned` itself unless `copy`."""
+        """The whole flat tensor from every DP rank's slice (`owned`): on every rank, or on DP rank 0 only (None
+        elsewhere); at DP size 1 `owned` itself unless `copy`."""
         if self.dp_size == 1:
             return owned.clone() if copy else owned
         full = self._padded() if everywhere or self.dp_rank == 0 else None
-        parts = list(full.chunk(self.dp_size)) if full is not None else None  # gathered in place: no second copy
-        if everywhere:
-            dist.all_gather(parts, owned.contiguous(), group=self.dp_group)
-        else:
-            dist.gather(owned.contiguous(), parts, group=self.dp_group, group_dst=0)
+        self._exchange_slices(owned, full, everywhere)
         return full
+
+    def _exchange_slices(self, owned: torch.Tensor, out: torch.Tensor | None, everywhere: bool) -> None:
+        """Every DP rank's `owned` slice into its place in `out` (a padded flat tensor): on every rank (all_gather),
+        or on DP rank 0 only (gather; `out` is None elsewhere). One chunk at a time: gloo gathers into a buffer of its
+        own and copies out, so a whole-slice call would cost a temporary of the whole flat tensor."""
+        size = self.chunks[0].numel()
+        for lo in range(0, self.slice_size, size):
+            hi = min(lo + size, self.slice_size)
+            parts = None if out is None else [out[r * self.slice_size + lo : r * self.slice_size + hi]
+                                              for r in range(self.dp_size)]
+            mine = owned[lo:hi].clone()  # `owned` may be a view of `out` itself (the weights)
+            if everywhere:
+                dist.all_gather(parts, mine, group=self.dp_group)
+            else:
+                dist.gather(mine, parts, group=self.dp_group, group_dst=0)
 
     # --- step helpers ----------------------------------------------------------------------------------------
 

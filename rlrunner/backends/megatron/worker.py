@@ -111,9 +111,6 @@ class MegatronActorWorker(ActorWorker):
         with autocast:
             return model(input_ids)
 
-    def set_gradient_sync(self, enabled: bool) -> None:
-        """Gradients accumulate locally; they are reduced once per mini-batch, before the step."""
-
     def clip_and_step(self, max_norm: float) -> float:
         self.optimizer.reduce_gradients()
         return self.optimizer.clip_and_step(max_norm)
