@@ -291,39 +291,25 @@ def test_a_run_on_s3_saves_and_resumes_from_the_store_bitwise(reference, s3_stor
     assert not (tmp_path / "test").exists()
 
 
-@pytest.mark.parametrize("backend", ["megatron"])  # an HF folder with either backend: the test below
-def test_a_run_starts_from_a_converted_megatron_folder(ray_session, tmp_path, repo_root, subprocess_env, backend):
-    """model.path may point at convert_hf_to_megatron.py's output: the run starts from its weights exactly (the actor's
-    shards and the rollout's copy are built from the merged weights)."""
+@pytest.mark.parametrize("folder, backend", [("hf", "fsdp"), ("hf", "megatron"), ("megatron", "megatron")])
+def test_a_run_starts_from_a_model_folder_exactly(ray_session, tmp_path, repo_root, subprocess_env, folder, backend):
+    """model.path at an HF folder (each rank reads only its rows and columns of the safetensors; the tied output layer
+    from the embedding, which the folder does not repeat) or at convert_hf_to_megatron.py's output: the run starts from
+    the folder's weights exactly."""
     from rlrunner.backends.registry import check_model_path
     from megatron_models import TIED, save_hf_folder
 
-    hf_dir, hf_model = save_hf_folder(tmp_path / "hf", TIED)  # tied embeddings: lm_head is the embedding
-    megatron_dir = tmp_path / "megatron"
-    subprocess.run(
-        [sys.executable, str(repo_root / "toolkits/ckpt_convertor/convert_hf_to_megatron.py"), "--hf_path", str(hf_dir),
-         "--output_path", str(megatron_dir), "--tensor_model_parallel_size", "2"],
-        check=True, env=subprocess_env, capture_output=True,
-    )
-    check_model_path(str(megatron_dir))
+    path, hf_model = save_hf_folder(tmp_path / "hf", TIED)  # tied embeddings: lm_head is the embedding
+    if folder == "megatron":
+        path = tmp_path / "megatron"
+        subprocess.run(
+            [sys.executable, str(repo_root / "toolkits/ckpt_convertor/convert_hf_to_megatron.py"), "--hf_path",
+             str(tmp_path / "hf"), "--output_path", str(path), "--tensor_model_parallel_size", "2"],
+            check=True, env=subprocess_env, capture_output=True,
+        )
+        check_model_path(str(path))
     # the test config's model overrides, made to agree with the folder's shape
-    overrides = [f"model.path={megatron_dir}", f"actor.training_backend={backend}",
-                 "model.override_config.num_attention_heads=4", "model.override_config.num_key_value_heads=4"]
-    if backend == "megatron":
-        overrides.append("actor.tensor_model_parallel_size=2")
-    weights = start_weights(run_config(tmp_path / "run", *overrides, "runner.max_steps=1"))
-    expected = hf_model.state_dict()
-    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
-
-
-@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
-def test_a_run_starts_from_an_hf_folder_each_rank_reading_its_slices(ray_session, tmp_path, backend):
-    """model.path at an HF folder: each rank reads only its rows and columns of the safetensors (the tied output layer
-    from the embedding, which the folder does not repeat), and the run starts from the folder's weights exactly."""
-    from megatron_models import TIED, save_hf_folder
-
-    hf_dir, hf_model = save_hf_folder(tmp_path / "hf", TIED)
-    overrides = [f"model.path={hf_dir}", f"actor.training_backend={backend}",
+    overrides = [f"model.path={path}", f"actor.training_backend={backend}",
                  "model.override_config.num_attention_heads=4", "model.override_config.num_key_value_heads=4"]
     if backend == "megatron":
         overrides.append("actor.tensor_model_parallel_size=2")

@@ -25,6 +25,11 @@ def _measured_setup(worker) -> dict:
     shards; Megatron's gradient buffer and moments, allocated up front), each storage once."""
     import gc
 
+    # A first build, not measured: what only the first one costs (lazy imports of the model code, which vary with
+    # the installed packages, and one-time set-up) is not the model. Then it is dropped, and the second is measured.
+    worker.setup()
+    for name in ("model", "ref_model", "optimizer", "scheduler"):
+        setattr(worker, name, None)
     gc.collect()
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5")  # reset VmHWM to the current resident set
@@ -69,9 +74,9 @@ def test_each_rank_builds_only_its_part_of_the_model(ray_session, tmp_path, back
     finally:
         group.shutdown()
     for rank, m in enumerate(measured):
-        # each rank holds half the weights; the set-up may add a few generated blocks and the lazy imports of the
-        # model's code, never the whole model (the build that made the whole model first grew by more than `whole`
-        # on top of what it kept)
+        # each rank holds half the weights; the set-up may add a few generated blocks, never the whole model (the
+        # build that made the whole model first grew by more than `whole` on top of what it kept; measured at this
+        # commit: FSDP grew less than it holds, Megatron 25 MB more, in both the CI venv and a newer transformers')
         assert abs(m["own_weights"] - whole / 2) < 0.05 * whole, (rank, m, whole)
         # at most its share of the training state (16 bytes per parameter over 2 ranks: twice the fp32 weights)
         assert m["held"] < 2.05 * whole, (rank, m, whole)
