@@ -76,7 +76,7 @@ def test_each_rank_builds_only_its_part_of_the_model(ray_session, tmp_path, back
     for rank, m in enumerate(measured):
         # each rank holds half the weights; the set-up may add a few generated blocks, never the whole model (the
         # build that made the whole model first grew by more than `whole` on top of what it kept; measured at this
-        # commit: FSDP grew less than it holds, Megatron 25 MB more, in both the CI venv and a newer transformers')
+        # commit: FSDP grew less than it holds, Megatron 25 MB more, in CI's venv and in one with a newer transformers)
         assert abs(m["own_weights"] - whole / 2) < 0.05 * whole, (rank, m, whole)
         # at most its share of the training state (16 bytes per parameter over 2 ranks: twice the fp32 weights)
         assert m["held"] < 2.05 * whole, (rank, m, whole)
