@@ -23,6 +23,7 @@ from rlrunner.algorithms.grpo import clipped_policy_loss, kl_penalty, masked_sum
 from rlrunner.backends.background_save import BackgroundSave
 from rlrunner.cluster.node import node_ip
 from rlrunner.cluster.worker import Worker
+from rlrunner.models.hf_tensors import HFTensors
 from rlrunner.models.loading import warm_up_model_code
 from rlrunner.utils.rng import capture_rng, restore_rng
 from rlrunner.cluster.node import available_memory_bytes
@@ -32,7 +33,7 @@ from rlrunner.weight_sync.endpoints import WeightSource
 from rlrunner.weight_sync.transport import WeightSender
 
 ABANDON_SAVE_WAIT_S = 30.0  # how long a survivor of a lost rank waits for its save in flight to stop writing
-WeightsReader = Callable[[Any], dict[str, torch.Tensor]]  # HF config -> the full HF state dict of model.path's checkpoint
+WeightsReader = Callable[[Any], HFTensors]  # HF config -> the HF tensors of model.path's checkpoint
 
 
 def serialize(state: Any) -> bytes:

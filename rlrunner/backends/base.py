@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeVar
 if TYPE_CHECKING:
     import torch
 
+    from rlrunner.models.hf_tensors import HFTensors
     from rlrunner.storage import Storage
 
 T = TypeVar("T")
@@ -88,3 +89,11 @@ class TrainingBackend(ABC):
     def read_hf_weights(self, storage: Storage, root: str, config: Any) -> dict[str, torch.Tensor]:
         """The model's full weights in HF layout (a tied output weight left out) from the checkpoint at `root` (what
         `find_checkpoint` returned). At most about one copy of the weights in memory."""
+
+    def hf_tensors(self, storage: Storage, root: str, config: Any) -> HFTensors:
+        """The same weights read in slices by name (what a training rank starting from the checkpoint reads its
+        part through). By default `read_hf_weights` whole; a backend whose files can be sliced reads only the
+        slices asked for."""
+        from rlrunner.models.hf_tensors import StateDict, tied_aliases
+
+        return StateDict(self.read_hf_weights(storage, root, config), aliases=tied_aliases(config))

@@ -9,6 +9,7 @@ from rlrunner.backends.base import TrainingBackend
 from rlrunner.backends.fsdp import FSDPBackend
 from rlrunner.backends.megatron import MegatronBackend
 from rlrunner.errors import ConfigError
+from rlrunner.models.hf_tensors import HFTensors
 from rlrunner.storage import Storage, open_storage
 
 BACKENDS: dict[str, TrainingBackend] = {backend.name: backend for backend in (FSDPBackend(), MegatronBackend())}
@@ -31,14 +32,15 @@ def find_checkpoint(storage: Storage, url: str) -> tuple[TrainingBackend, str] |
     return None
 
 
-def checkpoint_weights_reader(storage: Storage, url: str) -> Callable[[Any], dict[str, Any]] | None:
+def checkpoint_weights_reader(storage: Storage, url: str) -> Callable[[Any], HFTensors] | None:
     """For `model.path` (any backend starts from any backend's checkpoint): a picklable function from the HF config to
-    the checkpoint's full HF weights, or None when `url` is not a checkpoint."""
+    the checkpoint's HF tensors (`TrainingBackend.hf_tensors`: read in slices), or None when `url` is not a
+    checkpoint."""
     found = find_checkpoint(storage, url)
     if found is None:
         return None
     backend, root = found
-    return functools.partial(backend.read_hf_weights, storage, root)
+    return functools.partial(backend.hf_tensors, storage, root)
 
 
 def check_model_path(path: str) -> None:

@@ -117,9 +117,9 @@ def build_model(
     tokenizer,
     seed: int,
     dtype: str | None = None,
-    read_weights: Callable[[Any], dict[str, torch.Tensor]] | None = None,
+    read_weights: Callable[[Any], HFTensors] | None = None,
 ) -> torch.nn.Module:
-    """The whole causal LM on CPU: the weights `read_weights(config)` returns (model.path is a training checkpoint),
+    """The whole causal LM on CPU: the weights `read_weights(config)` reads (model.path is a training checkpoint),
     or pretrained weights from the `model.path` HF folder, or the random init seeded by `seed`.
 
     Every rank that calls this with the same arguments gets bit-identical weights. What a process that needs the
@@ -155,13 +155,13 @@ def initial_tensors(
     config: Any,
     seed: int,
     model: torch.nn.Module,
-    read_weights: Callable[[Any], dict[str, torch.Tensor]] | None = None,
+    read_weights: Callable[[Any], HFTensors] | None = None,
 ) -> HFTensors:
-    """Where the run's initial weights are read from, slice by slice: a training checkpoint's weights (read whole by
-    `read_weights`), the `model.path` folder (safetensors slices, or memory-mapped `.bin` files), or the random
-    init of `model` (a meta-device model is enough) seeded by `seed`."""
+    """Where the run's initial weights are read from, slice by slice: a training checkpoint's weights (what
+    `read_weights` returns: its backend's `hf_tensors`), the `model.path` folder (safetensors slices, or
+    memory-mapped `.bin` files), or the random init of `model` (a meta-device model is enough) seeded by `seed`."""
     if read_weights is not None:
-        return StateDict(read_weights(config), aliases=tied_aliases(config))
+        return read_weights(config)
     if model_cfg["path"] is None:
         return SeededInit(model, config, seed)
     folder = Path(model_cfg["path"]).expanduser()

@@ -17,7 +17,9 @@ from rlrunner.backends.megatron.layout import (
     check_splittable,
     expected_megatron_keys,
     hf_to_megatron,
+    MegatronShards,
     hf_to_megatron_rank,
+    iter_hf_to_megatron_rank,
     iter_megatron_to_hf,
     megatron_to_hf,
     padded_vocab_size,
@@ -178,6 +180,41 @@ def test_streamed_merge_consumes_the_shards_and_its_meta_run_predicts_the_output
         assert torch.equal(tensor, model.state_dict()[key])
     assert merged == layout and len(merged) == len(model.state_dict())
     assert all(v is None for shard in shards for v in shard.values())  # every tensor released once merged
+
+
+@pytest.mark.parametrize("saved_tp, tp", [(1, 2), (2, 1), (2, 4), (4, 2)])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_a_rank_of_another_tp_size_reads_its_part_from_the_saved_shards(megatron_models, shape, saved_tp, tp) -> None:
+    """A load that reshards: each rank's dict, read slice by slice from shards saved at another size, is the one
+    split from the HF weights, bit for bit (vocabulary padding zero at the new size too)."""
+    model = megatron_models[shape]
+    state = model.state_dict()
+    shards = hf_to_megatron(state, model.config, saved_tp)
+    for rank in range(tp):
+        read = dict(iter_hf_to_megatron_rank(MegatronShards(shards, model.config), model.config, tp, rank))
+        expected = hf_to_megatron_rank(state, model.config, tp, rank)
+        assert list(read) == list(expected)
+        for key, tensor in expected.items():
+            assert (read[key] is None) if tensor is None else torch.equal(read[key], tensor), key
+
+
+def test_a_slice_reads_only_the_saved_ranks_it_overlaps(megatron_models) -> None:
+    """Rank 1's tensors on the meta device (no values to read): a slice that lies in rank 0's blocks still comes out
+    right, so nothing of rank 1 was read; a slice that reaches rank 1 has no values."""
+    model = megatron_models["gqa"]
+    state = model.state_dict()
+    shards = hf_to_megatron(state, model.config, 2)
+    tensors = MegatronShards([shards[0], {k: v if v is None else v.to("meta") for k, v in shards[1].items()}],
+                             model.config)
+    gate, q, o = ("model.layers.0.mlp.gate_proj.weight", "model.layers.1.self_attn.q_proj.weight",
+                  "model.layers.0.self_attn.o_proj.weight")
+    assert torch.equal(tensors.read(gate, 0, 3, 60), state[gate][3:60])  # rows 0..63 of 128 are rank 0's
+    assert torch.equal(tensors.read(q, 0, 8, 32), state[q][8:32])  # query groups 0 and 1: rows 0..31 of 64
+    assert torch.equal(tensors.read(o, 1, 0, 32), state[o][:, :32])  # input columns 0..31 of 64
+    assert torch.equal(tensors.read("model.embed_tokens.weight"), state["model.embed_tokens.weight"])  # 99 rows of 128
+    assert tensors.read("model.embed_tokens.weight", 0, 99, 99).shape == (0, 64)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        tensors.read(gate, 0, 60, 70).sum().item()  # rows 64..69 are rank 1's
 
 
 def test_bfloat16_weights_round_trip_in_their_dtype(megatron_models) -> None:

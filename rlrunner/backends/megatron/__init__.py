@@ -56,3 +56,8 @@ class MegatronBackend(TrainingBackend):
         from rlrunner.backends.megatron.files import read_hf_weights
 
         return read_hf_weights(storage, root, config, mmap=True)  # tensors backed by the file: less resident memory
+
+    def hf_tensors(self, storage: Storage, root: str, config: Any) -> Any:
+        from rlrunner.backends.megatron.files import read_hf_tensors
+
+        return read_hf_tensors(storage, root, config)

@@ -21,7 +21,7 @@ and loaded at any DP size.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ class DistributedAdamW:
         """`named_params` (fp32) become views of this optimizer's buffer: their values are kept, or zero for parameters
         on the meta device (a model built there gets its storage here, and its weights are copied in afterwards)."""
         self.names = [name for name, _ in named_params]
+        self.index = {name: index for index, name in enumerate(self.names)}
         self.params = [param for _, param in named_params]
         _check_names(self.names, replicated)
         self.replicated = [name in replicated for name in self.names]
@@ -160,11 +161,33 @@ class DistributedAdamW:
         return None if result["exp_avg"] is None else result
 
     @torch.no_grad()
-    def load_full_state(self, state: dict[str, Any]) -> None:
-        """Load what `full_state` returned (at any DP size): each DP rank keeps its own slice."""
+    @torch.no_grad()
+    def load_full_state(self, state: Mapping[str, Any]) -> None:
+        """Load what `full_state` returned (at any DP size): each DP rank copies its own slice out of each tensor.
+
+        Each moment is a dict, checked whole before anything is copied, or (name, tensor) pairs read one at a time
+        (a resharding load streams them), checked as they come: then a ValueError may leave the state partly loaded.
+        Either way no whole flat copy of the moments is made."""
         step = self._check_state(state)
+        start, stop = self.owned.start, self.owned.stop
         for key in _MOMENTS:
-            self.moments[key].copy_(self._flatten_named(state[key])[self.owned])
+            given = state[key]
+            loaded: set[str] = set()
+            for name, tensor in given.items() if isinstance(given, Mapping) else given:
+                index = self.index.get(name)
+                if index is None:
+                    raise ValueError(f"optimizer state {key} has unknown parameter {name!r}")
+                self._check_shape(key, name, tensor, self.params[index])
+                lo, hi = self.offsets[index], self.offsets[index + 1]
+                first, last = max(lo, start), min(hi, stop)
+                if first < last:  # the part of this parameter in this rank's slice
+                    self.moments[key][first - start : last - start].copy_(tensor.reshape(-1)[first - lo : last - lo])
+                loaded.add(name)
+            missing = [name for name in self.names if name not in loaded]
+            if missing:
+                raise ValueError(f"optimizer state {key} lacks parameter {missing[0]!r}")
+            if stop > self.numel:
+                self.moments[key][max(self.numel, start) - start :].zero_()  # the padding past the last parameter
         self._set_chunk_state(step)
 
     def local_state(self) -> dict[str, Any]:
@@ -216,16 +239,6 @@ class DistributedAdamW:
         """Per-parameter views of a flat (padded) fp32 tensor, shaped like the parameters."""
         return [flat[lo:hi].view(p.shape) for p, lo, hi in zip(self.params, self.offsets, self.offsets[1:])]
 
-    def _flatten(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
-        flat = self._padded()
-        for view, tensor in zip(self._views(flat), tensors):
-            if tensor is not None:  # a parameter the loss did not reach has a zero gradient
-                view.copy_(tensor.detach())
-        return flat
-
-    def _flatten_named(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self._flatten([tensors[name] for name in self.names])
-
     def _gather(self, owned: torch.Tensor, everywhere: bool, copy: bool) -> torch.Tensor | None:
         """The whole flat tensor from every DP rank's slice (`owned`): on every rank, or on DP rank 0 only (None
         elsewhere); at DP size 1 `owned` itself unless `copy`."""
@@ -267,8 +280,9 @@ class DistributedAdamW:
             sums = torch.stack([gathered[:, 0].sum(), gathered[:, 1].max()])
         return math.sqrt(sums.sum().item())
 
-    def _check_state(self, state: dict[str, Any]) -> int:
-        """The state's step count; ValueError naming the first key that does not fit this optimizer."""
+    def _check_state(self, state: Mapping[str, Any]) -> int:
+        """The state's step count; ValueError naming the first key that does not fit this optimizer (every tensor of
+        a moment given as a dict; pairs are checked as they are read)."""
         for key in ("step", *_MOMENTS):
             if key not in state:
                 raise ValueError(f"optimizer state lacks {key!r}")
@@ -279,18 +293,21 @@ class DistributedAdamW:
             raise ValueError(f"optimizer state step {state['step']!r} is not a count of steps")
         for key in _MOMENTS:
             tensors = state[key]
+            if not isinstance(tensors, Mapping):
+                continue
             for name, param in zip(self.names, self.params):
                 if name not in tensors:
                     raise ValueError(f"optimizer state {key} lacks parameter {name!r}")
-                if tuple(tensors[name].shape) != tuple(param.shape):
-                    raise ValueError(
-                        f"optimizer state {key}[{name!r}] has shape {tuple(tensors[name].shape)}, "
-                        f"expected {tuple(param.shape)}"
-                    )
+                self._check_shape(key, name, tensors[name], param)
             extra = sorted(set(tensors) - set(self.names))
             if extra:
                 raise ValueError(f"optimizer state {key} has unknown parameter {extra[0]!r}")
         return int(step)
+
+    @staticmethod
+    def _check_shape(key: str, name: str, tensor: torch.Tensor, param: torch.Tensor) -> None:
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(f"optimizer state {key}[{name!r}] has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
 
 
 def _check_names(names: list[str], replicated: set[str]) -> None:

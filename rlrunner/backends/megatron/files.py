@@ -42,6 +42,7 @@ from rlrunner.backends.megatron.layout import (
     DEFAULT_VOCAB_DIVISIBLE_BY,
     Qwen2Dims,
     check_splittable,
+    MegatronShards,
     hf_to_megatron_rank,
     megatron_to_hf,
     padded_vocab_size,
@@ -265,10 +266,9 @@ def write_state_file(storage: Storage, root: str, name: str, state: Mapping[str,
     return {name: writer.record()}
 
 
-def read_distrib_optim(storage: Storage, url: str) -> dict[str, Any]:
-    """One `distrib_optim.pt`, checked to be in our format."""
-    with storage.open_read(url) as handle:
-        state = load_file(handle)
+def read_distrib_optim(storage: Storage, url: str, mmap: bool = False) -> dict[str, Any]:
+    """One `distrib_optim.pt`, checked to be in our format (memory-mapped as `read_rank_file` with `mmap`)."""
+    state = _read_file(storage, url, mmap)
     if not isinstance(state, dict) or state.get("format") != DISTRIB_OPTIM_FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"{url} is not a distributed-optimizer file of format {DISTRIB_OPTIM_FORMAT} (found {found!r})")
@@ -332,17 +332,21 @@ def _local_copy(storage: Storage, url: str) -> Iterator[str]:
             os.unlink(path)  # a memory map made from it stays valid
 
 
+def _read_file(storage: Storage, url: str, mmap: bool) -> Any:
+    """`load_file` of `url`: memory-mapped from a local path (a remote file downloaded first) with `mmap`, else read."""
+    if mmap:
+        with _local_copy(storage, url) as path:
+            return load_file(path, mmap=True)
+    with storage.open_read(url) as handle:
+        return load_file(handle)
+
+
 def read_rank_file(storage: Storage, url: str, mmap: bool = False) -> dict[str, Any]:
     """One `model_optim_rng.pt` (a full URL), checked to be a Megatron checkpoint of version 3.0.
 
     With `mmap` the tensors are memory-mapped from a local file (a remote file is downloaded to a temporary
     file first), so they take page cache rather than process memory."""
-    if mmap:
-        with _local_copy(storage, url) as path:
-            state = load_file(path, mmap=True)
-    else:
-        with storage.open_read(url) as handle:
-            state = load_file(handle)
+    state = _read_file(storage, url, mmap)
     if not isinstance(state, dict) or "model" not in state or "args" not in state:
         raise ValueError(f"{url} is not a Megatron checkpoint file (no 'model' and 'args')")
     version = state.get("checkpoint_version")
@@ -407,6 +411,13 @@ def read_hf_weights(storage: Storage, root: str, config: Any, mmap: bool = False
     """The full HF state dict merged from every tensor-parallel rank of the iteration the tracker under `root` names."""
     _, states = read_rank_states(storage, root, mmap=mmap)
     return megatron_to_hf([state["model"] for state in states], config)
+
+
+def read_hf_tensors(storage: Storage, root: str, config: Any) -> MegatronShards:
+    """The HF tensors of the iteration the tracker under `root` names, read in slices from every tensor-parallel
+    rank's memory-mapped file: a rank starting from this checkpoint reads only its own part."""
+    _, states = read_rank_states(storage, root, mmap=True)
+    return MegatronShards([state["model"] for state in states], config)
 
 
 def find_root(storage: Storage, url: str) -> str:

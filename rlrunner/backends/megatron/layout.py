@@ -29,7 +29,7 @@ fused layout of its own groups. Rotary embeddings need no permutation: both side
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -317,35 +317,123 @@ def _check_shards(shards: Sequence[Mapping[str, Any]], dims: Qwen2Dims) -> None:
                                  f"expected ({rows}, {dims.hidden_size}) like rank 0")
 
 
-def _replicated(shards: Sequence[Mapping[str, torch.Tensor]], key: str) -> torch.Tensor:
-    first = shards[0][key]
-    for rank, shard in enumerate(shards[1:], start=1):
-        if not first.is_meta and not torch.equal(shard[key], first):
-            raise ValueError(f"{key} is replicated but tensor-parallel rank {rank} differs from rank 0")
-    return first.clone()
+@dataclass(frozen=True)
+class HFBlock:
+    """What one tensor-parallel rank's dict holds of one HF tensor: indices [start, stop) along `dim` of the tensor
+    `name` (full shape `shape`), taken from the rank's megatron tensor `key` by `take`; `replicated` when every rank
+    holds the whole tensor (the norms: listed for rank 0 only)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dim: int
+    start: int
+    stop: int
+    key: str
+    take: Callable[[torch.Tensor], torch.Tensor]
+    replicated: bool = False
 
 
-def _cat(shards: Sequence[Mapping[str, torch.Tensor]], key: str, dim: int) -> torch.Tensor:
-    return torch.cat([shard[key] for shard in shards], dim=dim)
+def rank_blocks(dims: Qwen2Dims, tp: int, rank: int, vocab_rows: int) -> list[HFBlock]:
+    """Every HF block tensor-parallel rank `rank` of `tp` holds (`vocab_rows`: the rows of its vocabulary-parallel
+    tensors, padding included), in `expected_hf_keys` order. Column-parallel weights give dim-0 blocks (q, k, v per
+    query group, gate and up), row-parallel ones dim-1 blocks (o_proj, down_proj), vocabulary-parallel ones their
+    rows below the vocabulary size (none for a rank of padding only); the replicated norms come from rank 0 only.
+    A block's `take` is a view of the megatron tensor, except q, k and v (one rank's rows of one tensor, copied)."""
+    check_splittable(dims, tp)
+    hidden, head_dim = dims.hidden_size, dims.head_dim
+    out: list[HFBlock] = []
+
+    def vocab(name: str, key: str) -> None:
+        first = rank * vocab_rows
+        count = max(0, min(vocab_rows, dims.vocab_size - first))
+        if count:
+            out.append(HFBlock(name, (dims.vocab_size, hidden), 0, first, first + count, key, lambda t, n=count: t[:n]))
+
+    def split(name: str, full: tuple[int, ...], dim: int, key: str, take=lambda t: t) -> None:
+        size = full[dim] // tp
+        out.append(HFBlock(name, full, dim, rank * size, (rank + 1) * size, key, take))
+
+    def norm(name: str, key: str) -> None:
+        if rank == 0:
+            out.append(HFBlock(name, (hidden,), 0, 0, hidden, key, lambda t: t, replicated=True))
+
+    def qkv_rows(first: int, count: int, groups: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def take(fused: torch.Tensor) -> torch.Tensor:
+            tail = tuple(fused.shape[1:])
+            return fused.reshape(groups, -1, *tail)[:, first : first + count].reshape(-1, *tail)
+        return take
+
+    vocab("model.embed_tokens.weight", "embedding.word_embeddings.weight")
+    groups = dims.num_kv_heads // tp
+    q_rows = dims.heads_per_group * head_dim
+    for layer in range(dims.num_layers):
+        k = layer_keys(layer)
+        attn, mlp = k["hf"] + "self_attn.", k["hf"] + "mlp."
+        for suffix in ("weight", "bias") if dims.qkv_bias else ("weight",):
+            tail = (hidden,) if suffix == "weight" else ()
+            key = k["qkv"] + suffix
+            split(attn + f"q_proj.{suffix}", (dims.num_heads * head_dim, *tail), 0, key, qkv_rows(0, q_rows, groups))
+            split(attn + f"k_proj.{suffix}", (dims.num_kv_heads * head_dim, *tail), 0, key, qkv_rows(q_rows, head_dim, groups))
+            split(attn + f"v_proj.{suffix}", (dims.num_kv_heads * head_dim, *tail), 0, key,
+                  qkv_rows(q_rows + head_dim, head_dim, groups))
+        split(attn + "o_proj.weight", (hidden, dims.num_heads * head_dim), 1, k["proj"] + "weight")
+        rows = dims.intermediate_size // tp
+        split(mlp + "gate_proj.weight", (dims.intermediate_size, hidden), 0, k["fc1"] + "weight", lambda t: t[:rows])
+        split(mlp + "up_proj.weight", (dims.intermediate_size, hidden), 0, k["fc1"] + "weight", lambda t: t[rows:])
+        split(mlp + "down_proj.weight", (hidden, dims.intermediate_size), 1, k["fc2"] + "weight")
+        norm(k["hf"] + "input_layernorm.weight", k["input_norm"])
+        norm(k["hf"] + "post_attention_layernorm.weight", k["mlp_norm"])
+    norm("model.norm.weight", "decoder.final_layernorm.weight")
+    if not dims.tie_word_embeddings:
+        vocab("lm_head.weight", "output_layer.weight")
+    return out
 
 
-def _vocab_rows(shards: Sequence[Mapping[str, torch.Tensor]], key: str, vocab_size: int) -> torch.Tensor:
-    """The first `vocab_size` rows of a vocabulary-parallel weight (the padding left behind, never copied)."""
-    rows = shards[0][key].shape[0]
-    if rows * len(shards) < vocab_size:
-        raise ValueError(f"the shards hold {rows * len(shards)} rows of {key} for a vocabulary of {vocab_size}")
-    pieces = [shard[key][: max(0, min(rows, vocab_size - rank * rows))] for rank, shard in enumerate(shards)]
-    return torch.cat([piece for piece in pieces if piece.shape[0]], dim=0)
+class MegatronShards(HFTensors):
+    """The HF tensors of a model saved as tensor-parallel shards (megatron-core dicts, in rank order), read in
+    slices: a slice is assembled from the ranks' blocks it overlaps, so shards memory-mapped from their files are
+    read only where the slice lies (for q, k and v, one rank's rows of the tensor). What a rank of another
+    tensor-parallel size reads its own part through (`iter_hf_to_megatron_rank`), without a whole HF state dict."""
 
+    def __init__(self, shards: Sequence[Mapping[str, Any]], config: Any):
+        self.dims = Qwen2Dims.from_config(config)
+        _check_shards(shards, self.dims)
+        self.shards = shards
+        rows = shards[0]["embedding.word_embeddings.weight"].shape[0]
+        if rows * len(shards) < self.dims.vocab_size:
+            raise ValueError(f"the shards hold {rows * len(shards)} rows of embedding.word_embeddings.weight for a "
+                             f"vocabulary of {self.dims.vocab_size}")
+        self.blocks: dict[str, list[tuple[int, HFBlock]]] = {}
+        for rank in range(len(shards)):
+            for block in rank_blocks(self.dims, len(shards), rank, rows):
+                self.blocks.setdefault(block.name, []).append((rank, block))
+        if self.dims.tie_word_embeddings:
+            self.blocks["lm_head.weight"] = self.blocks["model.embed_tokens.weight"]
 
-def _unfuse_qkv(pieces: Sequence[torch.Tensor], dims: Qwen2Dims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v (HF rows) from the ranks' fused QKV weights or biases, in rank order."""
-    tail = pieces[0].shape[1:]
-    per_group = (dims.heads_per_group + 2) * dims.head_dim
-    grouped = torch.cat([p.reshape(-1, per_group, *tail) for p in pieces], dim=0)  # [groups, per_group, ...]
-    q_rows = dims.heads_per_group * dims.head_dim
-    q, k, v = grouped.split([q_rows, dims.head_dim, dims.head_dim], dim=1)
-    return q.reshape(-1, *tail).contiguous(), k.reshape(-1, *tail).contiguous(), v.reshape(-1, *tail).contiguous()
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.blocks[name][0][1].shape
+
+    def _read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        pieces = []
+        for rank, block in self.blocks[name]:
+            if block.replicated:
+                self._check_replicated(block.key)
+            if block.dim == dim:
+                first, last = max(start, block.start), min(stop, block.stop)
+                if first < last:
+                    pieces.append(block.take(self.shards[rank][block.key]).narrow(dim, first - block.start, last - first))
+            else:
+                pieces.append(block.take(self.shards[rank][block.key]).narrow(dim, start, stop - start))
+        if not pieces:  # an empty slice (the real rows of a rank that holds only vocabulary padding)
+            rank, block = self.blocks[name][0]
+            pieces.append(block.take(self.shards[rank][block.key]).narrow(dim, 0, 0))
+        return torch.cat(pieces, dim=self.blocks[name][0][1].dim)  # a tensor of its own, even from one piece
+
+    def _check_replicated(self, key: str) -> None:
+        first = self.shards[0][key]
+        for rank, shard in enumerate(self.shards[1:], start=1):
+            if not first.is_meta and not torch.equal(shard[key], first):
+                raise ValueError(f"{key} is replicated but tensor-parallel rank {rank} differs from rank 0")
 
 
 def iter_megatron_to_hf(
@@ -354,47 +442,18 @@ def iter_megatron_to_hf(
     """(HF key, full tensor) pairs, one at a time, merged from every tensor-parallel rank's dict (in rank order).
 
     The shards are checked before the first pair comes. With `consume`, each megatron tensor is removed from the
-    (mutable) shard dicts once merged, so a caller that writes each pair away holds about one copy of the
-    weights in all. Meta tensors in, meta tensors out: the shapes and dtypes of the output for free."""
-    dims = Qwen2Dims.from_config(config)
-    _check_shards(shards, dims)
-
-    def done(*keys: str) -> None:
+    (mutable) shard dicts once the last HF tensor that needs it is merged, so a caller that writes each pair away
+    holds about one copy of the weights in all. Meta tensors in, meta tensors out: the shapes and dtypes of the
+    output for free."""
+    tensors = MegatronShards(shards, config)
+    names = expected_hf_keys(tensors.dims)
+    last_use = {block.key: name for name in names for _, block in tensors.blocks[name]}
+    for name in names:
+        yield name, tensors.read(name)
         if consume:
-            for shard in shards:
-                for key in keys:
+            for key in [key for key, last in last_use.items() if last == name]:
+                for shard in shards:
                     shard.pop(key, None)  # type: ignore[attr-defined]
-
-    yield "model.embed_tokens.weight", _vocab_rows(shards, "embedding.word_embeddings.weight", dims.vocab_size)
-    done("embedding.word_embeddings.weight")
-    for layer in range(dims.num_layers):
-        k = layer_keys(layer)
-        attn, mlp = k["hf"] + "self_attn.", k["hf"] + "mlp."
-        for suffix in ("weight", "bias") if dims.qkv_bias else ("weight",):
-            q, key, v = _unfuse_qkv([shard[k["qkv"] + suffix] for shard in shards], dims)
-            done(k["qkv"] + suffix)
-            yield attn + f"q_proj.{suffix}", q
-            yield attn + f"k_proj.{suffix}", key
-            del q, key
-            yield attn + f"v_proj.{suffix}", v
-            del v
-        yield attn + "o_proj.weight", _cat(shards, k["proj"] + "weight", 1)
-        done(k["proj"] + "weight")
-        gates, ups = zip(*(shard[k["fc1"] + "weight"].chunk(2, dim=0) for shard in shards))
-        yield mlp + "gate_proj.weight", torch.cat(gates, dim=0)
-        yield mlp + "up_proj.weight", torch.cat(ups, dim=0)
-        del gates, ups
-        done(k["fc1"] + "weight")
-        yield mlp + "down_proj.weight", _cat(shards, k["fc2"] + "weight", 1)
-        done(k["fc2"] + "weight")
-        yield k["hf"] + "input_layernorm.weight", _replicated(shards, k["input_norm"])
-        yield k["hf"] + "post_attention_layernorm.weight", _replicated(shards, k["mlp_norm"])
-        done(k["input_norm"], k["mlp_norm"])
-    yield "model.norm.weight", _replicated(shards, "decoder.final_layernorm.weight")
-    done("decoder.final_layernorm.weight")
-    if not dims.tie_word_embeddings:
-        yield "lm_head.weight", _vocab_rows(shards, "output_layer.weight", dims.vocab_size)
-        done("output_layer.weight")
 
 
 def megatron_to_hf(shards: Sequence[Mapping[str, Any]], config: Any) -> dict[str, torch.Tensor]:

@@ -10,16 +10,18 @@ only). A background save copies the state off the training tensors on the traini
 writes, or uploads, the files in a thread (the worker's `BackgroundSave`), so it blocks training only for the copy;
 a synchronous save writes the live tensors, with no copy, before training goes on.
 
-A load reads this rank's files when the tensor-parallel size is the saved one; with another size it merges every
-saved rank's model and Adam moments into the HF layout and splits them again for this size (the converters'
-functions), so tp=2 resumes at tp=1 and back. RNG states are restored only when both sizes match.
+A load reads this rank's files when the tensor-parallel size is the saved one; with another size it reads every
+saved rank's files and assembles this rank's tensors, one at a time, from the slices of the saved ones they cover,
+through the HF layout (`MegatronShards`, read by the start-up's `iter_hf_to_megatron_rank`), so tp=2 resumes at
+tp=1 and back. The files are memory-mapped, so a rank reads only what its part covers (a data-parallel rank, only
+its slice of the moments). RNG states are restored only when both sizes match.
 """
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -34,7 +36,7 @@ from rlrunner.backends.megatron.files import (
     read_tracker,
     write_state_file,
 )
-from rlrunner.backends.megatron.layout import EXTRA_STATE, hf_to_megatron_rank, megatron_to_hf
+from rlrunner.backends.megatron.layout import EXTRA_STATE, MegatronShards, iter_hf_to_megatron_rank
 from rlrunner.storage import FileRecord, open_storage
 
 
@@ -70,14 +72,19 @@ class MegatronRankState:
 # -- loading -----------------------------------------------------------------------------------------
 
 
+Pairs = Iterable[tuple[str, torch.Tensor]]
+
+
 @dataclass
 class LoadedRank:
-    """This rank's training state read from a checkpoint (resharded to this rank's tensor-parallel size)."""
+    """This rank's training state read from a checkpoint (resharded to this rank's tensor-parallel size). The model
+    and moments are (megatron-core name, tensor) pairs, read from the memory-mapped files as they are iterated: each
+    once, in order."""
 
-    model: dict[str, torch.Tensor]
+    model: Pairs
     step: int
-    exp_avg: dict[str, torch.Tensor]
-    exp_avg_sq: dict[str, torch.Tensor]
+    exp_avg: Pairs
+    exp_avg_sq: Pairs
     scheduler: dict[str, Any]
     rng_state: dict[str, Any] | None  # None when the parallel sizes changed (a rank's RNG has no meaning then)
 
@@ -86,10 +93,12 @@ def _tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return {key: value for key, value in state.items() if not key.endswith(EXTRA_STATE)}
 
 
-def _reshard(shards: list[dict[str, torch.Tensor]], config: Any, tp: int, tp_rank: int, divisible_by: int) -> dict[str, torch.Tensor]:
-    """Tensor-parallel rank `tp_rank` of `tp` from the saved ranks' dicts, through the HF layout (exact)."""
-    merged = megatron_to_hf(shards, config)
-    return _tensors(hf_to_megatron_rank(merged, config, tp, tp_rank, divisible_by))
+def _resharded(shards: list[dict[str, torch.Tensor]], config: Any, tp: int, tp_rank: int, divisible_by: int) -> Pairs:
+    """Tensor-parallel rank `tp_rank` of `tp`, one tensor at a time, from the saved ranks' dicts through the HF layout
+    (exact): each tensor is assembled from the slices of the saved ones it covers, never from a whole HF dict."""
+    tensors = MegatronShards(shards, config)
+    return ((key, value) for key, value in iter_hf_to_megatron_rank(tensors, config, tp, tp_rank, divisible_by)
+            if value is not None)
 
 
 def load_rank(
@@ -103,30 +112,32 @@ def load_rank(
     divisible_by: int,
 ) -> LoadedRank:
     """Read the state of rank (dp_rank, tp_rank) from the checkpoint's actor folder `url` (the iteration its tracker
-    names), resharding over tensor-parallel sizes as needed."""
+    names), resharding over tensor-parallel sizes as needed. The files are memory-mapped (a remote one is downloaded
+    first): what this rank's part does not cover is never read into memory."""
     storage = open_storage(url, storage_options)
     iteration = read_tracker(storage, url)
     saved_tp = len(rank_dirs(storage, url, iteration))
 
     def read(rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        state = read_rank(storage, url, iteration, rank, saved_tp)
+        state = read_rank(storage, url, iteration, rank, saved_tp, mmap=True)
         for key in ("optimizer", "opt_param_scheduler", "rng_state"):
             if key not in state:
                 raise ValueError(f"{storage.join(url, rank_file(iteration, rank))} has no '{key}': a model-only checkpoint "
                                  "cannot be resumed (start from it with model.path instead)")
-        moments = read_distrib_optim(storage, storage.join(url, distrib_optim_file(iteration, rank)))
+        moments = read_distrib_optim(storage, storage.join(url, distrib_optim_file(iteration, rank)), mmap=True)
         return state, moments
 
     if saved_tp == tp:
         state, moments = read(tp_rank)
-        model, exp_avg, exp_avg_sq = _tensors(state["model"]), moments["exp_avg"], moments["exp_avg_sq"]
+        model, exp_avg, exp_avg_sq = (_tensors(state["model"]).items(), moments["exp_avg"].items(),
+                                      moments["exp_avg_sq"].items())
         saved_dp = getattr(state["args"], "data_parallel_size", None)
         rng = state["rng_state"][dp_rank] if saved_dp == dp and len(state["rng_state"]) == dp else None
     else:
         states = [read(rank) for rank in range(saved_tp)]
-        model = _reshard([_tensors(s["model"]) for s, _ in states], config, tp, tp_rank, divisible_by)
-        exp_avg = _reshard([dict(m["exp_avg"]) for _, m in states], config, tp, tp_rank, divisible_by)
-        exp_avg_sq = _reshard([dict(m["exp_avg_sq"]) for _, m in states], config, tp, tp_rank, divisible_by)
+        model = _resharded([_tensors(s["model"]) for s, _ in states], config, tp, tp_rank, divisible_by)
+        exp_avg = _resharded([dict(m["exp_avg"]) for _, m in states], config, tp, tp_rank, divisible_by)
+        exp_avg_sq = _resharded([dict(m["exp_avg_sq"]) for _, m in states], config, tp, tp_rank, divisible_by)
         state, moments = states[0]
         rng = None
     return LoadedRank(model, int(moments["step"]), exp_avg, exp_avg_sq, state["opt_param_scheduler"], rng)
