@@ -161,7 +161,6 @@ class DistributedAdamW:
         return None if result["exp_avg"] is None else result
 
     @torch.no_grad()
-    @torch.no_grad()
     def load_full_state(self, state: Mapping[str, Any]) -> None:
         """Load what `full_state` returned (at any DP size): each DP rank copies its own slice out of each tensor.
 
