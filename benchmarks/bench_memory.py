@@ -34,6 +34,7 @@ Run from the repository root (the defaults take a few minutes on 2 cores, 24 GiB
     .venv/bin/python benchmarks/bench_memory.py
     .venv/bin/python benchmarks/bench_memory.py --sizes tiny,358m --layouts 2,4 --backends fsdp
     .venv/bin/python benchmarks/bench_memory.py --backends megatron --layouts 2:tp2,4:tp2
+    .venv/bin/python benchmarks/bench_memory.py --backends fsdp --fsdp-unit linear --probe /tmp/probe
 """
 
 from __future__ import annotations
@@ -107,6 +108,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--snapshots", action="store_true",
                         help="keep the in-memory snapshots on (off by default: a rank's serialized copy of its state on "
                              "the way to its holder is measured apart)")
+    parser.add_argument("--fsdp-unit", default="decoder_layer", choices=("decoder_layer", "linear"),
+                        help="actor.fsdp_unit of the fsdp runs")
+    parser.add_argument("--recompute", action="store_true", help="actor.gradient_checkpointing=true (both backends)")
+    parser.add_argument("--probe", default=None, metavar="DIR",
+                        help="attribute the peaks: every worker runs benchlib/rss_probe and logs its stack at each new "
+                             "high of its resident set to DIR/<pid>.txt (summarise with benchmarks/rss_report.py)")
     parser.add_argument("--workdir", default=None, help="where run folders go (default: a temp folder, deleted at the end)")
     args = parser.parse_args(argv)
     args.backend_list = [b for b in args.backends.split(",") if b]
@@ -189,7 +196,8 @@ def run_one(args: argparse.Namespace, workdir: Path, backend: str, layout: Layou
         f"runner.save_interval={args.steps}", "runner.async_save=false", "runner.logger.progress_bar=false",
         "runner.logger.tensorboard=false", f"runner.snapshot.enabled={str(args.snapshots).lower()}",
         f"actor.training_backend={backend}", f"actor.num_workers={layout.ranks}",
-        f"actor.tensor_model_parallel_size={layout.tp}", "data.batch_size=4", "algorithm.group_size=4",
+        f"actor.tensor_model_parallel_size={layout.tp}", f"actor.fsdp_unit={args.fsdp_unit}",
+        f"actor.gradient_checkpointing={str(args.recompute).lower()}", "data.batch_size=4", "algorithm.group_size=4",
         "actor.micro_batch_size=4", "rollout.max_new_tokens=4", "rollout.generation_batch_size=4",
         f"cluster.cpus_per_actor_worker={CPUS_PER_WORKER}", f"cluster.cpus_per_rollout_worker={CPUS_PER_WORKER}",
         *overrides_for(size),
@@ -246,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     try:
         largest = max(layout.ranks for layout in args.layout_list)
+        if args.probe:  # the workers inherit the environment of the Ray this script starts
+            probe_path = str(Path(__file__).resolve().parent / "benchlib" / "rss_probe")
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [probe_path, os.environ.get("PYTHONPATH")]))
+            os.environ["RLRUNNER_RSS_PROBE_DIR"] = str(Path(args.probe).resolve())
         start_local_ray(ray_cpus(largest + 1, CPUS_PER_WORKER), log_to_driver=False)
         params = {size: count_params(size) for size in args.size_list}
         for backend in args.backend_list:

@@ -150,6 +150,8 @@ class ActorConfig:
     grad_clip: float = 1.0
     param_dtype: str = "float32"  # compute dtype (FSDP2 mixed precision; autocast with megatron); master weights stay float32
     reduce_dtype: str = "float32"
+    gradient_checkpointing: bool = False  # keep each layer's input only, recompute its activations in backward
+    fsdp_unit: str = "decoder_layer"  # fsdp backend: what one all-gather unshards: decoder_layer | linear (docs/configuration.md)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -274,6 +276,7 @@ def _describe_hydra_error(exc: BaseException) -> str:
 # ---------------------------------------------------------------------------------------------
 
 _DTYPES = ("float32", "bfloat16", "float16")
+FSDP_UNITS = ("decoder_layer", "linear")  # what one FSDP2 unit is (rlrunner/backends/fsdp/worker.py: shard_model)
 
 
 def mini_batch_prompts(cfg: DictConfig) -> int:
@@ -329,6 +332,8 @@ def validate_config(cfg: DictConfig) -> None:
         if value not in _DTYPES:
             raise ConfigError(f"{key} must be one of {', '.join(_DTYPES)}, got '{value}'")
     _validate_parallel_sizes(cfg)
+    if cfg.actor.fsdp_unit not in FSDP_UNITS:
+        raise ConfigError(f"actor.fsdp_unit must be one of {', '.join(FSDP_UNITS)}, got '{cfg.actor.fsdp_unit}'")
     if cfg.actor.optim.lr_schedule not in ("constant", "cosine"):
         raise ConfigError(f"actor.optim.lr_schedule must be 'constant' or 'cosine', got '{cfg.actor.optim.lr_schedule}'")
     if len(cfg.actor.optim.betas) != 2:

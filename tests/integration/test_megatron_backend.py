@@ -142,6 +142,12 @@ def test_resume_mid_epoch_is_bitwise_identical_to_the_uninterrupted_run(referenc
     assert_resumed_bitwise(resume(tmp_path, reference.checkpoint(3)), reference, 3)
 
 
+def test_a_resume_with_recomputation_ends_bitwise_identical(reference, tmp_path):
+    """actor.gradient_checkpointing recomputes each layer (its tensor-parallel collectives too) in the backward: the
+    same gradients, so the same run."""
+    assert_resumed_bitwise(resume(tmp_path, reference.checkpoint(6), 2, 2, "actor.gradient_checkpointing=true"), reference, 6)
+
+
 def test_every_rank_gets_its_own_rng_state_back(reference, tmp_path):
     assert not torch.equal(reference.rng[0], reference.rng[1])
     seen = {}

@@ -74,6 +74,19 @@ def _check_rank(rank: int, world: int, shape: str) -> None:
         assert vocab_parallel or grad.abs().sum() > 0, name
         assert torch.allclose(grad, expected[name], atol=1e-5), (name, (grad - expected[name]).abs().max())
 
+    # activation recomputation: each layer runs again in the backward (counted as it starts: a recomputation stops
+    # once it has the saved tensors back, before forward hooks), and the gradients are the same bit for bit
+    calls = []
+    hooks = [layer.register_forward_pre_hook(lambda *_: calls.append(1)) for layer in tp_model.decoder.layers]
+    tp_model.zero_grad()
+    tp_model.gradient_checkpointing = True
+    _loss(tp_model(IDS, attention_mask=MASK)).backward()
+    tp_model.gradient_checkpointing = False
+    for hook in hooks:
+        hook.remove()
+    assert len(calls) == 2 * len(tp_model.decoder.layers)
+    assert all(torch.equal(p.grad, grads[name]) for name, p in tp_model.named_parameters())
+
     # one SGD step on both: the shards stay the HF weights split by the layout, and the logits agree again
     for model in (hf, tp_model):
         torch.optim.SGD(model.parameters(), lr=0.5).step()

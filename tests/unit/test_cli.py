@@ -28,6 +28,7 @@ def test_print_config_writes_nothing(tmp_path, monkeypatch, capsys):
         (["data.batch_size=16", "actor.mini_batch_size=5"], "data.batch_size (16) must be a multiple of actor.mini_batch_size (5)"),
         (["algorithm.group_size=1"], "algorithm.group_size must be at least 2"),
         (["reward.verifier=nope"], "reward.verifier must be one of arithmetic, math or null, got 'nope'"),
+        (["actor.fsdp_unit=layer"], "actor.fsdp_unit must be one of decoder_layer, linear, got 'layer'"),
         (["model.path=/nonexistent/model"], "model.path does not exist: /nonexistent/model"),
         (["--config-name", "nope"], "config 'nope' not found"),
     ],

@@ -22,11 +22,20 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
-def shard_model(model: torch.nn.Module, param_dtype: str, reduce_dtype: str, trainable: bool = True) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, param_dtype: str, reduce_dtype: str, trainable: bool = True,
+                unit: str = "decoder_layer") -> torch.nn.Module:
+    """Apply FSDP2 to `model`: each decoder layer one unit (one all-gather, one reduce-scatter), or with
+    `unit="linear"` each of a layer's projections one unit and its norms another. Smaller units hold less unsharded
+    at once (a layer's gathered weights, its unsharded gradients and the collectives' buffers are a projection's
+    instead), at the price of more, smaller collectives. The root unit holds the rest (embeddings, final norm, head)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch_dtype(param_dtype), reduce_dtype=torch_dtype(reduce_dtype))
     for layer in decoder_layers(model):
+        if unit == "linear":
+            for module in layer.modules():
+                if isinstance(module, torch.nn.Linear):
+                    fully_shard(module, mp_policy=policy)
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     model.requires_grad_(trainable)
@@ -74,6 +83,9 @@ class FSDPActorWorker(ActorWorker):
         tokenizer = build_tokenizer(self.model_cfg)
         # Master weights stay float32; FSDP computes in actor.param_dtype.
         self.model = self._build(tokenizer, trainable=True)
+        if self.actor_cfg["gradient_checkpointing"]:
+            # HF's, non-reentrant: FSDP2's pre-backward hook all-gathers a layer for its recompute
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         self.optimizer, self.scheduler = build_optimizer(
             self.model.parameters(), self.actor_cfg["optim"], self.total_optimizer_steps
@@ -92,7 +104,8 @@ class FSDPActorWorker(ActorWorker):
         config = build_hf_config(self.model_cfg, tokenizer)
         model = meta_model(config, self.model_cfg["attn_implementation"], torch.float32)
         tensors = initial_tensors(self.model_cfg, config, self.init_seed, model, self.read_weights)
-        shard_model(model, self.actor_cfg["param_dtype"], self.actor_cfg["reduce_dtype"], trainable)
+        shard_model(model, self.actor_cfg["param_dtype"], self.actor_cfg["reduce_dtype"], trainable,
+                    self.actor_cfg["fsdp_unit"])
         model.to_empty(device=self.device)
         fill_own_rows(model, tensors)
         restore_buffers(model, config, self.device)

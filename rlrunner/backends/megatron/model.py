@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 import torch
+import torch.utils.checkpoint
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
@@ -252,6 +253,7 @@ class TPQwen2ForCausalLM(nn.Module):
         # HF's rotary table (rope_theta, scaling types), not a parameter: kept out of the state dict, and computed
         # on the CPU for a meta-device build (whose parameters get their storage from `bind_to_buffer`)
         self.rotary = Qwen2RotaryEmbedding(config).to(None if torch.device(device or "cpu").type == "meta" else device)
+        self.gradient_checkpointing = False  # in training, keep each layer's input only and recompute it in backward
 
     def load_megatron_shard(self, shard: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
         """Copy this rank's megatron-core dict (or its entries, one at a time) into the parameters (`_extra_state`
@@ -296,8 +298,12 @@ class TPQwen2ForCausalLM(nn.Module):
             position_ids = torch.arange(seq, device=input_ids.device)[None]
         cos, sin = self.rotary(hidden, position_ids)
         mask = None if attention_mask is None else _padding_mask(attention_mask, seq)
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.decoder.layers:
-            hidden = layer(hidden, cos, sin, mask)
+            if recompute:  # non-reentrant: the autocast state and the TP collectives are replayed as they ran
+                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, cos, sin, mask, use_reentrant=False)
+            else:
+                hidden = layer(hidden, cos, sin, mask)
         hidden = self.decoder.final_layernorm(hidden)
         weight = self.embedding.word_embeddings.weight if self.dims.tie_word_embeddings else self.output_layer.weight
         logits = F.linear(_copy_to_tp(hidden, self.tp_group), weight)

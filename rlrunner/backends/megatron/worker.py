@@ -82,6 +82,7 @@ class MegatronActorWorker(ActorWorker):
             lr=optim["lr"], betas=tuple(optim["betas"]), weight_decay=optim["weight_decay"], device=self.device,
         )
         self._load_initial_weights(self.model)
+        self.model.gradient_checkpointing = bool(self.actor_cfg["gradient_checkpointing"])
         self.model.train()
         self.scheduler = build_schedule(self.optimizer.optimizer, optim, self.total_optimizer_steps)
         if self.algorithm_cfg["use_kl_loss"]:
