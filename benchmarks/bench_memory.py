@@ -108,7 +108,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--snapshots", action="store_true",
                         help="keep the in-memory snapshots on (off by default: a rank's serialized copy of its state on "
                              "the way to its holder is measured apart)")
-    parser.add_argument("--fsdp-unit", default="decoder_layer", choices=("decoder_layer", "linear"),
+    from rlrunner.config import FSDP_UNITS
+
+    parser.add_argument("--fsdp-unit", default=FSDP_UNITS[0], choices=FSDP_UNITS,
                         help="actor.fsdp_unit of the fsdp runs")
     parser.add_argument("--recompute", action="store_true", help="actor.gradient_checkpointing=true (both backends)")
     parser.add_argument("--probe", default=None, metavar="DIR",

@@ -157,10 +157,10 @@ class VLLMEngine(RolloutEngine):
         the worker lost, repaired like any lost rollout worker) instead of the step's time bound finding a hang."""
         import psutil  # vLLM's own dependency
 
-        cores = [p for p in psutil.Process().children(recursive=True) if "EngineCore" in _process_title(p)]
+        cores = [psutil.Process(pid) for pid in self.engine_core_pids()]
         if not cores:
-            logger.warning("no vLLM engine core process found among this worker's children: its loss is found by the "
-                           "step's time bound (runner.recovery.step_timeout_s)")
+            logger.warning("no vLLM engine core process found (engine client %s): its loss is found by the step's time "
+                           "bound (runner.recovery.step_timeout_s)", type(self.llm.llm_engine.engine_core).__name__)
             return
 
         def watch() -> None:
@@ -171,6 +171,12 @@ class VLLMEngine(RolloutEngine):
                 _exit_for_dead_engine(f"process {gone[0].pid} exited")
 
         threading.Thread(target=watch, name="vllm-engine-core-watch", daemon=True).start()
+
+    def engine_core_pids(self) -> list[int]:
+        """The pids of the engine core processes vLLM started (multiprocessing on), from vLLM's own record of them:
+        not by process title, which a process sets itself once started."""
+        manager = getattr(getattr(self.llm.llm_engine.engine_core, "resources", None), "engine_manager", None)
+        return [process.pid for process in getattr(manager, "processes", [])]
 
     def generate(self, chunks: Sequence[Sequence[SampleRequest]]) -> list[list[Completion]]:
         from vllm import SamplingParams
@@ -237,13 +243,6 @@ class VLLMEngine(RolloutEngine):
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()  # the engine core (its own processes, with multiprocessing on)
         shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def _process_title(process) -> str:
-    try:
-        return " ".join(process.cmdline()) + " " + process.name()
-    except Exception:  # gone meanwhile, or not readable
-        return ""
 
 
 def _exit_for_dead_engine(why: str) -> None:

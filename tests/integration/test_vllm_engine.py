@@ -53,13 +53,16 @@ def rollout_repaired_alone(output_dir: Path) -> dict:
     return events[0]
 
 
-def engine_core_pids() -> list[int]:
-    """Run inside a rollout worker: the pids of its vLLM engine core processes (multiprocessing on)."""
-    return [p.pid for p in psutil.Process().children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+def engine_core_pids(worker) -> list[int]:
+    """Run inside a rollout worker: the pids of its vLLM engine core processes (multiprocessing on), checked to be
+    this worker's children."""
+    pids = worker.engine.engine_core_pids()
+    assert set(pids) <= {p.pid for p in psutil.Process().children(recursive=True)}, pids
+    return pids
 
 
-def kill_at_call(call: int, owner_of: Callable[[Any], Any], name: str, victims: Callable[[], list[int]]):
-    """Run inside a worker: the `call`-th call of `owner_of(worker).<name>` first SIGKILLs `victims()` (the worker's
+def kill_at_call(call: int, owner_of: Callable[[Any], Any], name: str, victims: Callable[[Any], list[int]]):
+    """Run inside a worker: the `call`-th call of `owner_of(worker).<name>` first SIGKILLs `victims(worker)` (the worker's
     own process, or its engine core) and then goes on as if nothing had happened. Returns the victims' pids as they
     are when patched."""
 
@@ -70,17 +73,17 @@ def kill_at_call(call: int, owner_of: Callable[[Any], Any], name: str, victims: 
         def killing(*args, **kwargs):
             calls.append(1)
             if len(calls) == call:
-                for pid in victims():
+                for pid in victims(worker):
                     os.kill(pid, signal.SIGKILL)
             return original(*args, **kwargs)
 
         setattr(owner, name, killing)
-        return victims()
+        return victims(worker)
 
     return patch
 
 
-def own_process() -> list[int]:
+def own_process(worker) -> list[int]:
     return [os.getpid()]
 
 
