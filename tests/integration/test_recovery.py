@@ -547,7 +547,7 @@ def test_a_save_slower_than_a_step_bound_is_not_a_hang(cluster, tmp_path):
 
     def slow(original):
         def save(*args, **kwargs):
-            time.sleep(5)
+            time.sleep(4)  # longer than the step bound below (3 s)
             return original(*args, **kwargs)
 
         return save
