@@ -65,25 +65,16 @@ def megatron_models():
 
 
 @pytest.fixture(scope="module")
-def ray_session(_ray_shut_down_at_the_end):
+def ray_session():
     """A local Ray with more logical CPUs than cores, so that several small worker groups fit on 2 cores.
 
-    Started by the first module that asks for it and left running for the next one (a start and a shutdown cost about
-    4 s of the suite's time each): a module with a Ray of its own (the recovery tests' multi-node cluster, the cluster
-    loss tests) shuts it down first, and the next module asking for it starts another.
+    Module-scoped: the recovery tests run their own multi-node cluster instead.
     """
     import ray
 
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING")
     yield ray
-
-
-@pytest.fixture(scope="session")
-def _ray_shut_down_at_the_end():
-    yield
-    import ray
-
     ray.shutdown()
 
 

@@ -250,11 +250,12 @@ def with_spares_up(tmp_path: Path, *overrides: str, on_start=None) -> Supervisor
 
 @pytest.mark.parametrize("replace_alone", [True, False])
 def test_warm_spares_replace_a_lost_actor_rank_without_process_starts(cluster, reference, tmp_path, replace_alone):
-    """Two actor spares and a rollout spare (off the nodes of the groups they cover where CPUs allow). The lost rank
-    replaced alone takes one actor spare; with `replace_lost_ranks=false` the restart takes all three. Either way the
-    snapshot is restored and no process is started."""
+    """Spares start off the nodes of the groups they cover where CPUs allow. The lost rank replaced alone takes the one
+    actor spare; with `replace_lost_ranks=false` the restart takes all three spares (two actor ranks and a rollout
+    worker). Either way the snapshot is restored and no process is started."""
     pids: list[dict[str, list[int]]] = []
-    runner = with_spares_up(tmp_path, f"runner.recovery.replace_lost_ranks={str(replace_alone).lower()}",
+    only_one = ["cluster.spare_workers.actor=1", "cluster.spare_workers.rollout=0"] if replace_alone else []
+    runner = with_spares_up(tmp_path, f"runner.recovery.replace_lost_ranks={str(replace_alone).lower()}", *only_one,
                             on_start=lambda t: pids.append(worker_pids(t)))
     once(lambda: metrics_lines(tmp_path) >= 2,
          lambda: patch_worker_module(runner.trainer.actor_group.workers[1], "rlrunner.backends.actor",
@@ -271,7 +272,7 @@ def test_warm_spares_replace_a_lost_actor_rank_without_process_starts(cluster, r
 
 
 def test_a_warm_spare_replaces_a_lost_rollout_worker(cluster, reference, tmp_path):
-    runner = with_spares_up(tmp_path)
+    runner = with_spares_up(tmp_path, "cluster.spare_workers.actor=0")  # no actor spares: none would be used
     once(lambda: metrics_lines(tmp_path) >= 4, lambda: kill(runner.trainer.rollout_group.hosts[0]["pid"]))
     runner.run()
     repair = assert_rollout_repaired_alone(tmp_path, runner)
