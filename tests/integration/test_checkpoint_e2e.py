@@ -86,8 +86,8 @@ def reference(ray_session, tmp_path_factory) -> Reference:
     return train_reference(output_dir, run_config(output_dir, *RUN))
 
 
-def resume_run(tmp_path: Path, resume_dir: str | Path, *overrides: str) -> tuple[Path, Supervisor]:
-    runner = Supervisor(run_config(tmp_path, *RUN, f"runner.resume_dir={resume_dir}", *overrides))
+def resume_run(tmp_path: Path, resume_dir: str | Path, *overrides: str, callbacks=()) -> tuple[Path, Supervisor]:
+    runner = Supervisor(run_config(tmp_path, *RUN, f"runner.resume_dir={resume_dir}", *overrides), callbacks=list(callbacks))
     runner.run()
     return tmp_path / "test", runner
 
@@ -113,8 +113,14 @@ def test_saves_at_the_interval_and_the_last_step_in_the_layout(reference):
 
 @pytest.mark.parametrize("resume_step", [3, 6], ids=["mid_epoch", "epoch_boundary"])
 def test_resume_is_bitwise_identical_to_the_uninterrupted_run(reference, tmp_path, resume_step):
-    experiment, _ = resume_run(tmp_path, reference.checkpoint(resume_step))
+    """Also every rank's own RNG state comes back: the reference seeded each rank differently, so a restore of "rank 0's
+    copy everywhere" (or none) would end with other states than the reference's."""
+    assert not torch.equal(reference.rng[0], reference.rng[1])
+    seen = {}
+    end = Inspect(on_end=lambda trainer: seen.update(rng=actor_rng_states(trainer)))
+    experiment, _ = resume_run(tmp_path, reference.checkpoint(resume_step), callbacks=[end])
     assert_resumed_bitwise(experiment, reference, resume_step)
+    assert all(torch.equal(a, b) for a, b in zip(seen["rng"], reference.rng, strict=True))
     # counting continues: from step 3 with save_interval=3 the next saves are 6 and 8
     expected = ["global_step_6", "global_step_8"] if resume_step == 3 else ["global_step_8"]
     assert sorted(p.name for p in (experiment / "checkpoints").iterdir()) == expected
@@ -125,19 +131,6 @@ def test_a_resume_with_linear_units_and_recomputation_ends_bitwise_identical(ref
     run's checkpoint and trains on exactly as it did."""
     experiment, _ = resume_run(tmp_path, reference.checkpoint(6), "actor.fsdp_unit=linear", "actor.gradient_checkpointing=true")
     assert_resumed_bitwise(experiment, reference, 6)
-
-
-def test_every_rank_gets_its_own_rng_state_back(reference, tmp_path):
-    assert not torch.equal(reference.rng[0], reference.rng[1])
-    seen = {}
-
-    def start(trainer: Trainer) -> None:
-        seen["rng"], seen["step"] = actor_rng_states(trainer), trainer.global_step
-
-    Supervisor(run_config(tmp_path, *RUN, f"runner.resume_dir={reference.checkpoint(8)}"), callbacks=[Inspect(start)]).run()
-    restored = seen["rng"]
-    assert seen["step"] == 8
-    assert all(torch.equal(a, b) for a, b in zip(restored, reference.rng))
 
 
 @pytest.mark.parametrize("workers", [1, 4])
@@ -158,23 +151,12 @@ def test_resharding_two_ranks_to_another_count(reference, tmp_path, caplog, work
     assert all(torch.allclose(final[k], reference.weights[k], atol=1e-4) for k in final)
 
 
-def test_resume_in_place_rewrites_metrics_and_tensorboard_without_duplicates(reference, tmp_path):
+def test_auto_skips_a_corrupt_newest_checkpoint_and_rewrites_metrics_in_place(reference, tmp_path, caplog):
+    """The run died in its last save: step 8 is logged but its checkpoint has half a shard. `auto` skips it, resumes in
+    place from step 6, logs steps 7 and 8 again without duplicates (metrics.jsonl and tensorboard), and ends with
+    the reference's weights."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    copy = tmp_path / "test"
-    shutil.copytree(reference.experiment, copy)
-    shutil.rmtree(copy / "checkpoints" / "global_step_8")  # as if the run had died after logging step 8
-    experiment, _ = resume_run(tmp_path, "auto")
-    records = read_metrics(experiment / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, 9))
-    assert without_time(records) == without_time(reference.metrics)
-    events = EventAccumulator(str(experiment))
-    events.Reload()
-    steps = [event.step for event in events.Scalars("rollout/reward_mean")]
-    assert steps == list(range(1, 9))
-
-
-def test_auto_skips_a_corrupt_newest_checkpoint_and_still_ends_bitwise(reference, tmp_path, caplog):
     copy = tmp_path / "test"
     shutil.copytree(reference.experiment, copy)
     shard = copy / "checkpoints" / "global_step_8" / "actor" / "__1_0.distcp"
@@ -183,7 +165,15 @@ def test_auto_skips_a_corrupt_newest_checkpoint_and_still_ends_bitwise(reference
         experiment, _ = resume_run(tmp_path, "auto")
     assert "skipping global_step_8: corrupt (actor/__1_0.distcp:" in caplog.text
     assert "global_step_6 (step 6), the newest complete checkpoint" in caplog.text
+    records = read_metrics(experiment / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert without_time(records) == without_time(reference.metrics)
+    events = EventAccumulator(str(experiment))
+    events.Reload()
+    steps = [event.step for event in events.Scalars("rollout/reward_mean")]
+    assert steps == list(range(1, 9))
     final = load_model_weights(experiment / "checkpoints" / "global_step_8")
+    assert final.keys() == reference.weights.keys()
     assert all(torch.equal(final[k], reference.weights[k]) for k in final)
 
 

@@ -28,8 +28,11 @@ def rollout_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 def test_training_changes_weights_syncs_rollout_and_logs_every_metric(ray_session, tmp_path):
+    """A 4-step run changes every weight, syncs them to the rollout worker and logs every metric; the same run with two
+    rollout workers logs the same metrics, bit for bit (one test: one run's start-up less for the suite)."""
     # Two new tokens: a random policy often emits a digit (a well-formed answer), so rewards vary from step 1.
-    cfg = run_config(tmp_path, "actor.num_workers=2", "rollout.num_workers=1", "rollout.max_new_tokens=2")
+    one_worker = ["actor.num_workers=2", "rollout.generation_batch_size=1", "rollout.max_new_tokens=2"]
+    cfg = run_config(tmp_path, *one_worker, "rollout.num_workers=1")
     seen = {}
 
     def start(trainer: Trainer) -> None:
@@ -55,14 +58,5 @@ def test_training_changes_weights_syncs_rollout_and_logs_every_metric(ray_sessio
     assert any(r["rollout/reward_std"] > 0 and r["actor/grad_norm"] > 0 for r in records)
     assert list(log_dir.glob("events.out.tfevents.*")), "no TensorBoard event file"
 
-
-def test_metrics_are_bitwise_identical_with_one_or_two_rollout_workers(ray_session, tmp_path):
-    runs = []
-    for workers in (1, 2):
-        cfg = run_config(
-            tmp_path / f"r{workers}", f"rollout.num_workers={workers}", "rollout.generation_batch_size=1", "rollout.max_new_tokens=2"
-        )
-        Supervisor(cfg).run()
-        runs.append(without_time(read_metrics(tmp_path / f"r{workers}" / "test" / "metrics.jsonl")))
-    assert len(runs[0]) == 4
-    assert runs[0] == runs[1]
+    Supervisor(run_config(tmp_path / "two", *one_worker, "rollout.num_workers=2")).run()
+    assert without_time(read_metrics(tmp_path / "two" / "test" / "metrics.jsonl")) == without_time(records)

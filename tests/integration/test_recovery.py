@@ -144,19 +144,27 @@ def worker_pids(trainer) -> dict[str, list[int]]:
     return {group.name: [host["pid"] for host in group.hosts] for group in trainer.groups()}
 
 
-def test_actor_rank_killed_mid_step_comes_back_from_memory(cluster, reference, tmp_path):
-    """No step is redone: the newest snapshot (the last completed step's) is in the head node's holder. Only the lost
-    rank is replaced: rank 0 and the rollout worker keep their processes (the same attempt goes on)."""
+def test_actor_ranks_killed_mid_save_then_mid_step_come_back(cluster, reference, tmp_path):
+    """Rank 0 is killed while the first checkpoint is staged: the half-written save never counts. Then rank 1 dies in
+    the update after step 6: no step is redone, since the newest snapshot (the last completed step's) is in the head
+    node's holder, and only the lost rank is replaced: rank 0 and the rollout worker keep their processes (the same
+    attempt goes on). (Both in one run: one run's start-up less for the suite.)"""
     pids: list[dict[str, list[int]]] = []
     runner = Supervisor(run_config(tmp_path, *RUN), callbacks=[Inspect(on_start=lambda t: pids.append(worker_pids(t)))])
-    kill_in_next_update(runner, 1, 4, tmp_path)
+    root = tmp_path / "test" / "checkpoints"
+    staged = lambda: root.is_dir() and any(p.name.startswith(layout.STAGING_PREFIX) for p in root.iterdir())  # noqa: E731
+    once(staged, lambda: kill(runner.trainer.actor_group.hosts[0]["pid"]))
+    kill_in_next_update(runner, 1, 6, tmp_path)
     runner.run()
-    failure = assert_restored_from_memory(tmp_path)
-    assert "actor rank 1" in failure["cause"] and failure["step"] >= 4
-    assert failure["replaced"] == "actor ranks 1" and failure["teardown_s"] == 0.0, failure
-    [resumed] = recovery_events(tmp_path, "resumed")
+    mid_save, mid_step = recovery_events(tmp_path, "failure")
+    assert "actor rank 0" in mid_save["cause"] and mid_save["step"] < 6, mid_save
+    assert "actor rank 1" in mid_step["cause"] and mid_step["step"] >= 6, mid_step
+    assert mid_step["restore_from"] == "snapshot" and mid_step["lost_steps"] == 0, mid_step
+    assert mid_step["replaced"] == "actor ranks 1" and mid_step["teardown_s"] == 0.0, mid_step
+    resumed = recovery_events(tmp_path, "resumed")[-1]
+    assert resumed["source"] == "snapshot" and resumed["step"] == mid_step["step"], resumed
     assert resumed["replaced_ranks"] == [1] and resumed["spares_used"] == 0, resumed
-    before, after = pids
+    before, after = pids[-2:]
     assert after["rollout"] == before["rollout"] and after["actor"][0] == before["actor"][0], pids
     assert after["actor"][1] != before["actor"][1], pids
     assert_matches_reference(tmp_path, reference)
@@ -175,27 +183,32 @@ def dying_sender(original):
     return Sender()
 
 
-@pytest.mark.parametrize("where", ["copy", "weight sync"])
-def test_actor_rank_killed_around_its_snapshot_copy(cluster, reference, tmp_path, where):
-    """The copy of step k is made after k's update, before k's weight sync. The rank dies inside its copy (step k's
-    snapshot is incomplete), or after it in the weight sync (step k's snapshot is whole, but the driver never
-    completed step k): either way step k-1's snapshot is used, and no completed step is redone."""
+def test_actor_rank_killed_around_its_snapshot_copy(cluster, reference, tmp_path):
+    """The copy of step k is made after k's update, before k's weight sync. Rank 0 dies inside its copy (step k's
+    snapshot is incomplete) after step 2; its replacement dies after its copy, in the weight sync, after step 6 (that
+    step's snapshot is whole, but the driver never completed the step). Either way step k-1's snapshot is used, and no
+    completed step is redone. (Two failures in one run: one run's start-up less for the suite.)"""
     runner = Supervisor(run_config(tmp_path, *RUN))
-    if where == "copy":
-        once(lambda: metrics_lines(tmp_path) >= 4,
-             lambda: patch_worker_module(runner.trainer.actor_group.workers[0], "rlrunner.backends.actor", "serialize",
-                                         dying))
-    else:
-        once(lambda: metrics_lines(tmp_path) >= 4,
-             lambda: patch_worker_attribute(runner.trainer.actor_group.workers[0], "weight_sync", dying_sender))
+
+    def die_in_the_copy_then_in_the_weight_sync() -> None:
+        wait_for(lambda: metrics_lines(tmp_path) >= 2)
+        patch_worker_module(runner.trainer.actor_group.workers[0], "rlrunner.backends.actor", "serialize", dying)
+        wait_for(lambda: metrics_lines(tmp_path) >= 6 and len(recovery_events(tmp_path, "resumed")) == 1)
+        patch_worker_attribute(runner.trainer.actor_group.workers[0], "weight_sync", dying_sender)
+
+    threading.Thread(target=die_in_the_copy_then_in_the_weight_sync, daemon=True).start()
     runner.run()
-    failure = assert_restored_from_memory(tmp_path)
-    assert "actor rank 0" in failure["cause"]
-    # Rank 1 was in its weight sync, blocked on the rollout worker, whose wait on rank 0's channel failed: the rollout
-    # worker closed its channels, so rank 1's sync failed at once and it left its process group, instead of waiting
-    # for the channel's timeout (runner.recovery.step_timeout_s) first.
-    [resumed] = recovery_events(tmp_path, "resumed")
-    assert resumed["replaced_ranks"] == [0] and resumed["leave_s"] < STEP_TIMEOUT_S / 2, resumed
+    failures, resumed = recovery_events(tmp_path, "failure"), recovery_events(tmp_path, "resumed")
+    assert len(failures) == 2 and len(resumed) == 2, (failures, resumed)
+    assert 2 <= failures[0]["step"] < 6 <= failures[1]["step"], failures
+    for failure, back in zip(failures, resumed):
+        assert "actor rank 0" in failure["cause"], failure
+        assert failure["restore_from"] == "snapshot" and failure["lost_steps"] == 0, failure
+        assert back["source"] == "snapshot" and back["step"] == failure["step"], back
+        # Rank 1 was in its weight sync, blocked on the rollout worker, whose wait on rank 0's channel failed: the
+        # rollout worker closed its channels, so rank 1's sync failed at once and it left its process group, instead
+        # of waiting for the channel's timeout (runner.recovery.step_timeout_s) first.
+        assert back["replaced_ranks"] == [0] and back["leave_s"] < STEP_TIMEOUT_S / 2, back
     assert_matches_reference(tmp_path, reference)
 
 
@@ -213,13 +226,13 @@ def test_snapshots_short_of_memory_are_skipped_and_storage_is_used(cluster, refe
     assert_matches_reference(tmp_path, reference)
 
 
-def assert_rollout_repaired_alone(output_dir: Path, runner: Supervisor) -> dict:
-    """One rollout repair inside the first attempt: no restart, no checkpoint loaded, no step lost."""
+def assert_rollout_repaired_alone(output_dir: Path, runner: Supervisor, times: int = 1) -> list[dict]:
+    """`times` rollout repairs inside the first attempt: no restart, no checkpoint loaded, no step lost."""
     assert recovery_events(output_dir, "failure") == [] and recovery_events(output_dir, "resumed") == []
     repairs = recovery_events(output_dir, "rollout_repaired")
-    assert len(repairs) == 1 and repairs[0]["lost_steps"] == 0, repairs
+    assert len(repairs) == times and all(r["lost_steps"] == 0 for r in repairs), repairs
     assert runner.trainer.rollout_repairs == 0  # reset by the steps completed after the repair
-    return repairs[0]
+    return repairs
 
 
 SPARES = ["cluster.cpus_per_actor_worker=0.5", "cluster.cpus_per_rollout_worker=0.5", "cluster.spare_workers.actor=2",
@@ -275,38 +288,33 @@ def test_a_warm_spare_replaces_a_lost_rollout_worker(cluster, reference, tmp_pat
     runner = with_spares_up(tmp_path, "cluster.spare_workers.actor=0")  # no actor spares: none would be used
     once(lambda: metrics_lines(tmp_path) >= 4, lambda: kill(runner.trainer.rollout_group.hosts[0]["pid"]))
     runner.run()
-    repair = assert_rollout_repaired_alone(tmp_path, runner)
+    [repair] = assert_rollout_repaired_alone(tmp_path, runner)
     assert repair["spares_used"] == 1, repair
     assert_matches_reference(tmp_path, reference)
 
 
-def test_rollout_worker_killed_mid_step_costs_no_step(cluster, reference, tmp_path):
-    runner = Supervisor(run_config(tmp_path, *RUN))
-    once(lambda: metrics_lines(tmp_path) >= 5, lambda: kill(runner.trainer.rollout_group.hosts[0]["pid"]))
-    runner.run()
-    repair = assert_rollout_repaired_alone(tmp_path, runner)
-    assert "rollout rank 0" in repair["cause"] and repair["step"] in (6, 7), repair
-    assert_matches_reference(tmp_path, reference)
-
-
-def test_worker_killed_mid_save(cluster, reference, tmp_path):
-    runner = Supervisor(run_config(tmp_path, *RUN))
-    root = tmp_path / "test" / "checkpoints"
-    staged = lambda: root.is_dir() and any(p.name.startswith(layout.STAGING_PREFIX) for p in root.iterdir())  # noqa: E731
-    once(staged, lambda: kill(runner.trainer.actor_group.hosts[0]["pid"]))
-    runner.run()
-    failures = recovery_events(tmp_path, "failure")
-    assert len(failures) == 1
-    assert_matches_reference(tmp_path, reference)
-
-
-def test_hung_worker_is_detected_by_the_step_timeout(cluster, reference, tmp_path):
-    """A stopped rollout worker: its generation passes the step's time bound, and the rollout group alone is replaced."""
+def test_a_killed_then_a_hung_rollout_worker_cost_no_step(cluster, reference, tmp_path):
+    """The rollout worker killed after step 4; its replacement stopped (SIGSTOP, a hang) after step 7: its generation
+    passes the step's time bound. Each time the rollout group alone is replaced and no step is lost. (Both in one run:
+    one run's start-up less for the suite.)"""
     runner = Supervisor(run_config(tmp_path, *RUN, "runner.recovery.step_timeout_s=6"))
-    once(lambda: metrics_lines(tmp_path) >= 4, lambda: kill(runner.trainer.rollout_group.hosts[0]["pid"], signal.SIGSTOP))
+    killed: list[int] = []
+
+    def kill_then_stop() -> None:
+        wait_for(lambda: metrics_lines(tmp_path) >= 4)
+        killed.append(runner.trainer.rollout_group.hosts[0]["pid"])
+        kill(killed[0])
+        wait_for(lambda: metrics_lines(tmp_path) >= 7)
+        killed.append(runner.trainer.rollout_group.hosts[0]["pid"])
+        kill(killed[1], signal.SIGSTOP)
+
+    threading.Thread(target=kill_then_stop, daemon=True).start()
     runner.run()
-    repair = assert_rollout_repaired_alone(tmp_path, runner)
-    assert repair["cause"].startswith("hang: the rollout group did not answer within 6s") and repair["phase"] == "generation"
+    assert len(set(killed)) == 2, killed  # the second signal reached the replacement
+    lost, hung = assert_rollout_repaired_alone(tmp_path, runner, times=2)
+    assert "rollout rank 0" in lost["cause"] and lost["step"] in (5, 6), lost
+    assert hung["cause"].startswith("hang: the rollout group did not answer within 6s") and hung["phase"] == "generation"
+    assert hung["step"] in (8, 9), hung
     assert_matches_reference(tmp_path, reference)
 
 
@@ -576,20 +584,18 @@ def megatron_reference(cluster, tmp_path_factory) -> Reference:
     return Reference(read_metrics(out / "test" / "metrics.jsonl"), load_model_weights(final_checkpoint(out)))
 
 
-def test_megatron_tensor_parallel_rank_killed_mid_step(cluster, megatron_reference, tmp_path):
+def test_megatron_rollout_worker_then_tensor_parallel_rank_killed_mid_step(cluster, megatron_reference, tmp_path):
+    """The rollout worker killed after step 3: the tensor-parallel ranks' channels are joined again with the new
+    rollout worker (each sends its own slices) and no step is lost. Then tp rank 1 dies in the update after step 6 and
+    comes back from the in-memory snapshot. (Both in one run: one run's start-up less for the suite.)"""
     runner = Supervisor(run_config(tmp_path, *RUN, *MEGATRON))
-    kill_in_next_update(runner, 1, 4, tmp_path)
+    once(lambda: metrics_lines(tmp_path) >= 3, lambda: kill(runner.trainer.rollout_group.hosts[0]["pid"]))
+    kill_in_next_update(runner, 1, 6, tmp_path)
     runner.run()
-    assert_restored_from_memory(tmp_path)
-    assert_matches_reference(tmp_path, megatron_reference)
-
-
-def test_megatron_rollout_worker_killed_mid_step_costs_no_step(cluster, megatron_reference, tmp_path):
-    """The tensor-parallel ranks' channels joined again with the new rollout worker: each sends its own slices."""
-    runner = Supervisor(run_config(tmp_path, *RUN, *MEGATRON))
-    once(lambda: metrics_lines(tmp_path) >= 4, lambda: kill(runner.trainer.rollout_group.hosts[0]["pid"]))
-    runner.run()
-    assert_rollout_repaired_alone(tmp_path, runner)
+    [repair] = recovery_events(tmp_path, "rollout_repaired")
+    assert "rollout rank 0" in repair["cause"] and repair["lost_steps"] == 0 and repair["step"] in (4, 5), repair
+    failure = assert_restored_from_memory(tmp_path)
+    assert "actor rank 1" in failure["cause"] and failure["step"] >= 6, failure
     assert_matches_reference(tmp_path, megatron_reference)
 
 

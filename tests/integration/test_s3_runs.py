@@ -67,15 +67,58 @@ def assert_same_weights(got: dict, expected: dict) -> None:
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
-def test_a_run_on_s3_saves_resumes_from_a_fresh_machine_and_keeps_retention(ray_session, local_reference, s3_store, tmp_path):
+def kill_an_actor_rank_after_step_3(runner: Supervisor) -> list[int]:
+    """In a thread: SIGKILL actor rank 1 once step 3 is logged (global_step_2 is on the store); the pid killed."""
+    killed: list[int] = []
+
+    def kill() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            trainer = runner.trainer
+            log = Path(runner.ctx.log_path) / "metrics.jsonl" if runner.ctx is not None else None
+            if log is not None and log.exists() and len(log.read_text().splitlines()) >= 3 and trainer is not None \
+                    and trainer.actor_group is not None:
+                killed.append(trainer.actor_group.hosts[1]["pid"])
+                os.kill(killed[0], signal.SIGKILL)
+                return
+            time.sleep(0.005)
+
+    threading.Thread(target=kill, daemon=True).start()
+    return killed
+
+
+def test_a_run_on_s3_recovers_saves_reshards_resumes_from_a_fresh_machine_and_keeps_retention(
+        ray_session, local_reference, s3_store, tmp_path):
+    """One experiment on the store, in four runs' worth of checks (one test: fewer run start-ups for the suite):
+    an actor rank killed mid-run and recovered; retention; the checkpoint of two ranks started with one; another
+    machine resuming with `auto`."""
     url, options = s3_store
     storage = open_storage(url, options)
-    Supervisor(run_config(tmp_path, *RUN, *s3_overrides(url, options, tmp_path / "cache-a"), "runner.max_ckpt_to_keep=2")).run()
+    runner = Supervisor(run_config(tmp_path, *RUN, *s3_overrides(url, options, tmp_path / "cache-a"), "runner.max_ckpt_to_keep=2",
+                                   "runner.recovery.step_timeout_s=30", "runner.recovery.wait_timeout_s=60"))
+    killed = kill_an_actor_rank_after_step_3(runner)
+    runner.run()
+    assert killed, "no worker was killed"
+    events = [json.loads(line) for line in storage.read_bytes(f"{url}/test/recovery.jsonl").decode().splitlines()]
+    assert [e["event"] for e in events if e["event"] in ("failure", "resumed")] == ["failure", "resumed"]
     assert not (tmp_path / "test").exists()  # nothing of the experiment on the local disk but the log cache
     assert complete_steps(storage, url) == [6, 4]
     metrics = remote_metrics(storage, url)
     assert without_time(metrics) == without_time(local_reference["metrics"][:STEPS])
     assert_same_weights(load_model_weights(f"{url}/test/checkpoints/global_step_6", storage_options=options), local_reference["weights"][6])
+
+    # The checkpoint of two actor ranks, started with one (runner.max_steps=6: nothing left to train, the run ends once
+    # started, and saves nothing).
+    seen = {}
+
+    def start(trainer) -> None:
+        seen["step"], seen["weights"] = trainer.global_step, trainer.policy_weights()
+
+    Supervisor(run_config(tmp_path, *RUN, *s3_overrides(url, options, tmp_path / "cache-one"), "actor.num_workers=1",
+                          "runner.max_ckpt_to_keep=2", "runner.resume_dir=auto"), callbacks=[Inspect(start)]).run()
+    assert seen["step"] == 6
+    assert_same_weights({k: seen["weights"][k] for k in local_reference["weights"][6]}, local_reference["weights"][6])
+    assert complete_steps(storage, url) == [6, 4]
 
     # Another machine (an empty log cache) resumes from the store with `auto` and runs on to step 8.
     Supervisor(run_config(tmp_path, *RUN, *s3_overrides(url, options, tmp_path / "cache-b"), "runner.max_ckpt_to_keep=2",
@@ -122,47 +165,3 @@ def test_a_save_killed_halfway_on_s3_is_skipped_by_auto(ray_session, local_refer
     assert_same_weights(load_model_weights(f"{root}/global_step_6", storage_options=options), local_reference["weights"][6])
 
 
-def test_a_worker_killed_mid_run_recovers_from_the_store(ray_session, local_reference, s3_store, tmp_path):
-    url, options = s3_store
-    storage = open_storage(url, options)
-    runner = Supervisor(run_config(tmp_path, *RUN, *s3_overrides(url, options, tmp_path / "cache"),
-                                   "runner.recovery.step_timeout_s=30", "runner.recovery.wait_timeout_s=60"))
-    killed: list[int] = []
-
-    def kill_an_actor_rank() -> None:  # once step 3 is logged (global_step_2 is on the store)
-        deadline = time.monotonic() + 120
-        log = Path(runner.ctx.log_path) / "metrics.jsonl"
-        while time.monotonic() < deadline:
-            trainer = runner.trainer
-            if log.exists() and len(log.read_text().splitlines()) >= 3 and trainer is not None and trainer.actor_group is not None:
-                killed.append(trainer.actor_group.hosts[1]["pid"])
-                os.kill(killed[0], signal.SIGKILL)
-                return
-            time.sleep(0.005)
-
-    threading.Thread(target=kill_an_actor_rank, daemon=True).start()
-    runner.run()
-    assert killed, "no worker was killed"
-    events = [json.loads(line) for line in storage.read_bytes(f"{url}/test/recovery.jsonl").decode().splitlines()]
-    assert [e["event"] for e in events if e["event"] in ("failure", "resumed")] == ["failure", "resumed"]
-    assert without_time(remote_metrics(storage, url)) == without_time(local_reference["metrics"][:STEPS])
-    assert_same_weights(load_model_weights(f"{url}/test/checkpoints/global_step_6", storage_options=options), local_reference["weights"][6])
-
-
-def test_a_checkpoint_of_two_actor_ranks_on_s3_resumes_with_one(ray_session, local_reference, s3_store, tmp_path):
-    url, options = s3_store
-    storage = open_storage(url, options)
-    Supervisor(run_config(tmp_path, *RUN, *s3_overrides(url, options, tmp_path / "cache"), "runner.max_steps=4")).run()
-    seen = {}
-
-    def start(trainer) -> None:
-        seen["step"], seen["weights"] = trainer.global_step, trainer.policy_weights()
-
-    # runner.max_steps=4: nothing left to train, the run ends once started
-    Supervisor(run_config(tmp_path, *RUN, *s3_overrides(url, options, tmp_path / "cache"), "actor.num_workers=1",
-                          "runner.resume_dir=auto", "runner.max_steps=4"), callbacks=[Inspect(start)]).run()
-    assert seen["step"] == 4
-    restored = seen["weights"]
-    saved = load_model_weights(f"{url}/test/checkpoints/global_step_4", storage_options=options)
-    assert_same_weights({k: restored[k] for k in saved}, saved)
-    assert complete_steps(storage, url) == [4, 2]

@@ -163,44 +163,39 @@ def test_weights_pushed_into_vllm_give_the_hf_engines_greedy_output(ray_session,
             group.shutdown()
 
 
-def test_runs_are_the_same_for_any_rollout_worker_count_and_after_a_killed_rollout_worker(reference, tmp_path):
-    """Two rollout workers instead of one, and the second killed in step 3's generation: the rollout group
-    alone is replaced (no checkpoint loaded, no step lost) and the run logs the uninterrupted one-worker run's
-    metrics, bit for bit."""
+def test_runs_are_the_same_for_any_rollout_worker_count_after_a_killed_rollout_worker_and_actor_rank(reference, tmp_path):
+    """Two rollout workers instead of one, the second killed in step 2's generation: the rollout group alone is
+    replaced (no checkpoint loaded, no step lost). Then actor rank 1 is killed in step 3's update: the rank alone is
+    replaced (the rollout workers and their vLLM engines are kept) and loads the in-memory snapshot of step 2, so no
+    step is redone. The run logs the uninterrupted one-worker run's metrics and ends with its weights, bit for bit.
+    (Both failures in one run: one run's start-up less for the suite.)"""
     expected = without_time(read_metrics(reference / "metrics.jsonl"))
     assert [m["step"] for m in expected] == [1, 2, 3, 4]
     assert all(m["rollout/logprob_abs_diff"] < 1e-3 for m in expected)  # vLLM's log-probs against the actor's
     out = tmp_path / "two"
-    # the second worker dies inside its third generate (step 3's)
-    callback, killed = patched_at_the_first_start("rollout", 1, kill_at_call(3, lambda w: w.engine, "generate", own_process))
-    runner = Supervisor(run_config(out, *RUN, "rollout.num_workers=2", "rollout.generation_batch_size=1"),
-                        callbacks=[callback])
-    runner.run()
-    assert killed and not psutil.pid_exists(killed[0][0]), "the rollout worker was not killed"
-    repairs = rollout_repaired_alone(out)
-    assert "rollout rank 1" in repairs["cause"] and repairs["step"] == 3, repairs
-    assert without_time(read_metrics(out / "test" / "metrics.jsonl")) == expected
-
-
-def test_a_killed_actor_rank_comes_back_from_memory_with_vllm(reference, tmp_path):
-    """An actor rank killed in step 3's update: the rank is replaced (the rollout worker and its vLLM engine are kept)
-    and loads the in-memory snapshot of the last completed step, no step is redone, and the run ends with the
-    uninterrupted run's metrics and weights."""
-    # each rank's update has 2 micro-batches (8 rows of 4): the 5th loss is step 3's first
-    callback, killed = patched_at_the_first_start(
+    # the second rollout worker dies inside its second generate (step 2's); each actor rank's update has 2
+    # micro-batches (8 rows of 4), so its 5th loss is step 3's first
+    rollout_kill, killed_rollout = patched_at_the_first_start("rollout", 1, kill_at_call(2, lambda w: w.engine, "generate", own_process))
+    actor_kill, killed_actor = patched_at_the_first_start(
         "actor", 1, kill_at_call(5, lambda w: sys.modules["rlrunner.backends.actor"], "clipped_policy_loss", own_process))
-    runner = Supervisor(run_config(tmp_path, *RUN), callbacks=[callback])
+    runner = Supervisor(run_config(out, *RUN, "rollout.num_workers=2", "rollout.generation_batch_size=1"),
+                        callbacks=[rollout_kill, actor_kill])
     runner.run()
-    assert killed and not psutil.pid_exists(killed[0][0]), "the actor rank was not killed"
-    events = [json.loads(line) for line in (tmp_path / "test" / "recovery.jsonl").read_text().splitlines()]
-    failure = next(e for e in events if e["event"] == "failure")
-    resumed = next(e for e in events if e["event"] == "resumed")
+    assert killed_rollout and not psutil.pid_exists(killed_rollout[0][0]), "the rollout worker was not killed"
+    assert killed_actor and not psutil.pid_exists(killed_actor[0][0]), "the actor rank was not killed"
+    events = [json.loads(line) for line in (out / "test" / "recovery.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["rollout_repaired", "failure", "resumed", "first_step"], events
+    repair, failure, resumed, _ = events
+    assert "rollout rank 1" in repair["cause"] and repair["step"] == 2 and repair["lost_steps"] == 0, repair
+    assert "actor rank 1" in failure["cause"], failure
     assert failure["restore_from"] == "snapshot" and failure["lost_steps"] == 0, failure
     assert resumed["source"] == "snapshot" and resumed["step"] == failure["step"] == 2, resumed
-    assert without_time(read_metrics(tmp_path / "test" / "metrics.jsonl")) == without_time(read_metrics(reference / "metrics.jsonl"))
-    weights = load_model_weights(tmp_path / "test" / "checkpoints" / "global_step_4")
-    expected = load_model_weights(reference / "checkpoints" / "global_step_4")
-    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
+    assert resumed["replaced_ranks"] == [1], resumed
+    assert without_time(read_metrics(out / "test" / "metrics.jsonl")) == expected
+    weights = load_model_weights(out / "test" / "checkpoints" / "global_step_4")
+    reference_weights = load_model_weights(reference / "checkpoints" / "global_step_4")
+    assert weights.keys() == reference_weights.keys()
+    assert all(torch.equal(weights[k], reference_weights[k]) for k in reference_weights)
 
 
 def test_a_killed_engine_core_ends_its_rollout_worker_repaired_like_a_lost_one(reference, tmp_path):
