@@ -23,11 +23,13 @@ Sizes (Qwen2 shapes with the embedded character tokenizer, so nearly every param
   tiny   the embedded test model (configs/grpo.yaml's default), about 0.1M parameters
   120m   hidden 640, 16 layers, MLP 3456, 10 heads (2 KV)
   358m   hidden 896, 24 layers, MLP 4864, 14 heads (2 KV): the size of issue 18's table
+  600m   hidden 1024, 28 layers, MLP 6144, 16 heads (2 KV): the largest that fits a 24 GiB machine beside a rollout
+         worker (not with Megatron's dp 2 x tp 2, whose replicas each keep their shard's weights and gradients whole)
   1b     hidden 1536, 24 layers, MLP 8960, 12 heads (2 KV), about 1.1B
 
-A configuration whose estimated need (the training state with half again for the ranks' temporaries, 8 bytes per
-parameter for the rollout worker, and 0.5 GiB of each process's own) exceeds 85% of the memory available is skipped
-with a line saying so, never started.
+A configuration whose estimated need (each actor rank: 1.3 times the state its layout holds, plus 0.5 GiB of its
+own; the rollout worker: 6 bytes per parameter, plus 0.5 GiB) exceeds 85% of the memory available is skipped with a
+line saying so, never started.
 
 Run from the repository root (the defaults take a few minutes on 2 cores, 24 GiB):
 
@@ -58,11 +60,14 @@ SIZES = {
              "num_key_value_heads": 2},
     "358m": {"hidden_size": 896, "num_hidden_layers": 24, "intermediate_size": 4864, "num_attention_heads": 14,
              "num_key_value_heads": 2},
+    "600m": {"hidden_size": 1024, "num_hidden_layers": 28, "intermediate_size": 6144, "num_attention_heads": 16,
+             "num_key_value_heads": 2},
     "1b": {"hidden_size": 1536, "num_hidden_layers": 24, "intermediate_size": 8960, "num_attention_heads": 12,
            "num_key_value_heads": 2},
 }
 STATE_BYTES_PER_PARAM = 16  # float32 parameters, gradients, AdamW's two moments
 CPUS_PER_WORKER = 0.5
+ROLLOUT_BYTES_PER_PARAM = 6
 OVERHEAD_BYTES = 0.5 * 2**30  # a process's own (interpreter, torch, Ray, the framework): the tiny model's peak
 
 
@@ -103,7 +108,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--layouts", default="2,4", help="actor layouts: ranks, or ranks:tp<size> (megatron only)")
     parser.add_argument("--megatron-tp", type=int, default=2,
                         help="tensor-parallel size of the megatron runs for layouts given as plain rank counts")
-    parser.add_argument("--sizes", default="tiny,120m,358m", help=f"comma-separated sizes of {sorted(SIZES)}")
+    parser.add_argument("--sizes", default="tiny,120m,358m,600m", help=f"comma-separated sizes of {sorted(SIZES)}")
     parser.add_argument("--steps", type=int, default=2, help="training steps per run")
     parser.add_argument("--snapshots", action="store_true",
                         help="keep the in-memory snapshots on (off by default: a rank's serialized copy of its state on "
@@ -148,9 +153,11 @@ def count_params(size: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def estimated_need_bytes(params: int, ranks: int) -> float:
-    """What a run needs at most, all processes together (see the module's docstring)."""
-    return params * (1.5 * STATE_BYTES_PER_PARAM + 8) + (ranks + 1) * OVERHEAD_BYTES
+def estimated_need_bytes(backend: str, layout: Layout, params: int) -> float:
+    """What a run needs at most, all processes together (see the module's docstring; the rollout worker's 6 bytes per
+    parameter: its float32 model and the weight sync's buffers, 2.0 GiB measured at 358M)."""
+    actors = layout.ranks * (1.3 * layout_bytes(backend, layout, params) + OVERHEAD_BYTES)
+    return actors + ROLLOUT_BYTES_PER_PARAM * params + OVERHEAD_BYTES
 
 
 def available_bytes() -> float:
@@ -188,7 +195,7 @@ def run_one(args: argparse.Namespace, workdir: Path, backend: str, layout: Layou
     from rlrunner.config import load_config
     from rlrunner.runner.supervisor import Supervisor
 
-    need, have = estimated_need_bytes(params, layout.ranks), available_bytes()
+    need, have = estimated_need_bytes(backend, layout, params), available_bytes()
     if need > 0.85 * have:
         return Row(backend, layout, size, params, [], 0.0, 0.0,
                    skipped=f"needs about {need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB available")

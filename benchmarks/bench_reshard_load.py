@@ -16,7 +16,7 @@ of its shard, at data-parallel size 1), then loads; `load peak` is its peak resi
 set once those are allocated, and is printed against that state. File pages mapped by the streamed load count in
 the resident set while mapped (page cache the kernel can take back; the whole load's memory is anonymous): a saved
 rank's files stay mapped until the tensors read from them are copied, so its peak is about the largest such file
-set (the `distrib_optim.pt` files, two thirds of the state, for a load that needs all of them).
+set (the moment files, two thirds of the state, for a load that needs all of them).
 
 Run from the repository root (about 3 minutes on 2 cores, 24 GiB):
 
@@ -55,8 +55,9 @@ def write_checkpoint(folder: Path, size: str, tp: int) -> int:
     parameter count."""
     import torch
 
-    from rlrunner.backends.megatron.files import megatron_args, megatron_rng_entry, write_tracker
+    from rlrunner.backends.megatron.files import megatron_args, megatron_rng_entry, rank_file, rank_state, write_tracker
     from rlrunner.backends.megatron.layout import iter_hf_to_megatron_rank
+    from rlrunner.backends.megatron.moment_files import moment_file, moment_slice_state
     from rlrunner.backends.megatron.rank_state import MegatronRankState
     from rlrunner.models.hf_tensors import SeededInit
     from rlrunner.models.loading import meta_model
@@ -69,14 +70,17 @@ def write_checkpoint(folder: Path, size: str, tp: int) -> int:
     for rank in range(tp):
         model = {k: v for k, v in iter_hf_to_megatron_rank(init, config, tp, rank) if v is not None}
         params += sum(v.numel() for v in model.values())
-        state = MegatronRankState(
-            iteration=7, tp_rank=rank, args=megatron_args(config, tp, 1, iteration=7, use_distributed_optimizer=True),
-            model=model, optimizer={"lr": 1e-5, "distributed_optimizer": True, "state_file": "distrib_optim.pt"},
-            scheduler={"last_epoch": 7}, rng_state=[megatron_rng_entry(capture_rng())], step=7,
-            exp_avg={k: v * 0.1 for k, v in model.items()}, exp_avg_sq={k: v * v for k, v in model.items()},
-        )
+        layout = [(k, tuple(v.shape)) for k, v in model.items()]
+        flat = torch.cat([v.reshape(-1) for v in model.values()])
+        args = megatron_args(config, tp, 1, iteration=7, use_distributed_optimizer=True)
+        state = MegatronRankState({
+            rank_file(7, rank): rank_state(7, model, args, {"lr": 1e-5, "distributed_optimizer": True},
+                                           {"last_epoch": 7}, [megatron_rng_entry(capture_rng())]),
+            # data-parallel size 1: one slice file holds the whole flat moments
+            moment_file(7, rank, 0): moment_slice_state(7, tp, 1, 0, 7, layout, 0, flat.numel(), flat * 0.1, flat * flat),
+        })
         state.write(str(folder), None)
-        del model, state
+        del model, state, flat
     write_tracker(open_storage(str(folder)), str(folder), 7)
     return params
 
@@ -92,9 +96,8 @@ def child(mode: str, folder: str, size: str, tp: int) -> dict[str, float]:
     """In a fresh process: allocate tensor-parallel rank 0's state at size `tp`, load it `mode`'s way, report."""
     import torch
 
-    from rlrunner.backends.megatron.files import (
-        distrib_optim_file, rank_dirs, read_distrib_optim, read_rank, read_tracker,
-    )
+    from rlrunner.backends.megatron.files import rank_dirs, read_rank, read_tracker
+    from rlrunner.backends.megatron.moment_files import read_moments
     from rlrunner.backends.megatron.layout import DEFAULT_VOCAB_DIVISIBLE_BY, hf_to_megatron_rank, megatron_to_hf
     from rlrunner.backends.megatron.rank_state import _tensors, load_rank
     from rlrunner.storage import open_storage
@@ -114,10 +117,10 @@ def child(mode: str, folder: str, size: str, tp: int) -> dict[str, float]:
         iteration = read_tracker(storage, folder)
         saved_tp = len(rank_dirs(storage, folder, iteration))
         states = [read_rank(storage, folder, iteration, r, saved_tp) for r in range(saved_tp)]
-        moments = [read_distrib_optim(storage, storage.join(folder, distrib_optim_file(iteration, r))) for r in range(saved_tp)]
+        moments = [read_moments(storage, folder, iteration, r, mmap=False) for r in range(saved_tp)]
         parts = {"model": hf_to_megatron_rank(megatron_to_hf([_tensors(s["model"]) for s in states], config), config, tp, 0)}
         for key in ("exp_avg", "exp_avg_sq"):
-            parts[key] = hf_to_megatron_rank(megatron_to_hf([dict(m[key]) for m in moments], config), config, tp, 0)
+            parts[key] = hf_to_megatron_rank(megatron_to_hf([dict(m.tensors(key)) for m in moments], config), config, tp, 0)
         parts = {part: pairs.items() for part, pairs in parts.items()}
     for part, pairs in parts.items():
         for key, tensor in pairs:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlrunner.backends.megatron.distrib_optim import DistributedAdamW
+from rlrunner.backends.megatron.moment_files import SlicedMoments, moment_slice_state
 
 SHAPES = {"col.weight": (6, 5), "col.bias": (6,), "row.weight": (3, 6), "norm.weight": (5,)}
 SPLIT_DIM = {"col.weight": 0, "col.bias": 0, "row.weight": 1}  # the rest is replicated
@@ -148,6 +149,25 @@ def _assert_dp_identical(rank: Rank, tensors: dict[str, torch.Tensor]) -> None:
         assert all(torch.equal(g, tensor) for g in gathered), name
 
 
+def _gathered_slices(rank: Rank, opt: DistributedAdamW, dp_group=None) -> list[dict]:
+    """What every DP rank of this TP rank writes to a checkpoint (`own_slice`), in DP rank order (gathered here only
+    to read them back as the files would be)."""
+    group = rank.dp_group if dp_group is None else dp_group
+    slices = [None] * dist.get_world_size(group)
+    dist.all_gather_object(slices, opt.own_slice(copy=True), group=group)
+    return slices
+
+
+def _saved_files(rank: Rank, opt: DistributedAdamW, dp_group=None) -> SlicedMoments:
+    """The DP ranks' slice files of this TP rank, as a load reads them back (`moment_files.SlicedMoments`)."""
+    slices = _gathered_slices(rank, opt, dp_group)
+    return SlicedMoments([
+        moment_slice_state(1, rank.tp, len(slices), d, s["step"], opt.layout(), s["start"], s["stop"], s["exp_avg"],
+                           s["exp_avg_sq"])
+        for d, s in enumerate(slices)
+    ], "test")
+
+
 # --- scenarios (one per spawn) -------------------------------------------------------------------------------
 
 
@@ -176,12 +196,16 @@ def _check_training(rank: Rank) -> None:
     }
     _assert_dp_identical(rank, _snapshot(params))
     _assert_dp_identical(rank, {"exp_avg." + k: v for k, v in state["exp_avg"].items()})  # returned on every DP rank
-    # a checkpoint's copy is gathered onto DP rank 0 alone: the other replicas hold none
-    to_save = opt.state_to_save(copy=True)
-    if rank.dp_rank == 0:
-        _assert_states_equal(to_save, state)
-    else:
-        assert to_save is None
+    # a checkpoint gathers nothing: each DP rank writes its own slice of the flat moments, and the slices of the DP
+    # ranks, in order, tile the whole state
+    slices = _gathered_slices(rank, opt)
+    names = [name for name, _ in opt.layout()]
+    assert names == list(params) and slices[0]["start"] == 0 and slices[-1]["stop"] == opt.numel
+    assert all(a["stop"] == b["start"] for a, b in zip(slices, slices[1:]))
+    assert all(s["stop"] - s["start"] == -(-opt.numel // rank.dp) for s in slices[:-1])  # the padding is not saved
+    for key in ("exp_avg", "exp_avg_sq"):
+        flat = torch.cat([s[key] for s in slices])
+        assert torch.equal(flat, torch.cat([state[key][name].reshape(-1) for name in names]))
 
     # run after run: the same bits
     again = rank.params()
@@ -194,9 +218,13 @@ def _check_training(rank: Rank) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(first.optimizer, _lambda)
     _train(rank, resumed, first, range(2), scheduler)
     saved, lr_state = first.full_state(), scheduler.state_dict()
+    files = _saved_files(rank, first)
     fresh = rank.optimizer(resumed)
     fresh.load_full_state(saved)
     _assert_states_equal(fresh.full_state(), saved)
+    from_files = rank.optimizer(rank.params())  # the same state from the DP ranks' slice files: only its own slice read
+    from_files.load_flat_state(files.step, files.layout, files.flat)
+    _assert_states_equal(from_files.full_state(), saved)
     scheduler = torch.optim.lr_scheduler.LambdaLR(fresh.optimizer, _lambda)
     scheduler.load_state_dict(lr_state)
     fresh.optimizer.param_groups[0]["lr"] = scheduler.get_last_lr()[0]  # a LambdaLR's load leaves the LR alone
@@ -235,7 +263,7 @@ def _check_dp_resharding(rank: Rank) -> None:
     opt = rank.optimizer(params)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, _lambda)
     _train(rank, params, opt, range(1), scheduler)
-    saved, weights = opt.full_state(), _snapshot(params)
+    saved, weights, files = opt.full_state(), _snapshot(params), _saved_files(rank, opt)
     _train(rank, params, opt, range(1, 2), scheduler)
     expected = opt.full_state()
 
@@ -247,6 +275,10 @@ def _check_dp_resharding(rank: Rank) -> None:
         for name, param in alone.items():
             param.copy_(weights[name])
     single.load_full_state(saved)
+    from_files = rank.optimizer(rank.params({name: torch.zeros(shape) for name, shape in SHAPES.items()}),
+                                dp_group=rank.alone)
+    from_files.load_flat_state(files.step, files.layout, files.flat)  # the DP size 2 run's slice files, at DP size 1
+    _assert_states_equal(from_files.full_state(), saved)
     grads = [torch.autograd.grad(_loss(alone, 1, d, 1, 0), list(alone.values())) for d in range(rank.dp)]
     for param, *per_rank in zip(alone.values(), *grads):
         param.grad = sum(per_rank) / rank.dp  # what the DP all_reduce (a sum) and the division give
@@ -256,15 +288,19 @@ def _check_dp_resharding(rank: Rank) -> None:
     single.clip_and_step(MAX_NORM)
     _assert_equal(_snapshot(alone), _snapshot(params))
     _assert_states_equal(single.full_state(), expected)
-    # at DP size 1 a synchronous save writes the live moments (no copy), a background one a copy of its own
+    # a synchronous save writes the live moments (no copy), a background one a copy of its own
     live_moments = single.moments
     for copy in (False, True):
-        to_save = single.state_to_save(copy=copy)
-        _assert_states_equal(to_save, expected)
+        own = single.own_slice(copy=copy)
+        assert (own["start"], own["stop"], own["step"]) == (0, single.numel, 2)
         for key in ("exp_avg", "exp_avg_sq"):
-            shares = {t.untyped_storage().data_ptr() == live_moments[key].untyped_storage().data_ptr()
-                      for t in to_save[key].values()}
-            assert shares == {not copy}, (key, copy)
+            shares = own[key].untyped_storage().data_ptr() == live_moments[key].untyped_storage().data_ptr()
+            assert shares == (not copy), (key, copy)
+    # DP size 1's file loads at DP size 2: each rank reads its own slice of it
+    back = rank.optimizer(rank.params())
+    files = _saved_files(rank, single, dp_group=rank.alone)
+    back.load_flat_state(files.step, files.layout, files.flat)
+    _assert_states_equal(back.full_state(), expected)
 
     # and back: the DP size 1 state loads at DP size 2, given as dicts or as (name, tensor) pairs read one at a time
     # (what a load that reshards over TP sizes streams)
@@ -302,6 +338,14 @@ def _check_bad_state(rank: Rank) -> None:
         with pytest.raises(ValueError, match=message):
             fresh.load_full_state(pairs)
         assert fresh.param_groups_state()["step"] == 0
+    # slice files saved for other parameters are refused before anything is loaded
+    files, fresh = _saved_files(rank, opt), rank.optimizer(rank.params())
+    layout = [(name, (4,) if name == "norm.weight" else shape) for name, shape in files.layout]
+    with pytest.raises(ValueError, match=r"saved for other parameters: 'norm.weight' \(5,\) saved as \(4,\)"):
+        fresh.load_flat_state(files.step, layout, files.flat)
+    with pytest.raises(ValueError, match="saved for other parameters"):
+        fresh.load_flat_state(files.step, files.layout[::-1], files.flat)
+    assert fresh.param_groups_state()["step"] == 0 and all(not moment.any() for moment in fresh.moments.values())
     with pytest.raises(ValueError, match="replicated parameter 'norm.wieght'"):
         DistributedAdamW(list(params.items()), rank.dp_group, rank.tp_group, {"norm.wieght"}, LR, BETAS, 0.0)
 

@@ -21,7 +21,8 @@ from conftest import Inspect, LOCAL, read_metrics, run_config, without_time
 from rlrunner.tools.convert import load_model_weights
 from rlrunner.checkpoint.handler import COMPLETE, scan_checkpoints
 from rlrunner.checkpoint.manifest import read_manifest
-from rlrunner.backends.megatron.files import read_distrib_optim, read_rank_states, read_tracker
+from rlrunner.backends.megatron.files import read_rank_states, read_tracker
+from rlrunner.backends.megatron.moment_files import read_moments
 from rlrunner.errors import CheckpointError, ConfigError
 from rlrunner.backends.megatron.layout import expected_megatron_keys, Qwen2Dims
 from rlrunner.runner.supervisor import Supervisor
@@ -69,7 +70,8 @@ def test_checkpoints_are_in_megatrons_layout_and_read_with_weights_only(referenc
     assert sorted(p.name for p in actor.iterdir()) == ["huggingface", "iter_0000006", "latest_checkpointed_iteration.txt"]
     assert sorted(p.name for p in (actor / "iter_0000006").iterdir()) == ["mp_rank_00", "mp_rank_01"]
     for rank in ("mp_rank_00", "mp_rank_01"):
-        assert sorted(p.name for p in (actor / "iter_0000006" / rank).iterdir()) == ["distrib_optim.pt", "model_optim_rng.pt"]
+        assert sorted(p.name for p in (actor / "iter_0000006" / rank).iterdir()) == ["distrib_optim_dp_000.pt",
+                                                                                    "model_optim_rng.pt"]
     assert read_tracker(LOCAL, str(actor)) == 6
     manifest = read_manifest(LOCAL, str(reference.checkpoint(6)))
     assert manifest["backend"] == "megatron-tp" and manifest["world_size"] == 2
@@ -86,19 +88,18 @@ def test_checkpoints_are_in_megatrons_layout_and_read_with_weights_only(referenc
         assert state["checkpoint_version"] == 3.0 and state["iteration"] == 6
         assert len(state["rng_state"]) == 1 and {"random_rng_state", "np_rng_state", "torch_rng_state"} <= set(state["rng_state"][0])
         assert state["opt_param_scheduler"]["last_epoch"] == 6
-        moments = read_distrib_optim(LOCAL, str(actor / "iter_0000006" / f"mp_rank_{tp_rank:02d}" / "distrib_optim.pt"))
-        assert moments["step"] == 6 and moments["exp_avg"].keys() == moments["exp_avg_sq"].keys()
+        moments = read_moments(LOCAL, str(actor), 6, tp_rank)
+        assert moments.step == 6
         weights = {k: v for k, v in state["model"].items() if v is not None}
-        assert moments["exp_avg"].keys() == weights.keys()
-        assert all(moments["exp_avg"][k].shape == weights[k].shape for k in weights)
+        assert [name for name, _ in moments.layout] == list(weights)  # the model's order: the optimizer's flat order
+        assert all(moments.tensor("exp_avg", k).shape == weights[k].shape for k in weights)
         # the padding rows of the vocabulary (99..255: rank 0's rows 99..127, all of rank 1's) are zero and never
         # get a gradient, so their moments stay zero
         padding = slice(max(0, 99 - 128 * tp_rank), 128)
-        for table in (weights, moments["exp_avg"], moments["exp_avg_sq"]):
+        for table in (weights, moments.tensors("exp_avg"), moments.tensors("exp_avg_sq")):
             assert torch.count_nonzero(table["embedding.word_embeddings.weight"][padding]) == 0
             assert torch.count_nonzero(table["output_layer.weight"][padding]) == 0
-    assert torch.count_nonzero(read_distrib_optim(LOCAL, str(actor / "iter_0000006" / "mp_rank_00" / "distrib_optim.pt"))
-                               ["exp_avg_sq"]["output_layer.weight"]) > 0
+    assert torch.count_nonzero(read_moments(LOCAL, str(actor), 6, 0).tensor("exp_avg_sq", "output_layer.weight")) > 0
     # the replicated norms are the same on both ranks
     assert torch.equal(states[0]["model"]["decoder.final_layernorm.weight"], states[1]["model"]["decoder.final_layernorm.weight"])
 
@@ -191,7 +192,7 @@ def test_resharding_tp2_to_tp1_and_back_goes_on_training_like_the_reference(refe
 
 def test_data_parallel_with_a_sharded_optimizer_matches_and_resumes_bitwise(reference, tmp_path):
     """dp=2 x tp=2: each data-parallel rank gets half the rows, metrics are counted once per data-parallel rank, the
-    optimizer state is split over the data-parallel ranks and saved whole in distrib_optim.pt."""
+    optimizer state is split over the data-parallel ranks and each rank saves its own slice (nothing gathered)."""
     Supervisor(megatron_config(tmp_path / "full", 2, 4, "runner.max_steps=4", "runner.save_interval=2")).run()
     full = read_metrics(tmp_path / "full" / "test" / "metrics.jsonl")
     assert [m["step"] for m in full] == [1, 2, 3, 4]
@@ -202,9 +203,13 @@ def test_data_parallel_with_a_sharded_optimizer_matches_and_resumes_bitwise(refe
     actor = tmp_path / "full" / "test" / "checkpoints" / "global_step_2" / "actor"
     _, states = read_rank_states(LOCAL, str(actor))
     assert [len(s["rng_state"]) for s in states] == [2, 2] and states[0]["args"].data_parallel_size == 2
-    moments = read_distrib_optim(LOCAL, str(actor / "iter_0000002" / "mp_rank_00" / "distrib_optim.pt"))
-    assert moments["data_parallel_size"] == 2
-    assert all(t.shape == states[0]["model"][k].shape for k, t in moments["exp_avg"].items())
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        assert sorted(p.name for p in (actor / "iter_0000002" / rank).iterdir()) == [
+            "distrib_optim_dp_000.pt", "distrib_optim_dp_001.pt", "model_optim_rng.pt"]
+    moments = read_moments(LOCAL, str(actor), 2, 0)
+    half = -(-moments.numel // 2)  # the first slice is rounded up; the padding past the end is not saved
+    assert [len(s["exp_avg"]) for s in moments.slices] == [half, moments.numel - half]
+    assert all(moments.tensor("exp_avg", k).shape == t.shape for k, t in states[0]["model"].items() if t is not None)
 
     Supervisor(megatron_config(tmp_path / "resumed", 2, 4, "runner.max_steps=4", "runner.save_interval=2",
                                f"runner.resume_dir={actor.parent}")).run()
@@ -284,7 +289,7 @@ def test_a_run_on_s3_saves_and_resumes_from_the_store_bitwise(reference, s3_stor
     storage = open_storage(url, options)
     actor = f"{url}/test/checkpoints/global_step_4/actor"
     assert read_tracker(storage, actor) == 4
-    assert storage.exists(f"{actor}/iter_0000004/mp_rank_01/distrib_optim.pt")
+    assert storage.exists(f"{actor}/iter_0000004/mp_rank_01/distrib_optim_dp_000.pt")
     # another machine (an empty log cache) resumes from the store and ends where the local run ended
     remote = s3_overrides(url, options, tmp_path / "cache-b")
     Supervisor(megatron_config(tmp_path, 2, 2, *remote, "runner.resume_dir=auto")).run()

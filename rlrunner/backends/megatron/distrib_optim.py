@@ -13,15 +13,17 @@ of one TP rank hold the same parameters, so they split the optimizer's work betw
   replica the whole, identical update.
 
 The gradient norm is the whole model's: TP-sharded parameters' squares are summed over the TP group, replicated
-ones (layer norms, identical on every TP rank) are counted once. `full_state` returns the moments per parameter
-name, shaped like the parameter, so a checkpoint can be resharded over TP by the converter that reshapes weights
-and loaded at any DP size.
+ones (layer norms, identical on every TP rank) are counted once.
+
+A checkpoint gathers nothing: each DP rank writes its own slice of the flat moments (`own_slice`), and a load reads
+a rank's slice back from them at any DP size (`load_flat_state`), or, when the TP size changed, takes each
+parameter's whole moment resharded like the weights (`load_full_state`, one tensor at a time).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -114,7 +116,7 @@ class DistributedAdamW:
         for chunk in self.chunks:
             chunk.grad = None
         if self.dp_size > 1:  # every replica's slice into every replica's buffer
-            self._exchange_slices(self.flat_params[self.owned], self.flat_params, everywhere=True)
+            self._exchange_slices(self.flat_params[self.owned], self.flat_params)
         return norm
 
     def zero_grad(self) -> None:
@@ -139,26 +141,54 @@ class DistributedAdamW:
 
     def full_state(self) -> dict[str, Any]:
         """The whole (every DP slice) state of this TP rank, per parameter name, as CPU fp32 tensors of their own
-        (views of one flat copy per moment).
+        (views of one flat copy per moment): for tests and tools. Checkpoints never gather it (`own_slice`).
 
         A collective over the DP group: every DP rank must call it, and every one gets the result.
         """
-        return self._whole_state(everywhere=True, copy=True)
-
-    def state_to_save(self, copy: bool) -> dict[str, Any] | None:
-        """What a checkpoint writes: `full_state` on DP rank 0 only (None on the others, which hold no gathered copy).
-
-        With `copy` false and DP size 1 the moments are views of the live state: a synchronous save writes them
-        without a copy (they must not be stepped until it is written). A collective over the DP group.
-        """
-        return self._whole_state(everywhere=False, copy=copy)
-
-    def _whole_state(self, everywhere: bool, copy: bool) -> dict[str, Any] | None:
         result: dict[str, Any] = {"step": self._step_count()}
-        for key in _MOMENTS:  # every rank takes part in both gathers
-            full = self._gather(self.moments[key], everywhere, copy)
-            result[key] = None if full is None else dict(zip(self.names, self._views(full.to("cpu"))))
-        return None if result["exp_avg"] is None else result
+        for key in _MOMENTS:
+            full = self.moments[key].clone() if self.dp_size == 1 else self._padded()
+            if self.dp_size > 1:
+                self._exchange_slices(self.moments[key], full)
+            result[key] = dict(zip(self.names, self._views(full.to("cpu"))))
+        return result
+
+    def layout(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of every parameter, in the flat order the moments are sliced in."""
+        return [(name, tuple(param.shape)) for name, param in zip(self.names, self.params)]
+
+    def own_slice(self, copy: bool) -> dict[str, Any]:
+        """What this DP rank writes to a checkpoint, with no collective: the step count, the elements [start, stop) of
+        the flat moments it owns (clipped to the parameters: no padding) and both moments over them, views of the live
+        state (a synchronous save writes them before the next step) or, with `copy`, tensors of their own."""
+        start, stop = min(self.owned.start, self.numel), min(self.owned.stop, self.numel)
+        moments = {key: self.moments[key][: stop - start] for key in _MOMENTS}
+        if copy:
+            moments = {key: tensor.clone() for key, tensor in moments.items()}
+        return {"step": self._step_count(), "start": start, "stop": stop, **moments}
+
+    @torch.no_grad()
+    def load_flat_state(
+        self, step: int, layout: Sequence[tuple[str, tuple[int, ...]]], read: Callable[[str, int, int], torch.Tensor]
+    ) -> None:
+        """Load moments saved by an optimizer of the same parameters at any DP size: `read(key, start, stop)` gives
+        elements [start, stop) of moment `key`'s flat vector (the parameters flattened in `layout`'s order, no
+        padding). This rank reads its own slice only. ValueError if `layout` is not this optimizer's."""
+        mine = self.layout()
+        if [(name, tuple(shape)) for name, shape in layout] != mine:
+            theirs = dict((name, tuple(shape)) for name, shape in layout)
+            differ = next((f"{name!r} {shape} saved as {theirs[name]}" if name in theirs else f"{name!r} is not saved"
+                           for name, shape in mine if theirs.get(name) != shape),
+                          f"the saved order or an extra parameter ({len(layout)} saved, {len(mine)} here)")
+            raise ValueError(f"optimizer state was saved for other parameters: {differ}")
+        start, stop = min(self.owned.start, self.numel), min(self.owned.stop, self.numel)
+        for key in _MOMENTS:
+            part = read(key, start, stop)
+            if tuple(part.shape) != (stop - start,):
+                raise ValueError(f"optimizer state {key}: elements {start}:{stop} read as shape {tuple(part.shape)}")
+            self.moments[key][: stop - start].copy_(part)
+            self.moments[key][stop - start :].zero_()  # the padding past the last parameter
+        self._set_chunk_state(step)
 
     @torch.no_grad()
     def load_full_state(self, state: Mapping[str, Any]) -> None:
@@ -238,29 +268,16 @@ class DistributedAdamW:
         """Per-parameter views of a flat (padded) fp32 tensor, shaped like the parameters."""
         return [flat[lo:hi].view(p.shape) for p, lo, hi in zip(self.params, self.offsets, self.offsets[1:])]
 
-    def _gather(self, owned: torch.Tensor, everywhere: bool, copy: bool) -> torch.Tensor | None:
-        """The whole flat tensor from every DP rank's slice (`owned`): on every rank, or on DP rank 0 only (None
-        elsewhere); at DP size 1 `owned` itself unless `copy`."""
-        if self.dp_size == 1:
-            return owned.clone() if copy else owned
-        full = self._padded() if everywhere or self.dp_rank == 0 else None
-        self._exchange_slices(owned, full, everywhere)
-        return full
-
-    def _exchange_slices(self, owned: torch.Tensor, out: torch.Tensor | None, everywhere: bool) -> None:
-        """Every DP rank's `owned` slice into its place in `out` (a padded flat tensor): on every rank (all_gather),
-        or on DP rank 0 only (gather; `out` is None elsewhere). One chunk at a time: gloo gathers into a buffer of its
-        own and copies out, so a whole-slice call would cost a temporary of the whole flat tensor."""
+    def _exchange_slices(self, owned: torch.Tensor, out: torch.Tensor) -> None:
+        """Every DP rank's `owned` slice into its place in `out` (a padded flat tensor) on every rank (all_gather). One
+        chunk at a time: gloo gathers into a buffer of its own and copies out, so a whole-slice call would cost a
+        temporary of the whole flat tensor."""
         size = self.chunks[0].numel()
         for lo in range(0, self.slice_size, size):
             hi = min(lo + size, self.slice_size)
-            parts = None if out is None else [out[r * self.slice_size + lo : r * self.slice_size + hi]
-                                              for r in range(self.dp_size)]
+            parts = [out[r * self.slice_size + lo : r * self.slice_size + hi] for r in range(self.dp_size)]
             mine = owned[lo:hi].clone()  # `owned` may be a view of `out` itself (the weights)
-            if everywhere:
-                dist.all_gather(parts, mine, group=self.dp_group)
-            else:
-                dist.gather(mine, parts, group=self.dp_group, group_dst=0)
+            dist.all_gather(parts, mine, group=self.dp_group)
 
     # --- step helpers ----------------------------------------------------------------------------------------
 

@@ -51,7 +51,6 @@ from rlrunner.storage import FileRecord, Storage
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
-DISTRIB_OPTIM_FILE = "distrib_optim.pt"  # the sharded optimizer state beside it (its layout is the backend's)
 CHECKPOINT_VERSION = 3.0
 ALLOWED_GLOBALS: tuple[type, ...] = (argparse.Namespace,)  # all a model_optim_rng.pt needs beyond weights_only's own
 
@@ -233,46 +232,12 @@ def write_rank_file(
     return write_state_file(storage, root, rank_file(iteration, tp_rank), state)
 
 
-def distrib_optim_file(iteration: int, tp_rank: int) -> str:
-    """`iter_0000050/mp_rank_01/distrib_optim.pt`, relative to the checkpoint root."""
-    return f"{iteration_dir(iteration)}/{rank_dir(tp_rank)}/{DISTRIB_OPTIM_FILE}"
-
-
-DISTRIB_OPTIM_FORMAT = "rlrunner.distrib_optim/1"
-
-
-def distrib_optim_state(
-    iteration: int, tp: int, dp: int, step: int, exp_avg: Mapping[str, torch.Tensor], exp_avg_sq: Mapping[str, torch.Tensor]
-) -> dict[str, Any]:
-    """What a `distrib_optim.pt` holds (our layout): the Adam moments of one tensor-parallel rank, gathered from every
-    data-parallel rank, per megatron-core parameter name and shaped like the parameter (so the moments reshard over
-    tensor-parallel sizes exactly as the weights do), and the optimizer's step count."""
-    return {
-        "format": DISTRIB_OPTIM_FORMAT,
-        "iteration": int(iteration),
-        "tensor_model_parallel_size": int(tp),
-        "data_parallel_size": int(dp),
-        "step": int(step),
-        "exp_avg": dict(exp_avg),
-        "exp_avg_sq": dict(exp_avg_sq),
-    }
-
-
 def write_state_file(storage: Storage, root: str, name: str, state: Mapping[str, Any]) -> dict[str, FileRecord]:
     """torch.save `state` to `root`/`name` (checked loadable with weights_only first); {name: size and CRC-32}."""
     check_loadable(state, name)
     with storage.open_write(storage.join(root, name)) as writer:
         torch.save(dict(state), writer)
     return {name: writer.record()}
-
-
-def read_distrib_optim(storage: Storage, url: str, mmap: bool = False) -> dict[str, Any]:
-    """One `distrib_optim.pt`, checked to be in our format (memory-mapped as `read_rank_file` with `mmap`)."""
-    state = _read_file(storage, url, mmap)
-    if not isinstance(state, dict) or state.get("format") != DISTRIB_OPTIM_FORMAT:
-        found = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"{url} is not a distributed-optimizer file of format {DISTRIB_OPTIM_FORMAT} (found {found!r})")
-    return state
 
 
 def write_tracker(storage: Storage, root: str, iteration: int) -> dict[str, FileRecord]:
@@ -332,7 +297,7 @@ def _local_copy(storage: Storage, url: str) -> Iterator[str]:
             os.unlink(path)  # a memory map made from it stays valid
 
 
-def _read_file(storage: Storage, url: str, mmap: bool) -> Any:
+def read_torch_file(storage: Storage, url: str, mmap: bool) -> Any:
     """`load_file` of `url`: memory-mapped from a local path (a remote file downloaded first) with `mmap`, else read."""
     if mmap:
         with _local_copy(storage, url) as path:
@@ -346,7 +311,7 @@ def read_rank_file(storage: Storage, url: str, mmap: bool = False) -> dict[str, 
 
     With `mmap` the tensors are memory-mapped from a local file (a remote file is downloaded to a temporary
     file first), so they take page cache rather than process memory."""
-    state = _read_file(storage, url, mmap)
+    state = read_torch_file(storage, url, mmap)
     if not isinstance(state, dict) or "model" not in state or "args" not in state:
         raise ValueError(f"{url} is not a Megatron checkpoint file (no 'model' and 'args')")
     version = state.get("checkpoint_version")

@@ -21,7 +21,13 @@ import torch.distributed as dist
 
 from rlrunner.backends.actor import ActorWorker
 from rlrunner.backends.megatron.distrib_optim import DistributedAdamW, bind_to_buffer
-from rlrunner.backends.megatron.files import megatron_args, megatron_rng_entry, rng_from_megatron_entry
+from rlrunner.backends.megatron.files import (
+    megatron_args,
+    megatron_rng_entry,
+    rank_file,
+    rank_state,
+    rng_from_megatron_entry,
+)
 from rlrunner.backends.megatron.layout import (
     DEFAULT_VOCAB_DIVISIBLE_BY,
     EXTRA_STATE,
@@ -31,6 +37,7 @@ from rlrunner.backends.megatron.layout import (
     megatron_to_hf,
 )
 from rlrunner.backends.megatron.model import TPQwen2ForCausalLM
+from rlrunner.backends.megatron.moment_files import moment_file, moment_slice_state
 from rlrunner.backends.megatron.rank_state import MegatronRankState, load_rank
 from rlrunner.backends.optim import apply_schedule, build_schedule
 from rlrunner.models.loading import build_hf_config, build_tokenizer, initial_tensors, meta_model, torch_dtype
@@ -119,33 +126,31 @@ class MegatronActorWorker(ActorWorker):
     # -- checkpoints ---------------------------------------------------------------------------
 
     def start_checkpoint(self, url: str, step: int, background: bool, storage_options: dict[str, Any] | None) -> None:
-        """Collective: data-parallel rank 0 of each tensor-parallel rank gathers that rank's moments and writes its files
-        under `url` (the checkpoint's actor folder): a copy of its state, in a thread, with `background`; the live
-        tensors, before returning, without."""
-        # a synchronous save writes the live tensors (training waits for it); a background one writes a copy
-        moments = self.optimizer.state_to_save(copy=background)  # collective over the data-parallel group
+        """Collective: every rank writes its data-parallel slice of its tensor-parallel rank's moments, and data-parallel
+        rank 0 that rank's `model_optim_rng.pt`, under `url` (the checkpoint's actor folder): a copy of its state, in
+        a thread, with `background`; the live tensors, before returning, without. Nothing but the RNG states is
+        gathered."""
+        own = self.optimizer.own_slice(copy=background)
         rng = [None] * self.data_parallel_size
         dist.all_gather_object(rng, megatron_rng_entry(capture_rng()), group=self.dp_group)
-        if self.dp_rank != 0:
-            self.saver.run(dict, background=False)  # nothing to write; finish reports no files
-            return
-        state = MegatronRankState(
-            iteration=step,
-            tp_rank=self.tp_rank,
-            args=megatron_args(
+        files = {moment_file(step, self.tp_rank, self.dp_rank): moment_slice_state(
+            step, self.tp, self.data_parallel_size, self.dp_rank, own["step"], self.optimizer.layout(), own["start"],
+            own["stop"], own["exp_avg"], own["exp_avg_sq"],
+        )}
+        if self.dp_rank == 0:
+            args = megatron_args(
                 self.hf_config, self.tp, self.data_parallel_size, self.divisible_by, torch.float32,
                 iteration=step, train_iters=self.total_optimizer_steps, lr=self.actor_cfg["optim"]["lr"],
                 use_distributed_optimizer=True,
-            ),
-            model={**{k: v.detach().to("cpu", copy=background) for k, v in self.model.state_dict().items()},
-                   **{k: None for k in _extra_state_keys(self)}},
-            optimizer={**self.optimizer.param_groups_state(), "distributed_optimizer": True, "state_file": "distrib_optim.pt"},
-            scheduler=self.scheduler.state_dict(),
-            rng_state=rng,
-            step=moments["step"],
-            exp_avg=moments["exp_avg"],
-            exp_avg_sq=moments["exp_avg_sq"],
-        )
+            )
+            model = {**{k: v.detach().to("cpu", copy=background) for k, v in self.model.state_dict().items()},
+                     **{k: None for k in _extra_state_keys(self)}}
+            optimizer = {**self.optimizer.param_groups_state(), "distributed_optimizer": True,
+                         "state_files": "distrib_optim_dp_*.pt"}
+            files[rank_file(step, self.tp_rank)] = rank_state(
+                step, model, args, optimizer, self.scheduler.state_dict(), rng,
+            )
+        state = MegatronRankState(files)
         self.saver.run(lambda: state.write(url, storage_options), background)
 
     def load_checkpoint(self, url: str, storage_options: dict[str, Any] | None) -> bool:
@@ -156,7 +161,7 @@ class MegatronActorWorker(ActorWorker):
             self.divisible_by,
         )
         self.model.load_megatron_shard(loaded.model)
-        self.optimizer.load_full_state({"step": loaded.step, "exp_avg": loaded.exp_avg, "exp_avg_sq": loaded.exp_avg_sq})
+        loaded.load_moments(self.optimizer)
         self.scheduler.load_state_dict(loaded.scheduler)
         apply_schedule(self.optimizer.optimizer, self.scheduler)  # this run's schedule, not the saved run's
         if loaded.rng_state is not None:

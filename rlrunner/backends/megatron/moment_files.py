@@ -1,0 +1,218 @@
+"""The Adam moments of the Megatron backend's checkpoints: one file per data-parallel rank, written with no gather.
+
+    <actor folder>/iter_0000050/mp_rank_01/distrib_optim_dp_000.pt    data-parallel rank 0's slice of TP rank 1's moments
+    <actor folder>/iter_0000050/mp_rank_01/distrib_optim_dp_001.pt    data-parallel rank 1's slice
+
+The distributed optimizer (`DistributedAdamW`, ZeRO-1) keeps each tensor-parallel rank's moments as one flat
+vector (its parameters flattened and concatenated in order), split into equal slices over the data-parallel ranks.
+Each data-parallel rank writes its own slice, so a save gathers nothing and the ranks write in parallel. A file
+(format `rlrunner.distrib_optim/2`) holds:
+
+    format, iteration, tensor_model_parallel_size, data_parallel_size, data_parallel_rank, step
+    params      [[megatron-core name, shape], ...]: the flat order, every parameter of the tensor-parallel rank
+    start, stop elements [start, stop) of the flat vector held here (the slices tile it in rank order)
+    exp_avg, exp_avg_sq    1-D float32 tensors of stop - start elements
+
+`SavedMoments` reads one saved tensor-parallel rank's files back (memory-mapped): a range of the flat vector (what a
+data-parallel rank of the same tensor-parallel layout loads, at any data-parallel size: only its own slice is read),
+or a parameter's whole moment shaped like the parameter (what a load that reshards over tensor-parallel sizes slices,
+one tensor at a time).
+
+Checkpoints written before this layout hold one `distrib_optim.pt` per tensor-parallel rank (format
+`rlrunner.distrib_optim/1`, every data-parallel slice gathered onto data-parallel rank 0, one whole tensor per
+parameter): they are still read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from rlrunner.backends.megatron.files import iteration_dir, rank_dir, read_torch_file
+from rlrunner.storage import Storage
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+SLICE_FORMAT = "rlrunner.distrib_optim/2"
+LEGACY_FORMAT = "rlrunner.distrib_optim/1"
+LEGACY_FILE = "distrib_optim.pt"
+
+Layout = list[tuple[str, tuple[int, ...]]]  # (parameter name, shape), in the flat order
+
+
+def moment_file(iteration: int, tp_rank: int, dp_rank: int) -> str:
+    """`iter_0000050/mp_rank_01/distrib_optim_dp_000.pt`, relative to the checkpoint root."""
+    if dp_rank < 0:
+        raise ValueError(f"a data-parallel rank is a non-negative integer, got {dp_rank}")
+    return f"{iteration_dir(iteration)}/{rank_dir(tp_rank)}/distrib_optim_dp_{dp_rank:03d}.pt"
+
+
+def legacy_moment_file(iteration: int, tp_rank: int) -> str:
+    """`iter_0000050/mp_rank_01/distrib_optim.pt`: the one file per tensor-parallel rank of the earlier layout."""
+    return f"{iteration_dir(iteration)}/{rank_dir(tp_rank)}/{LEGACY_FILE}"
+
+
+def moment_slice_state(
+    iteration: int, tp: int, dp: int, dp_rank: int, step: int, layout: Layout, start: int, stop: int,
+    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+) -> dict[str, Any]:
+    """What data-parallel rank `dp_rank`'s file holds (see the module docstring)."""
+    for name, tensor in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if tuple(tensor.shape) != (stop - start,):
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)} for elements {start}:{stop}")
+    return {
+        "format": SLICE_FORMAT,
+        "iteration": int(iteration),
+        "tensor_model_parallel_size": int(tp),
+        "data_parallel_size": int(dp),
+        "data_parallel_rank": int(dp_rank),
+        "step": int(step),
+        "params": [[name, list(shape)] for name, shape in layout],
+        "start": int(start),
+        "stop": int(stop),
+        "exp_avg": exp_avg,
+        "exp_avg_sq": exp_avg_sq,
+    }
+
+
+def _offsets(layout: Layout) -> list[int]:
+    offsets = [0]
+    for _, shape in layout:
+        offsets.append(offsets[-1] + math.prod(shape))
+    return offsets
+
+
+class SavedMoments:
+    """Both Adam moments of one saved tensor-parallel rank, read from its files (see the module docstring)."""
+
+    def __init__(self, step: int, layout: Layout):
+        self.step = step
+        self.layout = layout
+        self.offsets = _offsets(layout)
+        self.index = {name: index for index, (name, _) in enumerate(layout)}
+
+    @property
+    def numel(self) -> int:
+        return self.offsets[-1]
+
+    def flat(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of moment `key`'s flat vector (a view of the file where one file holds them all)."""
+        raise NotImplementedError
+
+    def tensor(self, key: str, name: str) -> torch.Tensor:
+        """Moment `key` of parameter `name`, shaped like the parameter."""
+        index = self.index[name]
+        return self.flat(key, self.offsets[index], self.offsets[index + 1]).view(self.layout[index][1])
+
+    def tensors(self, key: str) -> Mapping[str, torch.Tensor]:
+        """Moment `key` by parameter name, each tensor read when it is looked up."""
+        return _LazyTensors(self, key)
+
+
+class _LazyTensors(Mapping):
+    """A parameter's moment read on lookup; the last one is kept, since a resharding reader looks one tensor up several
+    times in a row (q, k and v are read one query group at a time)."""
+
+    def __init__(self, moments: SavedMoments, key: str):
+        self.moments, self.key = moments, key
+        self.last: tuple[str, torch.Tensor] | None = None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self.last is None or self.last[0] != name:
+            self.last = (name, self.moments.tensor(self.key, name))
+        return self.last[1]
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name, _ in self.moments.layout)
+
+    def __len__(self) -> int:
+        return len(self.moments.layout)
+
+
+class SlicedMoments(SavedMoments):
+    """The data-parallel slice files of one tensor-parallel rank (format 2), checked to tile one flat vector."""
+
+    def __init__(self, slices: Sequence[Mapping[str, Any]], where: str):
+        first = slices[0]
+        layout = [(str(name), tuple(int(d) for d in shape)) for name, shape in first["params"]]
+        super().__init__(int(first["step"]), layout)
+        position = 0
+        for dp_rank, piece in enumerate(slices):
+            label = f"{where} data-parallel rank {dp_rank}"
+            if piece.get("data_parallel_rank") != dp_rank or piece.get("data_parallel_size") != len(slices):
+                raise ValueError(f"{label}: the file says rank {piece.get('data_parallel_rank')} of "
+                                 f"{piece.get('data_parallel_size')}")
+            if int(piece["step"]) != self.step or [list(p) for p in piece["params"]] != [list(p) for p in first["params"]]:
+                raise ValueError(f"{label}: its step or parameters differ from data-parallel rank 0's")
+            if piece["start"] != position or not piece["start"] <= piece["stop"] <= self.numel:
+                raise ValueError(f"{label} holds elements {piece['start']}:{piece['stop']}, expected to start at "
+                                 f"{position} (of {self.numel})")
+            for key in MOMENTS:
+                if tuple(piece[key].shape) != (piece["stop"] - piece["start"],):
+                    raise ValueError(f"{label}: {key} has shape {tuple(piece[key].shape)} for elements "
+                                     f"{piece['start']}:{piece['stop']}")
+            position = piece["stop"]
+        if position != self.numel:
+            raise ValueError(f"{where}: the data-parallel slices end at element {position} of {self.numel}")
+        self.slices = slices
+
+    def flat(self, key: str, start: int, stop: int) -> torch.Tensor:
+        pieces = []
+        for piece in self.slices:
+            first, last = max(start, piece["start"]), min(stop, piece["stop"])
+            if first < last:
+                pieces.append(piece[key][first - piece["start"] : last - piece["start"]])
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32)
+
+
+class WholeMoments(SavedMoments):
+    """One `distrib_optim.pt` of the earlier layout (format 1): every parameter's moment whole."""
+
+    def __init__(self, state: Mapping[str, Any]):
+        layout = [(name, tuple(tensor.shape)) for name, tensor in state["exp_avg"].items()]
+        super().__init__(int(state["step"]), layout)
+        self.state = state
+
+    def tensor(self, key: str, name: str) -> torch.Tensor:
+        return self.state[key][name]
+
+    def tensors(self, key: str) -> Mapping[str, torch.Tensor]:
+        return self.state[key]
+
+    def flat(self, key: str, start: int, stop: int) -> torch.Tensor:
+        pieces = []
+        for index, (name, _) in enumerate(self.layout):
+            lo, hi = self.offsets[index], self.offsets[index + 1]
+            first, last = max(start, lo), min(stop, hi)
+            if first < last:
+                pieces.append(self.state[key][name].reshape(-1)[first - lo : last - lo])
+        return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32)
+
+
+def _checked(state: Any, url: str, fmt: str) -> dict[str, Any]:
+    if not isinstance(state, dict) or state.get("format") != fmt:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{url} is not a distributed-optimizer file of format {fmt} (found {found!r})")
+    return state
+
+
+def read_moments(storage: Storage, root: str, iteration: int, tp_rank: int, mmap: bool = True) -> SavedMoments:
+    """Tensor-parallel rank `tp_rank`'s moments of `iteration` under `root` (memory-mapped with `mmap`: only what is
+    looked up is read): its data-parallel slice files, or the earlier layout's single file."""
+    first = storage.join(root, moment_file(iteration, tp_rank, 0))
+    if not storage.exists(first):
+        legacy = storage.join(root, legacy_moment_file(iteration, tp_rank))
+        if storage.exists(legacy):
+            return WholeMoments(_checked(read_torch_file(storage, legacy, mmap), legacy, LEGACY_FORMAT))
+        raise FileNotFoundError(f"{first} is missing (the optimizer moments of tensor-parallel rank {tp_rank})")
+    slices = [_checked(read_torch_file(storage, first, mmap), first, SLICE_FORMAT)]
+    for dp_rank in range(1, int(slices[0]["data_parallel_size"])):
+        url = storage.join(root, moment_file(iteration, tp_rank, dp_rank))
+        if not storage.exists(url):
+            raise FileNotFoundError(f"{url} is missing (saved at data-parallel size {slices[0]['data_parallel_size']})")
+        slices.append(_checked(read_torch_file(storage, url, mmap), url, SLICE_FORMAT))
+    return SlicedMoments(slices, storage.join(root, iteration_dir(iteration), rank_dir(tp_rank)))
