@@ -161,11 +161,10 @@ def _gathered_slices(rank: Rank, opt: DistributedAdamW, dp_group=None) -> list[d
 def _saved_files(rank: Rank, opt: DistributedAdamW, dp_group=None) -> SlicedMoments:
     """The DP ranks' slice files of this TP rank, as a load reads them back (`moment_files.SlicedMoments`)."""
     slices = _gathered_slices(rank, opt, dp_group)
-    return SlicedMoments([
-        moment_slice_state(1, rank.tp, len(slices), d, s["step"], opt.layout(), s["start"], s["stop"], s["exp_avg"],
-                           s["exp_avg_sq"])
-        for d, s in enumerate(slices)
-    ], "test")
+    states = [moment_slice_state(1, rank.tp, len(slices), d, s["step"], opt.layout(), s["start"], s["stop"],
+                                 s["exp_avg"], s["exp_avg_sq"])
+              for d, s in enumerate(slices)]
+    return SlicedMoments(states[0], states.__getitem__, "test")
 
 
 # --- scenarios (one per spawn) -------------------------------------------------------------------------------

@@ -207,8 +207,9 @@ def test_data_parallel_with_a_sharded_optimizer_matches_and_resumes_bitwise(refe
         assert sorted(p.name for p in (actor / "iter_0000002" / rank).iterdir()) == [
             "distrib_optim_dp_000.pt", "distrib_optim_dp_001.pt", "model_optim_rng.pt"]
     moments = read_moments(LOCAL, str(actor), 2, 0)
+    moments.flat("exp_avg", 0, moments.numel)  # opens both files
     half = -(-moments.numel // 2)  # the first slice is rounded up; the padding past the end is not saved
-    assert [len(s["exp_avg"]) for s in moments.slices] == [half, moments.numel - half]
+    assert [len(moments.opened[d]["exp_avg"]) for d in (0, 1)] == [half, moments.numel - half]
     assert all(moments.tensor("exp_avg", k).shape == t.shape for k, t in states[0]["model"].items() if t is not None)
 
     Supervisor(megatron_config(tmp_path / "resumed", 2, 4, "runner.max_steps=4", "runner.save_interval=2",

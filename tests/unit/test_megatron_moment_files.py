@@ -75,7 +75,7 @@ def test_a_range_inside_one_file_is_a_view_of_the_mapped_file(tmp_path) -> None:
     _write_slices(root, 2)  # slices 0:12 and 12:23
     moments = read_moments(open_storage(root), root, 5, 0)
     inside, across = moments.flat("exp_avg", 2, 10), moments.flat("exp_avg", 10, 14)
-    first = moments.slices[0]["exp_avg"]
+    first = moments.opened[0]["exp_avg"]
     assert inside.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()  # no copy
     assert across.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
 
@@ -107,26 +107,31 @@ def test_missing_stray_and_inconsistent_slices_are_named(tmp_path) -> None:
 
     root = case("missing")
     (tmp_path / "missing" / moment_file(5, 0, 2)).unlink()
+    moments = read_moments(storage, root, 5, 0)
+    assert torch.equal(moments.flat("exp_avg", 0, 16), MOMENTS["exp_avg"][:16])  # ranks 0 and 1 need only theirs
+    assert sorted(moments.opened) == [0, 1]
     with pytest.raises(FileNotFoundError, match=r"distrib_optim_dp_002.pt is missing \(saved at data-parallel size 3\)"):
-        read_moments(storage, root, 5, 0)
+        moments.flat("exp_avg", 15, 17)
 
     root = case("stray")  # another run's slice (another data-parallel size) in place of rank 1's
     state = moment_slice_state(5, 1, 2, 1, 7, LAYOUT, 12, 23, MOMENTS["exp_avg"][12:], MOMENTS["exp_avg_sq"][12:])
     mf.write_state_file(storage, root, moment_file(5, 0, 1), state)
-    with pytest.raises(ValueError, match="data-parallel rank 1: the file says rank 1 of 2"):
-        read_moments(storage, root, 5, 0)
+    with pytest.raises(ValueError, match="data-parallel rank 1: the file says rank 1 of 2, not 1 of 3"):
+        read_moments(storage, root, 5, 0).tensor("exp_avg", "b.bias")
 
     root = case("step")
     state = moment_slice_state(5, 1, 3, 1, 8, LAYOUT, 8, 16, MOMENTS["exp_avg"][8:16], MOMENTS["exp_avg_sq"][8:16])
     mf.write_state_file(storage, root, moment_file(5, 0, 1), state)
     with pytest.raises(ValueError, match="data-parallel rank 1: its step or parameters differ"):
-        read_moments(storage, root, 5, 0)
+        read_moments(storage, root, 5, 0).flat("exp_avg_sq", 0, NUMEL)
 
     root = case("gap")
     state = moment_slice_state(5, 1, 3, 1, 7, LAYOUT, 9, 16, MOMENTS["exp_avg"][9:16], MOMENTS["exp_avg_sq"][9:16])
     mf.write_state_file(storage, root, moment_file(5, 0, 1), state)
-    with pytest.raises(ValueError, match="holds elements 9:16, expected to start at 8"):
-        read_moments(storage, root, 5, 0)
+    with pytest.raises(ValueError, match="holds elements 9:16, expected 8:16"):
+        read_moments(storage, root, 5, 0).flat("exp_avg", 8, 9)
+    with pytest.raises(ValueError, match=r"elements 20:24 are outside the 23 saved"):
+        read_moments(storage, root, 5, 0).flat("exp_avg", 20, 24)
 
     root = case("other")  # not a moments file at all
     mf.write_state_file(storage, root, moment_file(5, 0, 0), {"format": "something else"})

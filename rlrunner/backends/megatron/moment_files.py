@@ -13,10 +13,11 @@ Each data-parallel rank writes its own slice, so a save gathers nothing and the 
     start, stop elements [start, stop) of the flat vector held here (the slices tile it in rank order)
     exp_avg, exp_avg_sq    1-D float32 tensors of stop - start elements
 
-`SavedMoments` reads one saved tensor-parallel rank's files back (memory-mapped): a range of the flat vector (what a
-data-parallel rank of the same tensor-parallel layout loads, at any data-parallel size: only its own slice is read),
-or a parameter's whole moment shaped like the parameter (what a load that reshards over tensor-parallel sizes slices,
-one tensor at a time).
+`SavedMoments` reads one saved tensor-parallel rank's files back (memory-mapped, each file opened when a range it
+holds is first read): a range of the flat vector (what a data-parallel rank of the same tensor-parallel layout loads,
+at any data-parallel size: only the files holding its own slice are read, or downloaded from an object store), or a
+parameter's whole moment shaped like the parameter (what a load that reshards over tensor-parallel sizes slices, one
+tensor at a time).
 
 Checkpoints written before this layout hold one `distrib_optim.pt` per tensor-parallel rank (format
 `rlrunner.distrib_optim/1`, every data-parallel slice gathered onto data-parallel rank 0, one whole tensor per
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -132,38 +133,51 @@ class _LazyTensors(Mapping):
 
 
 class SlicedMoments(SavedMoments):
-    """The data-parallel slice files of one tensor-parallel rank (format 2), checked to tile one flat vector."""
+    """The data-parallel slice files of one tensor-parallel rank (format 2). File d holds elements
+    [d * S, min((d + 1) * S, numel)) with S = ceil(numel / data-parallel size), as `DistributedAdamW.own_slice` writes
+    them; a file is opened (and checked) the first time a range it holds is read, so a rank that loads its own slice
+    reads (or, from an object store, downloads) only the one or two files that hold it."""
 
-    def __init__(self, slices: Sequence[Mapping[str, Any]], where: str):
-        first = slices[0]
+    def __init__(self, first: Mapping[str, Any], open_slice: Callable[[int], Mapping[str, Any]], where: str):
         layout = [(str(name), tuple(int(d) for d in shape)) for name, shape in first["params"]]
         super().__init__(int(first["step"]), layout)
-        position = 0
-        for dp_rank, piece in enumerate(slices):
-            label = f"{where} data-parallel rank {dp_rank}"
-            if piece.get("data_parallel_rank") != dp_rank or piece.get("data_parallel_size") != len(slices):
+        self.dp = int(first["data_parallel_size"])
+        self.slice_size = -(-self.numel // self.dp)
+        self.first, self.open_slice, self.where = first, open_slice, where
+        self.opened: dict[int, Mapping[str, Any]] = {}
+        self._slice(0)
+
+    def bounds(self, dp_rank: int) -> tuple[int, int]:
+        """The elements [start, stop) data-parallel rank `dp_rank`'s file holds."""
+        return min(dp_rank * self.slice_size, self.numel), min((dp_rank + 1) * self.slice_size, self.numel)
+
+    def _slice(self, dp_rank: int) -> Mapping[str, Any]:
+        if dp_rank not in self.opened:
+            piece = self.first if dp_rank == 0 else self.open_slice(dp_rank)
+            label = f"{self.where} data-parallel rank {dp_rank}"
+            if piece.get("data_parallel_rank") != dp_rank or piece.get("data_parallel_size") != self.dp:
                 raise ValueError(f"{label}: the file says rank {piece.get('data_parallel_rank')} of "
-                                 f"{piece.get('data_parallel_size')}")
-            if int(piece["step"]) != self.step or [list(p) for p in piece["params"]] != [list(p) for p in first["params"]]:
+                                 f"{piece.get('data_parallel_size')}, not {dp_rank} of {self.dp}")
+            if int(piece["step"]) != self.step or [list(p) for p in piece["params"]] != [list(p) for p in self.first["params"]]:
                 raise ValueError(f"{label}: its step or parameters differ from data-parallel rank 0's")
-            if piece["start"] != position or not piece["start"] <= piece["stop"] <= self.numel:
-                raise ValueError(f"{label} holds elements {piece['start']}:{piece['stop']}, expected to start at "
-                                 f"{position} (of {self.numel})")
+            start, stop = self.bounds(dp_rank)
+            if (piece["start"], piece["stop"]) != (start, stop):
+                raise ValueError(f"{label} holds elements {piece['start']}:{piece['stop']}, expected {start}:{stop}")
             for key in MOMENTS:
-                if tuple(piece[key].shape) != (piece["stop"] - piece["start"],):
-                    raise ValueError(f"{label}: {key} has shape {tuple(piece[key].shape)} for elements "
-                                     f"{piece['start']}:{piece['stop']}")
-            position = piece["stop"]
-        if position != self.numel:
-            raise ValueError(f"{where}: the data-parallel slices end at element {position} of {self.numel}")
-        self.slices = slices
+                if tuple(piece[key].shape) != (stop - start,):
+                    raise ValueError(f"{label}: {key} has shape {tuple(piece[key].shape)} for elements {start}:{stop}")
+            self.opened[dp_rank] = piece
+        return self.opened[dp_rank]
 
     def flat(self, key: str, start: int, stop: int) -> torch.Tensor:
+        if not 0 <= start <= stop <= self.numel:
+            raise ValueError(f"{self.where}: elements {start}:{stop} are outside the {self.numel} saved")
         pieces = []
-        for piece in self.slices:
-            first, last = max(start, piece["start"]), min(stop, piece["stop"])
-            if first < last:
-                pieces.append(piece[key][first - piece["start"] : last - piece["start"]])
+        if start < stop:
+            for dp_rank in range(start // self.slice_size, (stop - 1) // self.slice_size + 1):
+                lo, hi = self.bounds(dp_rank)
+                piece = self._slice(dp_rank)[key]
+                pieces.append(piece[max(start, lo) - lo : min(stop, hi) - lo])
         if len(pieces) == 1:
             return pieces[0]
         return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32)
@@ -202,17 +216,20 @@ def _checked(state: Any, url: str, fmt: str) -> dict[str, Any]:
 
 def read_moments(storage: Storage, root: str, iteration: int, tp_rank: int, mmap: bool = True) -> SavedMoments:
     """Tensor-parallel rank `tp_rank`'s moments of `iteration` under `root` (memory-mapped with `mmap`: only what is
-    looked up is read): its data-parallel slice files, or the earlier layout's single file."""
+    looked up is read): its data-parallel slice files, opened as they are needed, or the earlier layout's single
+    file."""
     first = storage.join(root, moment_file(iteration, tp_rank, 0))
     if not storage.exists(first):
         legacy = storage.join(root, legacy_moment_file(iteration, tp_rank))
         if storage.exists(legacy):
             return WholeMoments(_checked(read_torch_file(storage, legacy, mmap), legacy, LEGACY_FORMAT))
         raise FileNotFoundError(f"{first} is missing (the optimizer moments of tensor-parallel rank {tp_rank})")
-    slices = [_checked(read_torch_file(storage, first, mmap), first, SLICE_FORMAT)]
-    for dp_rank in range(1, int(slices[0]["data_parallel_size"])):
+    state = _checked(read_torch_file(storage, first, mmap), first, SLICE_FORMAT)
+
+    def open_slice(dp_rank: int) -> dict[str, Any]:
         url = storage.join(root, moment_file(iteration, tp_rank, dp_rank))
         if not storage.exists(url):
-            raise FileNotFoundError(f"{url} is missing (saved at data-parallel size {slices[0]['data_parallel_size']})")
-        slices.append(_checked(read_torch_file(storage, url, mmap), url, SLICE_FORMAT))
-    return SlicedMoments(slices, storage.join(root, iteration_dir(iteration), rank_dir(tp_rank)))
+            raise FileNotFoundError(f"{url} is missing (saved at data-parallel size {state['data_parallel_size']})")
+        return _checked(read_torch_file(storage, url, mmap), url, SLICE_FORMAT)
+
+    return SlicedMoments(state, open_slice, storage.join(root, iteration_dir(iteration), rank_dir(tp_rank)))
