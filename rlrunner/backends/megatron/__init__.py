@@ -1,6 +1,6 @@
 """The Megatron backend: the policy split Megatron-LM's way with tensor parallelism (tensor-parallel groups inside
 data-parallel replicas), AdamW sharded over the data-parallel ranks, and checkpoints in Megatron-LM's legacy layout
-(`iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt`, `distrib_optim.pt`, `latest_checkpointed_iteration.txt`)."""
+(`iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt`, `distrib_optim_dp_DDD.pt`, `latest_checkpointed_iteration.txt`)."""
 
 from __future__ import annotations
 

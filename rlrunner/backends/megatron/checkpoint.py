@@ -13,8 +13,8 @@ logger = logging.getLogger(__name__)
 
 
 class MegatronCheckpointManager(ActorCheckpointManager):
-    """`iter_XXXXXXX/mp_rank_XX/{model_optim_rng,distrib_optim}.pt`, written by data-parallel rank 0 of each
-    tensor-parallel rank, straight to the store; the driver writes `latest_checkpointed_iteration.txt` once every
+    """`iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt`, written by data-parallel rank 0 of each tensor-parallel rank, and
+    `distrib_optim_dp_DDD.pt`, one per data-parallel rank, straight to the store; the driver writes `latest_checkpointed_iteration.txt` once every
     rank's files are written, so the tracker never names a partial iteration (and the manifest, written after it,
     commits the whole)."""
 
