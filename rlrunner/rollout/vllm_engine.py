@@ -19,6 +19,7 @@ vLLM is imported only inside the worker that builds the engine: it changes its p
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -74,9 +75,16 @@ def check_options(cfg: Any) -> None:
 
 def probe_vllm() -> dict[str, Any]:
     """vLLM's version and the model architectures it supports, asked of a subprocess (importing vLLM changes the
-    importing process); ConfigError when vLLM is not installed or cannot be imported."""
+    importing process); ConfigError when vLLM is not installed or cannot be imported. The answer is kept for the life
+    of this process, per interpreter and PYTHONPATH (what decides which vLLM the subprocess imports): the probe costs
+    about 9 s of CPU, and a process that starts several runs would otherwise pay it for each."""
+    return dict(_probe(sys.executable, os.environ.get("PYTHONPATH", "")))
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(executable: str, pythonpath: str) -> dict[str, Any]:
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
-    result = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
     if result.returncode != 0:
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         cause = lines[-1].strip() if lines else f"exit code {result.returncode}"

@@ -30,7 +30,7 @@ from rlrunner.backends.fsdp.worker import FSDPActorWorker
 from rlrunner.cluster.worker_group import WorkerGroup
 from rlrunner.errors import ConfigError
 from rlrunner.rollout.worker import RolloutWorker
-from rlrunner.rollout.vllm_engine import VLLMEngine
+from rlrunner.rollout.vllm_engine import VLLMEngine, _probe
 from rlrunner.runner.batching import build_actor_batch, shard_actor_batch
 from rlrunner.runner.supervisor import Supervisor
 from rlrunner.tools.convert import load_model_weights
@@ -238,9 +238,13 @@ def test_bad_vllm_input_is_refused_in_one_line_before_any_worker(tmp_path, monke
     from rlrunner.models.loading import build_hf_config, build_tokenizer
 
     config = build_hf_config(tiny.model, build_tokenizer(tiny.model))
-    with pytest.raises(ConfigError, match=r"^rollout.engine=vllm on CPU: vLLM's CPU attention has no kernel for the "
-                                          r"model's head size 16 \(it has 32, 64, "):
-        VLLMEngine.check(tiny, config)
+    before = _probe.cache_info()
+    for _ in range(2):  # the second check takes the first one's answer: one probe per process and PYTHONPATH
+        with pytest.raises(ConfigError, match=r"^rollout.engine=vllm on CPU: vLLM's CPU attention has no kernel for "
+                                              r"the model's head size 16 \(it has 32, 64, "):
+            VLLMEngine.check(tiny, config)
+    after = _probe.cache_info()
+    assert after.misses - before.misses <= 1 and after.hits - before.hits >= 1, (before, after)
     # a machine without vLLM: a `vllm` that cannot be imported, first on the path of the check's subprocess
     shadow = tmp_path / "shadow" / "vllm"
     shadow.mkdir(parents=True)
@@ -248,4 +252,5 @@ def test_bad_vllm_input_is_refused_in_one_line_before_any_worker(tmp_path, monke
     monkeypatch.setenv("PYTHONPATH", f"{shadow.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     with pytest.raises(ConfigError, match=r"^rollout.engine=vllm needs vLLM, which is not installed: bash launch/install_vllm.sh"):
         VLLMEngine.check(tiny, config)
+    assert _probe.cache_info().misses == after.misses + 1  # another PYTHONPATH: asked again
     assert "vllm" not in sys.modules  # the checks ran in subprocesses: vLLM never entered this process
