@@ -23,12 +23,12 @@ parameter's whole moment resharded like the weights (`load_full_state`, one tens
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-_MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's two state tensors, by their torch names
 STEP_CHUNK_ELEMENTS = 1 << 22  # 16 MiB of fp32: the largest temporary of a step
 
 
@@ -64,7 +64,7 @@ class DistributedAdamW:
         if not_fp32:
             raise ValueError(f"DistributedAdamW steps fp32 parameters in place, and {not_fp32[0][0]!r} is {not_fp32[0][1]}")
 
-        self.offsets = _offsets(self.params)
+        self.offsets = flat_offsets(param.numel() for param in self.params)
         self.numel = self.offsets[-1]
         self.slice_size = -(-self.numel // self.dp_size)  # ceil: the padding sits at the end of the last slice
         start = self.dp_rank * self.slice_size
@@ -79,7 +79,7 @@ class DistributedAdamW:
         # two flat tensors of the slice's size; each chunk's state is a view of them, made before AdamW would make its
         # own. foreach=False: the plain per-element AdamW, the same bits whatever chunk or slice an element falls in.
         self.chunks = [torch.nn.Parameter(view) for view in self.flat_params[self.owned].split(step_chunk_elements)]
-        self.moments = {key: torch.zeros(self.slice_size, dtype=torch.float32, device=self.device) for key in _MOMENTS}
+        self.moments = {key: torch.zeros(self.slice_size, dtype=torch.float32, device=self.device) for key in MOMENTS}
         self.optimizer = torch.optim.AdamW(
             self.chunks, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, foreach=False
         )
@@ -146,7 +146,7 @@ class DistributedAdamW:
         A collective over the DP group: every DP rank must call it, and every one gets the result.
         """
         result: dict[str, Any] = {"step": self._step_count()}
-        for key in _MOMENTS:
+        for key in MOMENTS:
             full = self.moments[key].clone() if self.dp_size == 1 else self._padded()
             if self.dp_size > 1:
                 self._exchange_slices(self.moments[key], full)
@@ -162,7 +162,7 @@ class DistributedAdamW:
         the flat moments it owns (clipped to the parameters: no padding) and both moments over them, views of the live
         state (a synchronous save writes them before the next step) or, with `copy`, tensors of their own."""
         start, stop = min(self.owned.start, self.numel), min(self.owned.stop, self.numel)
-        moments = {key: self.moments[key][: stop - start] for key in _MOMENTS}
+        moments = {key: self.moments[key][: stop - start] for key in MOMENTS}
         if copy:
             moments = {key: tensor.clone() for key, tensor in moments.items()}
         return {"step": self._step_count(), "start": start, "stop": stop, **moments}
@@ -182,7 +182,7 @@ class DistributedAdamW:
                           f"the saved order or an extra parameter ({len(layout)} saved, {len(mine)} here)")
             raise ValueError(f"optimizer state was saved for other parameters: {differ}")
         start, stop = min(self.owned.start, self.numel), min(self.owned.stop, self.numel)
-        for key in _MOMENTS:
+        for key in MOMENTS:
             part = read(key, start, stop)
             if tuple(part.shape) != (stop - start,):
                 raise ValueError(f"optimizer state {key}: elements {start}:{stop} read as shape {tuple(part.shape)}")
@@ -199,7 +199,7 @@ class DistributedAdamW:
         Either way no whole flat copy of the moments is made."""
         step = self._check_state(state)
         start, stop = self.owned.start, self.owned.stop
-        for key in _MOMENTS:
+        for key in MOMENTS:
             given = state[key]
             loaded: set[str] = set()
             for name, tensor in given.items() if isinstance(given, Mapping) else given:
@@ -228,7 +228,7 @@ class DistributedAdamW:
     def load_local_state(self, state: dict[str, Any]) -> None:
         """Put back what `local_state` gave, on the same DP rank of the same layout (the model's weights of the same
         moment are loaded into the model)."""
-        for key in _MOMENTS:
+        for key in MOMENTS:
             if tuple(state[key].shape) != tuple(self.moments[key].shape):
                 raise ValueError(f"optimizer state {key} has shape {tuple(state[key].shape)}, this rank's slice is "
                                  f"{tuple(self.moments[key].shape)}: not the same layout")
@@ -243,7 +243,7 @@ class DistributedAdamW:
             # the step as AdamW keeps it (a float32 scalar tensor on the CPU); the moments as views, so AdamW updates
             # the flat tensors in place
             self.optimizer.state[chunk] = {"step": torch.tensor(float(step), dtype=torch.float32),
-                                           **{key: views[key][index] for key in _MOMENTS}}
+                                           **{key: views[key][index] for key in MOMENTS}}
 
     def _step_count(self) -> int:
         return _step_of(self.optimizer.state[self.chunks[0]])
@@ -299,7 +299,7 @@ class DistributedAdamW:
     def _check_state(self, state: Mapping[str, Any]) -> int:
         """The state's step count; ValueError naming the first key that does not fit this optimizer (every tensor of
         a moment given as a dict; pairs are checked as they are read)."""
-        for key in ("step", *_MOMENTS):
+        for key in ("step", *MOMENTS):
             if key not in state:
                 raise ValueError(f"optimizer state lacks {key!r}")
         step = state["step"]
@@ -307,7 +307,7 @@ class DistributedAdamW:
             step = step.item()
         if isinstance(step, bool) or not float(step).is_integer() or step < 0:
             raise ValueError(f"optimizer state step {state['step']!r} is not a count of steps")
-        for key in _MOMENTS:
+        for key in MOMENTS:
             tensors = state[key]
             if not isinstance(tensors, Mapping):
                 continue
@@ -337,11 +337,11 @@ def _check_names(names: list[str], replicated: set[str]) -> None:
         raise ValueError(f"replicated parameter {unknown[0]!r} is not among the optimizer's parameters")
 
 
-def _offsets(params: list[torch.nn.Parameter]) -> list[int]:
-    """Start of each parameter in the flat index space, and the total at the end."""
+def flat_offsets(sizes: Iterable[int]) -> list[int]:
+    """Start of each tensor of `sizes` elements in a flat concatenation of them, and the total at the end."""
     offsets = [0]
-    for param in params:
-        offsets.append(offsets[-1] + param.numel())
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
     return offsets
 
 

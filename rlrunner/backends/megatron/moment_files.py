@@ -32,10 +32,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from rlrunner.backends.megatron.distrib_optim import MOMENTS, flat_offsets
 from rlrunner.backends.megatron.files import iteration_dir, rank_dir, read_torch_file
 from rlrunner.storage import Storage
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 SLICE_FORMAT = "rlrunner.distrib_optim/2"
 LEGACY_FORMAT = "rlrunner.distrib_optim/1"
 LEGACY_FILE = "distrib_optim.pt"
@@ -78,20 +78,13 @@ def moment_slice_state(
     }
 
 
-def _offsets(layout: Layout) -> list[int]:
-    offsets = [0]
-    for _, shape in layout:
-        offsets.append(offsets[-1] + math.prod(shape))
-    return offsets
-
-
 class SavedMoments:
     """Both Adam moments of one saved tensor-parallel rank, read from its files (see the module docstring)."""
 
     def __init__(self, step: int, layout: Layout):
         self.step = step
         self.layout = layout
-        self.offsets = _offsets(layout)
+        self.offsets = flat_offsets(math.prod(shape) for _, shape in layout)
         self.index = {name: index for index, (name, _) in enumerate(layout)}
 
     @property

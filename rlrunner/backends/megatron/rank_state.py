@@ -26,10 +26,10 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from rlrunner.backends.megatron.distrib_optim import DistributedAdamW
+from rlrunner.backends.megatron.distrib_optim import MOMENTS, DistributedAdamW
 from rlrunner.backends.megatron.files import rank_dirs, rank_file, read_rank, read_tracker, write_state_file
 from rlrunner.backends.megatron.layout import EXTRA_STATE, MegatronShards, iter_hf_to_megatron_rank
-from rlrunner.backends.megatron.moment_files import MOMENTS, SavedMoments, read_moments
+from rlrunner.backends.megatron.moment_files import SavedMoments, read_moments
 from rlrunner.storage import FileRecord, open_storage
 
 
