@@ -97,15 +97,17 @@ class Channel:
         return torch.empty(tuple(shape), dtype=dtype, device=self.buffer_device, pin_memory=self.pin)
 
     def bucket_buffers(self, nbytes: int, count: int) -> list[torch.Tensor]:
-        """`count` uint8 buffers of at least `nbytes`. Host buffers are kept between syncs (pinned allocations are
-        slow); GPU buffers go back to the caching allocator after each sync (`release`), for generation to use."""
+        """`count` uint8 buffers of at least `nbytes`. Pinned host buffers are kept between syncs (pinned allocations
+        are slow); the others go after each sync (`release`): GPU buffers back to the caching allocator, for generation
+        to use, plain host buffers to the operating system (two 64 MiB buckets kept would be a rank's largest
+        allocation outside its training state when its share is small)."""
         if len(self.buffers) != count or any(b.numel() < nbytes for b in self.buffers):
             self.buffers = []
             self.buffers = [self.new_tensor((nbytes,), torch.uint8) for _ in range(count)]
         return self.buffers
 
     def release(self) -> None:
-        if self.buffer_device.type != "cpu":
+        if not self.pin:
             self.buffers = []
 
     def close(self) -> None:

@@ -77,6 +77,7 @@ def _child_body(role: str, index: int, port: int, out: Path, dtype: torch.dtype)
             full = {n: t.full_tensor() if hasattr(t, "full_tensor") else t.clone() for n, t in model.state_dict().items()}
             results["full"].append(full)
             results[f"stats{step}"] = sync.send(bucket_bytes=40)
+            results[f"kept{step}"] = sum(b.numel() for channel in sync.channels for b in channel.buffers)
             with torch.no_grad():  # an 'update': every shard changes
                 for param in model.parameters():
                     param.to_local().mul_(1.5).add_(0.01 * (index + 1))
@@ -98,6 +99,7 @@ def _child_body(role: str, index: int, port: int, out: Path, dtype: torch.dtype)
         results = {"states": [], "layout": [spec.name for spec in sync.layout]}  # plain: weights_only
         for _ in range(2):
             results["stats"] = sync.receive(bucket_bytes=40)
+            results["kept"] = results.get("kept", 0) + sum(b.numel() for c in sync.channels for b in c.buffers)
             results["states"].append({n: t.clone() for n, t in model.state_dict().items()})
         if index == 0:
             torch.save(results, out / f"rollout{index}.pt")
@@ -146,6 +148,9 @@ def test_fsdp2_shards_to_rollouts_over_gloo_processes(tmp_path):
         for rollout in rollouts:
             assert_bit_equal(rollout["states"][step], expected)
     assert rollouts[0]["stats"]["buckets"] > NUM_ACTORS  # 40-byte buckets: pieces were split
+    # plain host buffers are not kept from one sync to the next (only pinned ones are, for a GPU sharing gloo)
+    assert [a[f"kept{step}"] for a in actors for step in range(2)] == [0] * (2 * NUM_ACTORS)
+    assert [r["kept"] for r in rollouts] == [0] * NUM_ROLLOUTS
     # the third sync, with rollout worker 0 gone: every remaining member failed within the timeout
     for member in [*actors, rollouts[1]]:
         assert member["third"] not in ("sent", "received"), member["third"]

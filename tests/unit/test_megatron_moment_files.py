@@ -80,6 +80,23 @@ def test_a_range_inside_one_file_is_a_view_of_the_mapped_file(tmp_path) -> None:
     assert across.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
 
 
+def test_a_rank_opens_its_own_slice_file_first_and_only_what_it_reads(tmp_path) -> None:
+    root = str(tmp_path)
+    _write_slices(root, 3)  # slices 0:8, 8:16, 16:23
+    moments = read_moments(open_storage(root), root, 5, 0, dp_rank=2)  # the same data-parallel size: its own file
+    assert sorted(moments.opened) == [2] and moments.step == 7 and moments.layout == LAYOUT
+    assert torch.equal(moments.flat("exp_avg", 16, 23), MOMENTS["exp_avg"][16:23])
+    assert sorted(moments.opened) == [2]
+    assert torch.equal(moments.flat("exp_avg_sq", 6, 23), MOMENTS["exp_avg_sq"][6:23])  # across all three
+    assert sorted(moments.opened) == [0, 1, 2]
+    # a rank beyond the saved data-parallel size (it grew) starts from file 0
+    moments = read_moments(open_storage(root), root, 5, 0, dp_rank=5)
+    assert sorted(moments.opened) == [0] and torch.equal(moments.flat("exp_avg", 0, NUMEL), MOMENTS["exp_avg"])
+    (tmp_path / moment_file(5, 0, 0)).unlink()  # file 0 is not needed by a rank whose own file is there
+    assert torch.equal(read_moments(open_storage(root), root, 5, 0, dp_rank=1).flat("exp_avg", 8, 16),
+                       MOMENTS["exp_avg"][8:16])
+
+
 def test_the_earlier_single_file_layout_is_read_the_same_way(tmp_path) -> None:
     root = str(tmp_path)
     storage = open_storage(root)

@@ -129,16 +129,18 @@ class SlicedMoments(SavedMoments):
     """The data-parallel slice files of one tensor-parallel rank (format 2). File d holds elements
     [d * S, min((d + 1) * S, numel)) with S = ceil(numel / data-parallel size), as `DistributedAdamW.own_slice` writes
     them; a file is opened (and checked) the first time a range it holds is read, so a rank that loads its own slice
-    reads (or, from an object store, downloads) only the one or two files that hold it."""
+    reads (or, from an object store, downloads) only the one or two files that hold it. `first` is the file of
+    data-parallel rank `first_rank`, opened already: any file tells the layout, the step and the sizes."""
 
-    def __init__(self, first: Mapping[str, Any], open_slice: Callable[[int], Mapping[str, Any]], where: str):
+    def __init__(self, first: Mapping[str, Any], open_slice: Callable[[int], Mapping[str, Any]], where: str,
+                 first_rank: int = 0):
         layout = [(str(name), tuple(int(d) for d in shape)) for name, shape in first["params"]]
         super().__init__(int(first["step"]), layout)
         self.dp = int(first["data_parallel_size"])
         self.slice_size = -(-self.numel // self.dp)
-        self.first, self.open_slice, self.where = first, open_slice, where
+        self.first, self.first_rank, self.open_slice, self.where = first, first_rank, open_slice, where
         self.opened: dict[int, Mapping[str, Any]] = {}
-        self._slice(0)
+        self._slice(first_rank)
 
     def bounds(self, dp_rank: int) -> tuple[int, int]:
         """The elements [start, stop) data-parallel rank `dp_rank`'s file holds."""
@@ -146,13 +148,13 @@ class SlicedMoments(SavedMoments):
 
     def _slice(self, dp_rank: int) -> Mapping[str, Any]:
         if dp_rank not in self.opened:
-            piece = self.first if dp_rank == 0 else self.open_slice(dp_rank)
+            piece = self.first if dp_rank == self.first_rank else self.open_slice(dp_rank)
             label = f"{self.where} data-parallel rank {dp_rank}"
             if piece.get("data_parallel_rank") != dp_rank or piece.get("data_parallel_size") != self.dp:
                 raise ValueError(f"{label}: the file says rank {piece.get('data_parallel_rank')} of "
                                  f"{piece.get('data_parallel_size')}, not {dp_rank} of {self.dp}")
             if int(piece["step"]) != self.step or [list(p) for p in piece["params"]] != [list(p) for p in self.first["params"]]:
-                raise ValueError(f"{label}: its step or parameters differ from data-parallel rank 0's")
+                raise ValueError(f"{label}: its step or parameters differ from data-parallel rank {self.first_rank}'s")
             start, stop = self.bounds(dp_rank)
             if (piece["start"], piece["stop"]) != (start, stop):
                 raise ValueError(f"{label} holds elements {piece['start']}:{piece['stop']}, expected {start}:{stop}")
@@ -207,11 +209,16 @@ def _checked(state: Any, url: str, fmt: str) -> dict[str, Any]:
     return state
 
 
-def read_moments(storage: Storage, root: str, iteration: int, tp_rank: int, mmap: bool = True) -> SavedMoments:
+def read_moments(storage: Storage, root: str, iteration: int, tp_rank: int, mmap: bool = True,
+                 dp_rank: int = 0) -> SavedMoments:
     """Tensor-parallel rank `tp_rank`'s moments of `iteration` under `root` (memory-mapped with `mmap`: only what is
     looked up is read): its data-parallel slice files, opened as they are needed, or the earlier layout's single
-    file."""
-    first = storage.join(root, moment_file(iteration, tp_rank, 0))
+    file. The slice file of `dp_rank` (the reading rank's, which holds its slice when the data-parallel size is
+    unchanged) is opened first, where there is one, so that a rank reads no file it does not need."""
+    first_rank = dp_rank
+    first = storage.join(root, moment_file(iteration, tp_rank, dp_rank))
+    if dp_rank != 0 and not storage.exists(first):
+        first_rank, first = 0, storage.join(root, moment_file(iteration, tp_rank, 0))
     if not storage.exists(first):
         legacy = storage.join(root, legacy_moment_file(iteration, tp_rank))
         if storage.exists(legacy):
@@ -225,4 +232,4 @@ def read_moments(storage: Storage, root: str, iteration: int, tp_rank: int, mmap
             raise FileNotFoundError(f"{url} is missing (saved at data-parallel size {state['data_parallel_size']})")
         return _checked(read_torch_file(storage, url, mmap), url, SLICE_FORMAT)
 
-    return SlicedMoments(state, open_slice, storage.join(root, iteration_dir(iteration), rank_dir(tp_rank)))
+    return SlicedMoments(state, open_slice, storage.join(root, iteration_dir(iteration), rank_dir(tp_rank)), first_rank)
