@@ -97,17 +97,18 @@ class Channel:
         return torch.empty(tuple(shape), dtype=dtype, device=self.buffer_device, pin_memory=self.pin)
 
     def bucket_buffers(self, nbytes: int, count: int) -> list[torch.Tensor]:
-        """`count` uint8 buffers of at least `nbytes`. Pinned host buffers are kept between syncs (pinned allocations
-        are slow); the others go after each sync (`release`): GPU buffers back to the caching allocator, for generation
-        to use, plain host buffers to the operating system (two 64 MiB buckets kept would be a rank's largest
-        allocation outside its training state when its share is small)."""
+        """`count` uint8 buffers of at least `nbytes`, kept until `release`."""
         if len(self.buffers) != count or any(b.numel() < nbytes for b in self.buffers):
             self.buffers = []
             self.buffers = [self.new_tensor((nbytes,), torch.uint8) for _ in range(count)]
         return self.buffers
 
-    def release(self) -> None:
-        if not self.pin:
+    def release(self, keep_host: bool) -> None:
+        """After a sync: pinned host buffers are kept (pinned allocations are slow), and plain host ones when
+        `keep_host`; GPU buffers go back to the caching allocator, for generation to use, and plain host buffers
+        otherwise to the operating system (an actor rank's two 64 MiB buckets, kept, were its largest allocation
+        outside its training state when its share is small)."""
+        if not (self.pin or (keep_host and self.buffer_device.type == "cpu")):
             self.buffers = []
 
     def close(self) -> None:

@@ -42,6 +42,12 @@ _HEADER_LEN = 4  # magic, sync sequence number, bucket_bytes, number of buckets
 
 
 class _Member:
+    # Whether plain host buffers stay from one sync to the next (`Channel.release`): refilling kept buffers is faster
+    # than faulting in fresh ones (bench_weight_sync, 100M parameters from 2 ranks: 0.20 s with kept buffers on both
+    # ends, 0.34 s with none, 0.26 s with the receivers' kept), but an actor rank's memory is its training state's:
+    # only the receivers keep theirs.
+    keep_host_buffers = False
+
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self.sequence = 0
@@ -77,7 +83,7 @@ class _Member:
             raise
         finally:
             for channel in self.channels:
-                channel.release()
+                channel.release(self.keep_host_buffers)
         self.sequence += 1
         return {**stats, "seconds": time.perf_counter() - started}
 
@@ -158,6 +164,8 @@ class WeightSender(_Member):
 
 class WeightReceiver(_Member):
     """Rollout worker `index`'s end: channel rank 1 + index of every channel, receiving into `sink`."""
+
+    keep_host_buffers = True
 
     def __init__(self, store: dist.Store, index: int, num_actor_ranks: int, num_rollout_workers: int, sink: WeightSink,
                  device: torch.device, timeout_s: float, local_host: str | None = None):

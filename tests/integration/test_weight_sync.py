@@ -148,9 +148,10 @@ def test_fsdp2_shards_to_rollouts_over_gloo_processes(tmp_path):
         for rollout in rollouts:
             assert_bit_equal(rollout["states"][step], expected)
     assert rollouts[0]["stats"]["buckets"] > NUM_ACTORS  # 40-byte buckets: pieces were split
-    # plain host buffers are not kept from one sync to the next (only pinned ones are, for a GPU sharing gloo)
+    # an actor rank keeps no plain host buffer from one sync to the next (only pinned ones, for a GPU sharing gloo);
+    # a rollout worker keeps its buckets' buffers: refilling them is faster than faulting in new ones
     assert [a[f"kept{step}"] for a in actors for step in range(2)] == [0] * (2 * NUM_ACTORS)
-    assert [r["kept"] for r in rollouts] == [0] * NUM_ROLLOUTS
+    assert all(r["kept"] > 0 for r in rollouts), [r["kept"] for r in rollouts]
     # the third sync, with rollout worker 0 gone: every remaining member failed within the timeout
     for member in [*actors, rollouts[1]]:
         assert member["third"] not in ("sent", "received"), member["third"]
