@@ -213,8 +213,8 @@ def read_moments(storage: Storage, root: str, iteration: int, tp_rank: int, mmap
                  dp_rank: int = 0) -> SavedMoments:
     """Tensor-parallel rank `tp_rank`'s moments of `iteration` under `root` (memory-mapped with `mmap`: only what is
     looked up is read): its data-parallel slice files, opened as they are needed, or the earlier layout's single
-    file. The slice file of `dp_rank` (the reading rank's, which holds its slice when the data-parallel size is
-    unchanged) is opened first, where there is one, so that a rank reads no file it does not need."""
+    file. The slice file of `dp_rank` is opened first, where there is one (the caller passes its own rank when the
+    data-parallel size is unchanged, so that file holds its whole slice and no other is read)."""
     first_rank = dp_rank
     first = storage.join(root, moment_file(iteration, tp_rank, dp_rank))
     if dp_rank != 0 and not storage.exists(first):

@@ -108,16 +108,18 @@ def load_rank(
     iteration = read_tracker(storage, url)
     saved_tp = len(rank_dirs(storage, url, iteration))
 
-    def read(rank: int, own_dp_rank: int = 0) -> tuple[dict[str, Any], SavedMoments]:
+    def read(rank: int) -> tuple[dict[str, Any], SavedMoments]:
         state = read_rank(storage, url, iteration, rank, saved_tp, mmap=True)
         for key in ("optimizer", "opt_param_scheduler", "rng_state"):
             if key not in state:
                 raise ValueError(f"{storage.join(url, rank_file(iteration, rank))} has no '{key}': a model-only checkpoint "
                                  "cannot be resumed (start from it with model.path instead)")
-        return state, read_moments(storage, url, iteration, rank, dp_rank=own_dp_rank)
+        # saved by the same layout, this rank's own moment file holds its slice: opened first, it is the only one read
+        same_layout = saved_tp == tp and getattr(state["args"], "data_parallel_size", None) == dp
+        return state, read_moments(storage, url, iteration, rank, dp_rank=dp_rank if same_layout else 0)
 
     if saved_tp == tp:
-        state, moments = read(tp_rank, dp_rank)
+        state, moments = read(tp_rank)
         saved_dp = getattr(state["args"], "data_parallel_size", None)
         rng = state["rng_state"][dp_rank] if saved_dp == dp and len(state["rng_state"]) == dp else None
         return LoadedRank(_tensors(state["model"]).items(), moments.step, state["opt_param_scheduler"], rng, saved=moments)
