@@ -11,8 +11,8 @@ resident set (VmHWM in /proc/<pid>/status: the machine is the only node) is read
   overhead  what a rank holds besides its state: the peak of the same layout with the tiny embedded model
             (interpreter, torch, transformers, Ray, the framework), measured in the same invocation
   layout's  what a rank of the layout holds by design: the share for FSDP; for Megatron's distributed optimizer
-            (ZeRO-1) the whole fp32 weights and gradients of the tensor-parallel shard plus its slice of the moments
-            (more than the share when dp > 1)
+            (gradients and moments sharded over data parallelism) the whole fp32 weights of the tensor-parallel
+            shard plus its slice of the gradients and moments (more than the share when dp > 1)
 
 and printed as peak / share and (peak - overhead) / share (issue 18's goal: within 1.3x of the share plus the
 overhead), and (peak - overhead) / layout's. The rollout worker holds the whole model in its engine's dtype, by design; its peak is shown beside.
@@ -24,7 +24,7 @@ Sizes (Qwen2 shapes with the embedded character tokenizer, so nearly every param
   120m   hidden 640, 16 layers, MLP 3456, 10 heads (2 KV)
   358m   hidden 896, 24 layers, MLP 4864, 14 heads (2 KV): the size of issue 18's table
   600m   hidden 1024, 28 layers, MLP 6144, 16 heads (2 KV): the largest that fits a 24 GiB machine beside a rollout
-         worker (not with Megatron's dp 2 x tp 2, whose replicas each keep their shard's weights and gradients whole)
+         worker
   1b     hidden 1536, 24 layers, MLP 8960, 12 heads (2 KV), about 1.1B
 
 A configuration whose estimated need (each actor rank: 1.3 times the state its layout holds, plus 0.5 GiB of its
@@ -219,11 +219,11 @@ def run_one(args: argparse.Namespace, workdir: Path, backend: str, layout: Layou
 
 def layout_bytes(backend: str, layout: Layout, params: int) -> float:
     """What a rank of this layout holds of the training state by design: FSDP shards everything over the ranks;
-    Megatron's distributed optimizer (ZeRO-1) shards the moments over every rank but keeps the fp32 weights and
-    gradients of the tensor-parallel shard whole on each data-parallel replica (4 + 4 + 8/dp bytes per parameter of
-    the shard), so with dp > 1 it holds more than the even share."""
+    Megatron's distributed optimizer shards the gradients and moments over every rank but keeps the fp32 weights of
+    the tensor-parallel shard whole on each data-parallel replica (4 + 12/dp bytes per parameter of the shard), so
+    with dp > 1 it holds more than the even share."""
     if backend == "megatron":
-        return params * 8 / layout.tp + params * 8 / layout.ranks
+        return params * 4 / layout.tp + params * 12 / layout.ranks
     return params * STATE_BYTES_PER_PARAM / layout.ranks
 
 

@@ -118,11 +118,22 @@ def _train(rank: Rank, params, opt: DistributedAdamW, steps: range, scheduler=No
     for step in steps:
         opt.zero_grad()
         rank.backward(params, step)
+        _assert_gradients_sharded(rank, params, opt)
         opt.reduce_gradients()
         assert opt.grad_norm() == opt.grad_norm()  # no side effect, and the same value again
         norms.append(opt.clip_and_step(MAX_NORM))
         scheduler.step()
     return norms
+
+
+def _assert_gradients_sharded(rank: Rank, params, opt: DistributedAdamW) -> None:
+    """After backward a rank holds the gradient of its own slice only: above DP size 1 no parameter keeps a `.grad`
+    (each was reduced onto its owners and dropped) and the gradient buffer is the slice, 1/dp of the shard."""
+    if opt.dp_size == 1:
+        assert all(p.grad is not None for p in params.values())
+        return
+    assert all(p.grad is None for p in params.values())
+    assert opt.owned_grads.numel() == -(-opt.numel // rank.dp) < opt.numel
 
 
 def _snapshot(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
@@ -218,6 +229,9 @@ def _check_training(rank: Rank) -> None:
     _train(rank, resumed, first, range(2), scheduler)
     saved, lr_state = first.full_state(), scheduler.state_dict()
     files = _saved_files(rank, first)
+    # the weights carried over into new parameters, as a load into a fresh model does (an optimizer's gradient hooks
+    # are its parameters' own: one optimizer per set of parameters)
+    resumed = {name: torch.nn.Parameter(param.detach().clone()) for name, param in resumed.items()}
     fresh = rank.optimizer(resumed)
     fresh.load_full_state(saved)
     _assert_states_equal(fresh.full_state(), saved)
@@ -242,6 +256,9 @@ def _check_non_finite(rank: Rank) -> None:
         opt.zero_grad()
         rank.backward(params, 1)
         if dist.get_rank() == culprit:  # one process (rank tp: DP rank 1, TP rank 0); the rest learn of it via DP, TP
+            # backward has reduced and dropped its gradients already: a `.grad` set now is reduced by
+            # reduce_gradients, on every DP rank alike (the others' count as zeros)
+            params[name].grad = torch.zeros_like(params[name])
             params[name].grad.view(-1)[1] = bad
         opt.reduce_gradients()
         norm = opt.clip_and_step(MAX_NORM)

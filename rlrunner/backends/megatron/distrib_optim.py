@@ -1,19 +1,27 @@
-"""AdamW with its state sharded over the data-parallel group (Megatron's "distributed optimizer", ZeRO stage 1).
+"""AdamW with its state and gradients sharded over the data-parallel group (Megatron's "distributed optimizer" with
+the gradients reduce-scattered, ZeRO stage 2).
 
 Each rank of a tensor-parallel (TP) x data-parallel (DP) layout holds its TP shard of the model. The DP replicas
 of one TP rank hold the same parameters, so they split the optimizer's work between them:
 
 * the local parameters are views of one fp32 buffer (in the given order) of N elements, padded to a multiple of
-  the DP size D, and their gradients views of a second one; DP rank d owns elements [d*N/D, (d+1)*N/D);
+  the DP size D; DP rank d owns elements [d*N/D, (d+1)*N/D);
+* the gradients are kept for the owned slice only: as soon as backward has accumulated a parameter's gradient, a
+  hook reduces it over DP onto the ranks owning its elements, adds the owned part into the gradient slice and drops
+  it (FSDP does the same per micro-batch), so no rank ever holds the gradients of its whole TP shard, only one
+  parameter's in flight. At DP size 1 the slice is everything and `.grad` are views of it, as before;
 * the owned slice of the parameter buffer, cut into chunks, is what an inner `torch.optim.AdamW` steps (the "main"
-  weights are the model's own: no copy), with the moments in two flat tensors of the slice's size, so they cost 1/D
-  of the unsharded optimizer on each replica, a rank holds 4 + 4 + 8/D bytes per parameter, and a step's
-  temporaries are one chunk;
+  weights are the model's own: no copy), with the moments in two flat tensors of the slice's size, so a rank holds
+  4 + 4/D + 8/D bytes per parameter of its TP shard, and a step's temporaries are one chunk;
 * after a step each replica has updated its slice in place, and one all_gather over DP into the buffer gives every
   replica the whole, identical update.
 
-The gradient norm is the whole model's: TP-sharded parameters' squares are summed over the TP group, replicated
-ones (layer norms, identical on every TP rank) are counted once.
+Every parameter must get a gradient in every backward (the hooks are collectives over DP, run in backward's order,
+the same on every replica), as Megatron's and torch's DDP require by default. The hooks belong to the parameters:
+one optimizer per set of parameters (a `.grad` that no hook took is still reduced, by `reduce_gradients`).
+
+The gradient norm is the whole model's: the DP slices' squares are summed over DP, TP-sharded parameters' over the
+TP group, and replicated ones (layer norms, identical on every TP rank) are counted once.
 
 A checkpoint gathers nothing: each DP rank writes its own slice of the flat moments (`own_slice`), and a load reads
 a rank's slice back from them at any DP size (`load_flat_state`), or, when the TP size changed, takes each
@@ -71,9 +79,19 @@ class DistributedAdamW:
         self.owned = slice(start, start + self.slice_size)
 
         self.flat_params = bind_to_buffer(self.params, self.slice_size * self.dp_size, self.device)
-        self.flat_grads = self._padded()
-        for param, view in zip(self.params, self._views(self.flat_grads)):
-            param.grad = view  # autograd accumulates into it in place: the gradients are never copied
+        # (parameter index, its elements [lo, hi) that fall in the owned slice): where its gradient goes
+        self.owned_parts = [(index, max(lo, start) - lo, min(hi, start + self.slice_size) - lo)
+                            for index, (lo, hi) in enumerate(zip(self.offsets, self.offsets[1:]))
+                            if max(lo, start) < min(hi, start + self.slice_size)]
+        self.owned_grads = torch.zeros(self.slice_size, dtype=torch.float32, device=self.device)
+        self._dp_ranks = dist.get_process_group_ranks(dp_group) if self.dp_size > 1 else [dist.get_rank()]
+        self._hooks = []
+        if self.dp_size == 1:
+            for param, view in zip(self.params, self._views(self.owned_grads)):
+                param.grad = view  # autograd accumulates into it in place: the gradients are never copied
+        else:
+            for index, param in enumerate(self.params):
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._reduce_hook(index)))
         # The inner AdamW steps the owned slice of the model's weights itself, cut into chunks: its per-element
         # temporaries (the square root of exp_avg_sq, the update) are one chunk, not the whole slice. The moments are
         # two flat tensors of the slice's size; each chunk's state is a view of them, made before AdamW would make its
@@ -88,26 +106,56 @@ class DistributedAdamW:
     # --- gradients ---------------------------------------------------------------------------------------------
 
     def reduce_gradients(self) -> None:
-        """Average every parameter's `.grad` over the DP group (one all_reduce of the gradient buffer, in place)."""
-        self._grads_in_buffer()
-        if self.dp_size > 1:
-            dist.all_reduce(self.flat_grads, group=self.dp_group)
-            self.flat_grads.div_(self.dp_size)
+        """Average the gradients over the DP group into the owned slice. Backward has reduced each parameter's already
+        (the hooks); what remains is a `.grad` set from outside since (a collective, every DP rank calls it)."""
+        if self.dp_size == 1:
+            self._grads_in_buffer()
+            return
+        set_here = torch.tensor([param.grad is not None for param in self.params], dtype=torch.uint8)
+        dist.all_reduce(set_here, op=dist.ReduceOp.MAX, group=self.dp_group)
+        for index in set_here.nonzero().flatten().tolist():  # the same list on every DP rank
+            param = self.params[index]
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            param.grad = None
+            self._reduce_into_slice(index, grad)
+        self.owned_grads.div_(self.dp_size)
+
+    def _reduce_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def reduce(param: torch.Tensor) -> None:
+            grad, param.grad = param.grad, None
+            self._reduce_into_slice(index, grad)
+        return reduce
+
+    @torch.no_grad()
+    def _reduce_into_slice(self, index: int, grad: torch.Tensor) -> None:
+        """Sum parameter `index`'s gradient over DP onto the ranks owning its elements (one reduce per owner), and add
+        this rank's owned part into the gradient slice."""
+        flat = grad.detach().reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        lo, hi = self.offsets[index], self.offsets[index + 1]
+        for owner in range(lo // self.slice_size, (hi - 1) // self.slice_size + 1):
+            first, last = max(lo, owner * self.slice_size), min(hi, (owner + 1) * self.slice_size)
+            part = flat[first - lo : last - lo]
+            dist.reduce(part, dst=self._dp_ranks[owner], group=self.dp_group)
+            if owner == self.dp_rank:
+                start = owner * self.slice_size
+                self.owned_grads[first - start : last - start].add_(part)
 
     def grad_norm(self) -> float:
         """L2 norm of the whole model's gradient; the same value on every rank (after `reduce_gradients`)."""
-        return self._norm(self.flat_grads)
+        return self._norm()
 
     def clip_and_step(self, max_norm: float) -> float:
         """Clip the gradient to `max_norm` (clip_grad_norm_'s rule) and take one AdamW step; returns the norm.
 
         A non-finite norm skips the step (nothing changes, the step count included) on every rank alike.
         """
-        norm = self._norm(self.flat_grads)
+        norm = self._norm()
         if not math.isfinite(norm):
             return norm
         coef = min(1.0, max_norm / (norm + 1e-6))
-        owned = self.flat_grads[self.owned]
+        owned = self.owned_grads
         if coef < 1.0:
             owned.mul_(coef)
         for chunk, grad in zip(self.chunks, owned.split(self.chunks[0].numel())):
@@ -120,15 +168,19 @@ class DistributedAdamW:
         return norm
 
     def zero_grad(self) -> None:
-        """Zero every parameter's gradient (they stay views of the gradient buffer)."""
-        self.flat_grads.zero_()
-        self._grads_in_buffer()
+        """Zero the gradient slice (at DP size 1 every `.grad` stays its view; above, none is held)."""
+        self.owned_grads.zero_()
+        if self.dp_size == 1:
+            self._grads_in_buffer()
+        else:
+            for param in self.params:
+                param.grad = None
 
     @torch.no_grad()
     def _grads_in_buffer(self) -> None:
-        """A `.grad` set from outside (replaced, or set to None) goes back to being its view of the gradient buffer,
-        with the value it was given (None: zero)."""
-        for param, view in zip(self.params, self._views(self.flat_grads)):
+        """DP size 1: a `.grad` set from outside (replaced, or set to None) goes back to being its view of the gradient
+        buffer, with the value it was given (None: zero)."""
+        for param, view in zip(self.params, self._views(self.owned_grads)):
             if param.grad is None:
                 view.zero_()
             elif param.grad.data_ptr() == view.data_ptr():
@@ -281,13 +333,20 @@ class DistributedAdamW:
 
     # --- step helpers ----------------------------------------------------------------------------------------
 
-    def _norm(self, flat: torch.Tensor) -> float:
-        """Whole-model L2 norm of a flat gradient, accumulated in fp64."""
+    def _norm(self) -> float:
+        """Whole-model L2 norm of the gradient slices, accumulated in fp64; gathered, never all_reduced: summed in rank
+        order, the same bits on every rank run after run."""
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [TP-sharded, replicated] squares
-        for view, is_replicated in zip(self._views(flat), self.replicated):
-            sums[int(is_replicated)] += view.double().square().sum()
+        start = self.owned.start
+        for index, first, last in self.owned_parts:
+            lo = self.offsets[index]
+            part = self.owned_grads[lo + first - start : lo + last - start]
+            sums[int(self.replicated[index])] += part.double().square().sum()
+        if self.dp_size > 1:  # the DP slices are disjoint: their squares add up
+            parts = [torch.empty_like(sums) for _ in range(self.dp_size)]
+            dist.all_gather(parts, sums, group=self.dp_group)
+            sums = torch.stack(parts).sum(0)
         if self.tp_size > 1:
-            # gathered, not all_reduced: summed in rank order, the same bits on every rank run after run
             parts = [torch.empty_like(sums) for _ in range(self.tp_size)]
             dist.all_gather(parts, sums, group=self.tp_group)
             gathered = torch.stack(parts)
