@@ -3,7 +3,7 @@
     <actor folder>/iter_0000050/mp_rank_01/distrib_optim_dp_000.pt    data-parallel rank 0's slice of TP rank 1's moments
     <actor folder>/iter_0000050/mp_rank_01/distrib_optim_dp_001.pt    data-parallel rank 1's slice
 
-The distributed optimizer (`DistributedAdamW`, ZeRO-1) keeps each tensor-parallel rank's moments as one flat
+The distributed optimizer (`DistributedAdamW`, ZeRO-2) keeps each tensor-parallel rank's moments as one flat
 vector (its parameters flattened and concatenated in order), split into equal slices over the data-parallel ranks.
 Each data-parallel rank writes its own slice, so a save gathers nothing and the ranks write in parallel. A file
 (format `rlrunner.distrib_optim/2`) holds:
