@@ -152,6 +152,7 @@ class ActorConfig:
     reduce_dtype: str = "float32"
     gradient_checkpointing: bool = False  # keep each layer's input only, recompute its activations in backward
     fsdp_unit: str = "decoder_layer"  # fsdp backend: what one all-gather unshards: decoder_layer | linear (docs/configuration.md)
+    shard_gradients: bool = True  # megatron backend: keep only this data-parallel rank's slice of the gradients (ZeRO-2)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 

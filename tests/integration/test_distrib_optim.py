@@ -88,9 +88,9 @@ def _reference(dp: int, steps: int) -> tuple[dict[str, torch.nn.Parameter], torc
 class Rank:
     """This process's place in the dp x tp layout and its groups (every rank builds every group, in one order)."""
 
-    def __init__(self, dp: int, tp: int):
+    def __init__(self, dp: int, tp: int, shard_gradients: bool = True):
         rank = dist.get_rank()
-        self.dp, self.tp = dp, tp
+        self.dp, self.tp, self.shard_gradients = dp, tp, shard_gradients
         self.dp_rank, self.tp_rank = divmod(rank, tp)
         tp_groups = [dist.new_group([d * tp + t for t in range(tp)]) for d in range(dp)]
         dp_groups = [dist.new_group([d * tp + t for d in range(dp)]) for t in range(tp)]
@@ -106,7 +106,7 @@ class Rank:
         dp_group = self.dp_group if dp_group is None else dp_group
         # chunks of 5 elements: every slice is stepped in several chunks, some cut inside a parameter
         return DistributedAdamW(list(params.items()), dp_group, self.tp_group, REPLICATED, LR, BETAS, WEIGHT_DECAY,
-                                step_chunk_elements=5)
+                                step_chunk_elements=5, shard_gradients=self.shard_gradients)
 
     def backward(self, params: dict[str, torch.nn.Parameter], step: int) -> None:
         _loss(params, step, self.dp_rank, self.tp, self.tp_rank).backward()
@@ -128,12 +128,15 @@ def _train(rank: Rank, params, opt: DistributedAdamW, steps: range, scheduler=No
 
 def _assert_gradients_sharded(rank: Rank, params, opt: DistributedAdamW) -> None:
     """After backward a rank holds the gradient of its own slice only: above DP size 1 no parameter keeps a `.grad`
-    (each was reduced onto its owners and dropped) and the gradient buffer is the slice, 1/dp of the shard."""
-    if opt.dp_size == 1:
-        assert all(p.grad is not None for p in params.values())
+    (each was reduced onto its owners and dropped) and the gradient buffer is the slice, 1/dp of the shard. With
+    whole gradients (or at DP size 1) every `.grad` is a view of the whole buffer."""
+    if opt.dp_size == 1 or not rank.shard_gradients:
+        assert all(p.grad is not None and p.grad.data_ptr() == view.data_ptr()
+                   for p, view in zip(params.values(), opt._views(opt.grad_buffer)))
+        assert opt.grad_buffer.numel() >= opt.numel
         return
     assert all(p.grad is None for p in params.values())
-    assert opt.owned_grads.numel() == -(-opt.numel // rank.dp) < opt.numel
+    assert opt.grad_buffer.numel() == -(-opt.numel // rank.dp) < opt.numel
 
 
 def _snapshot(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
@@ -256,10 +259,11 @@ def _check_non_finite(rank: Rank) -> None:
         opt.zero_grad()
         rank.backward(params, 1)
         if dist.get_rank() == culprit:  # one process (rank tp: DP rank 1, TP rank 0); the rest learn of it via DP, TP
-            # backward has reduced and dropped its gradients already: a `.grad` set now is reduced by
-            # reduce_gradients, on every DP rank alike (the others' count as zeros)
-            params[name].grad = torch.zeros_like(params[name])
-            params[name].grad.view(-1)[1] = bad
+            grad = params[name].grad  # whole gradients: the view backward accumulated into
+            if grad is None:  # sharded: backward has reduced and dropped it already; a `.grad` set now is reduced by
+                # reduce_gradients, on every DP rank alike (the others' count as zeros)
+                grad = params[name].grad = torch.zeros_like(params[name])
+            grad.view(-1)[1] = bad
         opt.reduce_gradients()
         norm = opt.clip_and_step(MAX_NORM)
         assert (norm == float("inf")) if bad == float("inf") else (norm != norm), (name, norm)
@@ -372,13 +376,13 @@ SCENARIOS = {
 }
 
 
-def _worker(rank: int, world: int, port: int, dp: int, tp: int, scenario: str) -> None:
+def _worker(rank: int, world: int, port: int, dp: int, tp: int, scenario: str, shard_gradients: bool = True) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        layout = Rank(dp, tp)
+        layout = Rank(dp, tp, shard_gradients)
         for check in SCENARIOS[scenario]:
             check(layout)
     finally:
@@ -391,8 +395,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_dp2_tp2_matches_adamw_with_clipping_deterministic_resumable_and_skips_non_finite() -> None:
-    mp.spawn(_worker, args=(4, _free_port(), 2, 2, "training"), nprocs=4)  # raises with the rank's traceback
+@pytest.mark.parametrize("shard_gradients", [True, False], ids=["sharded_gradients", "whole_gradients"])
+def test_dp2_tp2_matches_adamw_with_clipping_deterministic_resumable_and_skips_non_finite(shard_gradients) -> None:
+    mp.spawn(_worker, args=(4, _free_port(), 2, 2, "training", shard_gradients), nprocs=4)  # raises with the rank's traceback
 
 
 def test_dp2_state_reshards_to_dp1_bitwise_and_bad_state_is_named() -> None:

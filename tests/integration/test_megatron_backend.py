@@ -236,8 +236,10 @@ def test_auto_skips_a_corrupt_shard_and_still_ends_bitwise(reference, tmp_path, 
 
 
 def test_retention_keeps_the_newest_with_a_kl_reference_and_bfloat16_compute(ray_session, tmp_path):
-    Supervisor(megatron_config(tmp_path, 2, 2, "runner.max_steps=4", "runner.save_interval=1", "runner.max_ckpt_to_keep=2",
-                               "algorithm.use_kl_loss=true", "actor.param_dtype=bfloat16")).run()
+    # dp 2 x tp 1 with the whole gradients all-reduced once per step (ZeRO-1), the other runs' sharded ones aside
+    Supervisor(megatron_config(tmp_path, 1, 2, "runner.max_steps=4", "runner.save_interval=1", "runner.max_ckpt_to_keep=2",
+                               "algorithm.use_kl_loss=true", "actor.param_dtype=bfloat16",
+                               "actor.shard_gradients=false")).run()
     root = tmp_path / "test" / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["global_step_3", "global_step_4"]
     assert [s.status for s in scan_checkpoints(LOCAL, str(root), checksums=True)] == [COMPLETE] * 2
@@ -264,8 +266,9 @@ def test_a_checkpoint_of_the_other_backend_is_refused(reference, tmp_path):
         (["actor.training_backend=megatron", "actor.tensor_model_parallel_size=2", "actor.num_workers=3"],
          "actor.num_workers (3) must be a multiple of actor.tensor_model_parallel_size (2)"),
         (["actor.training_backend=deepspeed"], "actor.training_backend must be one of fsdp, megatron, got 'deepspeed'"),
+        (["actor.shard_gradients=false"], "actor.shard_gradients=false needs actor.training_backend=megatron"),
     ],
-    ids=["tp_without_megatron", "workers_not_a_multiple", "unknown_backend"],
+    ids=["tp_without_megatron", "workers_not_a_multiple", "unknown_backend", "whole_gradients_without_megatron"],
 )
 def test_parallel_config_errors_are_one_line(tmp_path, overrides, expected):
     with pytest.raises(ConfigError) as error:

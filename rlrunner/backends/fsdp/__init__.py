@@ -26,6 +26,9 @@ class FSDPBackend(TrainingBackend):
             raise ConfigError(
                 f"actor.tensor_model_parallel_size={tp} needs actor.training_backend=megatron (fsdp shards, it does not split layers)"
             )
+        if not cfg.actor.shard_gradients:
+            raise ConfigError("actor.shard_gradients=false needs actor.training_backend=megatron (fsdp always "
+                              "reduce-scatters its gradients to the ranks' shards)")
 
     def checkpoint_manager(self, actor_group: Any, rank_map: RankMap, timeout_s: float | None, background: bool,
                            storage_options: Mapping[str, Any] | None) -> Any:

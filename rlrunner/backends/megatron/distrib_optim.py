@@ -6,10 +6,13 @@ of one TP rank hold the same parameters, so they split the optimizer's work betw
 
 * the local parameters are views of one fp32 buffer (in the given order) of N elements, padded to a multiple of
   the DP size D; DP rank d owns elements [d*N/D, (d+1)*N/D);
-* the gradients are kept for the owned slice only: as soon as backward has accumulated a parameter's gradient, a
-  hook reduces it over DP onto the ranks owning its elements, adds the owned part into the gradient slice and drops
-  it (FSDP does the same per micro-batch), so no rank ever holds the gradients of its whole TP shard, only one
-  parameter's in flight. At DP size 1 the slice is everything and `.grad` are views of it, as before;
+* the gradients are kept for the owned slice only (`shard_gradients`, the default): as soon as backward has
+  accumulated a parameter's gradient, a hook reduces it over DP onto the ranks owning its elements, adds the owned
+  part into the gradient slice and drops it (FSDP does the same per micro-batch), so no rank ever holds the
+  gradients of its whole TP shard, only one parameter's in flight. Without it (ZeRO-1, Megatron-LM's distributed
+  optimizer) the gradients are views of a second whole buffer, all_reduced once per step: 4 + 4 + 8/D bytes per
+  parameter, and one collective per step instead of one per parameter and backward. At DP size 1 the two are the
+  same: the slice is everything and `.grad` are views of it;
 * the owned slice of the parameter buffer, cut into chunks, is what an inner `torch.optim.AdamW` steps (the "main"
   weights are the model's own: no copy), with the moments in two flat tensors of the slice's size, so a rank holds
   4 + 4/D + 8/D bytes per parameter of its TP shard, and a step's temporaries are one chunk;
@@ -55,9 +58,13 @@ class DistributedAdamW:
         eps: float = 1e-8,
         device: torch.device | str | None = None,
         step_chunk_elements: int = STEP_CHUNK_ELEMENTS,
+        shard_gradients: bool = True,
     ):
         """`named_params` (fp32) become views of this optimizer's buffer: their values are kept, or zero for parameters
-        on the meta device (a model built there gets its storage here, and its weights are copied in afterwards)."""
+        on the meta device (a model built there gets its storage here, and its weights are copied in afterwards).
+        `shard_gradients`: keep the owned slice of the gradients only, each parameter's reduced in backward (ZeRO-2);
+        False keeps the whole gradient buffer, all_reduced once by `reduce_gradients` (ZeRO-1: fewer collectives when
+        backward runs several times per step, 4 + 4 + 8/D bytes per parameter)."""
         self.names = [name for name, _ in named_params]
         self.index = {name: index for index, name in enumerate(self.names)}
         self.params = [param for _, param in named_params]
@@ -83,15 +90,19 @@ class DistributedAdamW:
         self.owned_parts = [(index, max(lo, start) - lo, min(hi, start + self.slice_size) - lo)
                             for index, (lo, hi) in enumerate(zip(self.offsets, self.offsets[1:]))
                             if max(lo, start) < min(hi, start + self.slice_size)]
-        self.owned_grads = torch.zeros(self.slice_size, dtype=torch.float32, device=self.device)
+        self.shard_gradients = shard_gradients and self.dp_size > 1
+        # the gradient buffer: the owned slice (sharded), or the whole padded flat space whose `.grad` views backward
+        # accumulates into in place, the gradients never copied (at DP size 1 the two are the same)
+        self.grad_buffer = torch.zeros(self.slice_size if self.shard_gradients else self.slice_size * self.dp_size,
+                                       dtype=torch.float32, device=self.device)
+        self.owned_grads = self.grad_buffer if self.shard_gradients else self.grad_buffer[self.owned]
         self._dp_ranks = dist.get_process_group_ranks(dp_group) if self.dp_size > 1 else [dist.get_rank()]
-        self._hooks = []
-        if self.dp_size == 1:
-            for param, view in zip(self.params, self._views(self.owned_grads)):
-                param.grad = view  # autograd accumulates into it in place: the gradients are never copied
-        else:
+        if self.shard_gradients:
             for index, param in enumerate(self.params):
-                self._hooks.append(param.register_post_accumulate_grad_hook(self._reduce_hook(index)))
+                param.register_post_accumulate_grad_hook(self._reduce_hook(index))
+        else:
+            for param, view in zip(self.params, self._views(self.grad_buffer)):
+                param.grad = view  # autograd accumulates into it in place: the gradients are never copied
         # The inner AdamW steps the owned slice of the model's weights itself, cut into chunks: its per-element
         # temporaries (the square root of exp_avg_sq, the update) are one chunk, not the whole slice. The moments are
         # two flat tensors of the slice's size; each chunk's state is a view of them, made before AdamW would make its
@@ -106,10 +117,14 @@ class DistributedAdamW:
     # --- gradients ---------------------------------------------------------------------------------------------
 
     def reduce_gradients(self) -> None:
-        """Average the gradients over the DP group into the owned slice. Backward has reduced each parameter's already
-        (the hooks); what remains is a `.grad` set from outside since (a collective, every DP rank calls it)."""
-        if self.dp_size == 1:
+        """Average the gradients over the DP group into the owned slice (a collective, every DP rank calls it). Sharded,
+        backward has reduced each parameter's already (the hooks) and what remains is a `.grad` set from outside since;
+        whole, one all_reduce of the gradient buffer, in place."""
+        if not self.shard_gradients:
             self._grads_in_buffer()
+            if self.dp_size > 1:
+                dist.all_reduce(self.grad_buffer, group=self.dp_group)
+                self.grad_buffer.div_(self.dp_size)
             return
         set_here = torch.tensor([param.grad is not None for param in self.params], dtype=torch.uint8)
         dist.all_reduce(set_here, op=dist.ReduceOp.MAX, group=self.dp_group)
@@ -168,9 +183,9 @@ class DistributedAdamW:
         return norm
 
     def zero_grad(self) -> None:
-        """Zero the gradient slice (at DP size 1 every `.grad` stays its view; above, none is held)."""
-        self.owned_grads.zero_()
-        if self.dp_size == 1:
+        """Zero the gradients (whole, every `.grad` stays its view of the buffer; sharded, none is held)."""
+        self.grad_buffer.zero_()
+        if not self.shard_gradients:
             self._grads_in_buffer()
         else:
             for param in self.params:
@@ -178,9 +193,9 @@ class DistributedAdamW:
 
     @torch.no_grad()
     def _grads_in_buffer(self) -> None:
-        """DP size 1: a `.grad` set from outside (replaced, or set to None) goes back to being its view of the gradient
-        buffer, with the value it was given (None: zero)."""
-        for param, view in zip(self.params, self._views(self.owned_grads)):
+        """Whole gradients: a `.grad` set from outside (replaced, or set to None) goes back to being its view of the
+        gradient buffer, with the value it was given (None: zero)."""
+        for param, view in zip(self.params, self._views(self.grad_buffer)):
             if param.grad is None:
                 view.zero_()
             elif param.grad.data_ptr() == view.data_ptr():
@@ -334,15 +349,19 @@ class DistributedAdamW:
     # --- step helpers ----------------------------------------------------------------------------------------
 
     def _norm(self) -> float:
-        """Whole-model L2 norm of the gradient slices, accumulated in fp64; gathered, never all_reduced: summed in rank
-        order, the same bits on every rank run after run."""
+        """Whole-model L2 norm of the gradient, accumulated in fp64; gathered, never all_reduced: summed in rank order,
+        the same bits on every rank run after run."""
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [TP-sharded, replicated] squares
-        start = self.owned.start
-        for index, first, last in self.owned_parts:
-            lo = self.offsets[index]
-            part = self.owned_grads[lo + first - start : lo + last - start]
-            sums[int(self.replicated[index])] += part.double().square().sum()
-        if self.dp_size > 1:  # the DP slices are disjoint: their squares add up
+        if self.shard_gradients:  # this rank's slice
+            start = self.owned.start
+            for index, first, last in self.owned_parts:
+                lo = self.offsets[index]
+                part = self.owned_grads[lo + first - start : lo + last - start]
+                sums[int(self.replicated[index])] += part.double().square().sum()
+        else:  # every DP replica holds the whole reduced gradient
+            for view, is_replicated in zip(self._views(self.grad_buffer), self.replicated):
+                sums[int(is_replicated)] += view.double().square().sum()
+        if self.shard_gradients:  # the DP slices are disjoint: their squares add up
             parts = [torch.empty_like(sums) for _ in range(self.dp_size)]
             dist.all_gather(parts, sums, group=self.dp_group)
             sums = torch.stack(parts).sum(0)

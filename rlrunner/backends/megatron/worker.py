@@ -87,6 +87,7 @@ class MegatronActorWorker(ActorWorker):
         self.optimizer = DistributedAdamW(
             list(self.model.named_parameters()), self.dp_group, self.tp_group, replicated_names(self.model),
             lr=optim["lr"], betas=tuple(optim["betas"]), weight_decay=optim["weight_decay"], device=self.device,
+            shard_gradients=bool(self.actor_cfg["shard_gradients"]),
         )
         self._load_initial_weights(self.model)
         self.model.gradient_checkpointing = bool(self.actor_cfg["gradient_checkpointing"])
