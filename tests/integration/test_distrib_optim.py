@@ -104,9 +104,11 @@ class Rank:
 
     def optimizer(self, params: dict[str, torch.nn.Parameter], dp_group=None) -> DistributedAdamW:
         dp_group = self.dp_group if dp_group is None else dp_group
-        # chunks of 5 elements: every slice is stepped in several chunks, some cut inside a parameter
+        # chunks of 5 elements: every slice is stepped in several chunks, some cut inside a parameter; gradient buckets
+        # of 12: col.weight (15 elements at tp 2, 30 at tp 1) goes straight to its owners, the rest are bucketed, the
+        # bucket flushed when full and at the end of backward
         return DistributedAdamW(list(params.items()), dp_group, self.tp_group, REPLICATED, LR, BETAS, WEIGHT_DECAY,
-                                step_chunk_elements=5, shard_gradients=self.shard_gradients)
+                                step_chunk_elements=5, shard_gradients=self.shard_gradients, bucket_elements=12)
 
     def backward(self, params: dict[str, torch.nn.Parameter], step: int) -> None:
         _loss(params, step, self.dp_rank, self.tp, self.tp_rank).backward()

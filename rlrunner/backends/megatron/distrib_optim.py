@@ -7,9 +7,11 @@ of one TP rank hold the same parameters, so they split the optimizer's work betw
 * the local parameters are views of one fp32 buffer (in the given order) of N elements, padded to a multiple of
   the DP size D; DP rank d owns elements [d*N/D, (d+1)*N/D);
 * the gradients are kept for the owned slice only (`shard_gradients`, the default): as soon as backward has
-  accumulated a parameter's gradient, a hook reduces it over DP onto the ranks owning its elements, adds the owned
-  part into the gradient slice and drops it (FSDP does the same per micro-batch), so no rank ever holds the
-  gradients of its whole TP shard, only one parameter's in flight. Without it (ZeRO-1, Megatron-LM's distributed
+  accumulated a parameter's gradient, a hook takes it and drops the `.grad`: a parameter larger than a bucket
+  (16 MiB) is reduced over DP onto the ranks owning its elements at once, smaller ones wait in the bucket, which is
+  all_reduced when full and at the end of the backward; the owned parts are added into the gradient slice (FSDP
+  too reduces every micro-batch). So no rank ever holds the gradients of its whole TP shard, only one parameter's
+  and the bucket. Without it (ZeRO-1, Megatron-LM's distributed
   optimizer) the gradients are views of a second whole buffer, all_reduced once per step: 4 + 4 + 8/D bytes per
   parameter, and one collective per step instead of one per parameter and backward. At DP size 1 the two are the
   same: the slice is everything and `.grad` are views of it;
@@ -41,6 +43,7 @@ import torch.distributed as dist
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's two state tensors, by their torch names
 STEP_CHUNK_ELEMENTS = 1 << 22  # 16 MiB of fp32: the largest temporary of a step
+BUCKET_ELEMENTS = 1 << 22  # 16 MiB of fp32: the gradients of small parameters reduced together
 
 
 class DistributedAdamW:
@@ -59,6 +62,7 @@ class DistributedAdamW:
         device: torch.device | str | None = None,
         step_chunk_elements: int = STEP_CHUNK_ELEMENTS,
         shard_gradients: bool = True,
+        bucket_elements: int = BUCKET_ELEMENTS,
     ):
         """`named_params` (fp32) become views of this optimizer's buffer: their values are kept, or zero for parameters
         on the meta device (a model built there gets its storage here, and its weights are copied in afterwards).
@@ -98,6 +102,13 @@ class DistributedAdamW:
         self.owned_grads = self.grad_buffer if self.shard_gradients else self.grad_buffer[self.owned]
         self._dp_ranks = dist.get_process_group_ranks(dp_group) if self.dp_size > 1 else [dist.get_rank()]
         if self.shard_gradients:
+            # gradients of parameters smaller than a bucket wait in it, in the order backward gives them, and are
+            # all_reduced together when it is full and at the end of every backward: one collective per bucket, not
+            # one per parameter (each a point where every replica waits for the others)
+            self._bucket = torch.empty(min(bucket_elements, self.numel), dtype=torch.float32, device=self.device)
+            self._bucketed: list[tuple[int, int]] = []  # (parameter index, its offset in the bucket)
+            self._bucket_filled = 0
+            self._arrived = 0  # parameters whose gradient this backward has given: all of them ends it
             for index, param in enumerate(self.params):
                 param.register_post_accumulate_grad_hook(self._reduce_hook(index))
         else:
@@ -126,6 +137,8 @@ class DistributedAdamW:
                 dist.all_reduce(self.grad_buffer, group=self.dp_group)
                 self.grad_buffer.div_(self.dp_size)
             return
+        self._flush_bucket()  # a backward that did not give every parameter its gradient (the same on every replica)
+        self._arrived = 0
         set_here = torch.tensor([param.grad is not None for param in self.params], dtype=torch.uint8)
         dist.all_reduce(set_here, op=dist.ReduceOp.MAX, group=self.dp_group)
         for index in set_here.nonzero().flatten().tolist():  # the same list on every DP rank
@@ -136,10 +149,40 @@ class DistributedAdamW:
         self.owned_grads.div_(self.dp_size)
 
     def _reduce_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        @torch.no_grad()
         def reduce(param: torch.Tensor) -> None:
             grad, param.grad = param.grad, None
-            self._reduce_into_slice(index, grad)
+            size = grad.numel()
+            if size > self._bucket.numel():
+                self._reduce_into_slice(index, grad)  # a large parameter on its own, straight to its owners
+            else:
+                if self._bucket_filled + size > self._bucket.numel():
+                    self._flush_bucket()
+                self._bucket[self._bucket_filled : self._bucket_filled + size].copy_(grad.reshape(-1))
+                self._bucketed.append((index, self._bucket_filled))
+                self._bucket_filled += size
+            del grad
+            self._arrived += 1
+            if self._arrived == len(self.params):  # the end of this backward
+                self._flush_bucket()
+                self._arrived = 0
         return reduce
+
+    @torch.no_grad()
+    def _flush_bucket(self) -> None:
+        """Sum the bucket over DP (every replica's holds the same parameters in the same order) and add the owned parts
+        of its parameters into the gradient slice."""
+        if not self._bucketed:
+            return
+        filled = self._bucket[: self._bucket_filled]
+        dist.all_reduce(filled, group=self.dp_group)
+        start, stop = self.owned.start, self.owned.stop
+        for index, offset in self._bucketed:
+            lo, hi = self.offsets[index], self.offsets[index + 1]
+            first, last = max(lo, start), min(hi, stop)
+            if first < last:
+                self.owned_grads[first - start : last - start].add_(filled[offset + first - lo : offset + last - lo])
+        self._bucketed, self._bucket_filled = [], 0
 
     @torch.no_grad()
     def _reduce_into_slice(self, index: int, grad: torch.Tensor) -> None:
