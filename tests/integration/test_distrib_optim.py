@@ -250,6 +250,14 @@ def _check_training(rank: Rank) -> None:
     _assert_equal(_snapshot(resumed), _snapshot(params))
     _assert_states_equal(fresh.full_state(), state)
 
+    # an in-memory snapshot has no gradients: loading one clears what an interrupted step left behind
+    rank.backward(params, 0)
+    assert opt.grad_buffer.any()
+    opt.load_local_state({key: value.clone() if torch.is_tensor(value) else value
+                          for key, value in opt.local_state().items()})
+    assert not opt.grad_buffer.any() and all(p.grad is None or not p.grad.any() for p in params.values())
+    _assert_states_equal(opt.full_state(), state)
+
 
 def _check_non_finite(rank: Rank) -> None:
     """An inf or nan anywhere (one rank's shard, a replicated weight) skips the step on every rank alike."""

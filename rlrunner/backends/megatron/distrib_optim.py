@@ -226,13 +226,15 @@ class DistributedAdamW:
         return norm
 
     def zero_grad(self) -> None:
-        """Zero the gradients (whole, every `.grad` stays its view of the buffer; sharded, none is held)."""
+        """Zero the gradients (whole, every `.grad` stays its view of the buffer; sharded, none is held, and nothing
+        waits in the bucket). No collective."""
         self.grad_buffer.zero_()
         if not self.shard_gradients:
             self._grads_in_buffer()
         else:
             for param in self.params:
                 param.grad = None
+            self._bucketed, self._bucket_filled, self._arrived = [], 0, 0
 
     @torch.no_grad()
     def _grads_in_buffer(self) -> None:
@@ -344,6 +346,7 @@ class DistributedAdamW:
                                  f"{tuple(self.moments[key].shape)}: not the same layout")
             self.moments[key].copy_(state[key])
         self._set_chunk_state(int(state["step"]))
+        self.zero_grad()  # the state has no gradients: none left by an interrupted step may count in the next
 
     def _set_chunk_state(self, step: int) -> None:
         """Each chunk's AdamW state: the step count, and its views of the flat moments."""
