@@ -11,10 +11,9 @@ of one TP rank hold the same parameters, so they split the optimizer's work betw
   (16 MiB) is reduced over DP onto the ranks owning its elements at once, smaller ones wait in the bucket, which is
   all_reduced when full and at the end of the backward; the owned parts are added into the gradient slice (FSDP
   too reduces every micro-batch). So no rank ever holds the gradients of its whole TP shard, only one parameter's
-  and the bucket. Without it (ZeRO-1, Megatron-LM's distributed
-  optimizer) the gradients are views of a second whole buffer, all_reduced once per step: 4 + 4 + 8/D bytes per
-  parameter, and one collective per step instead of one per parameter and backward. At DP size 1 the two are the
-  same: the slice is everything and `.grad` are views of it;
+  and the bucket. Without it (ZeRO-1, Megatron-LM's distributed optimizer) the gradients are views of a second
+  whole buffer, all_reduced once per step: 4 + 4 + 8/D bytes per parameter, and one collective per step instead of
+  a few per backward. At DP size 1 the two are the same: the slice is everything and `.grad` are views of it;
 * the owned slice of the parameter buffer, cut into chunks, is what an inner `torch.optim.AdamW` steps (the "main"
   weights are the model's own: no copy), with the moments in two flat tensors of the slice's size, so a rank holds
   4 + 4/D + 8/D bytes per parameter of its TP shard, and a step's temporaries are one chunk;
@@ -90,18 +89,18 @@ class DistributedAdamW:
         self.owned = slice(start, start + self.slice_size)
 
         self.flat_params = bind_to_buffer(self.params, self.slice_size * self.dp_size, self.device)
-        # (parameter index, its elements [lo, hi) that fall in the owned slice): where its gradient goes
-        self.owned_parts = [(index, max(lo, start) - lo, min(hi, start + self.slice_size) - lo)
-                            for index, (lo, hi) in enumerate(zip(self.offsets, self.offsets[1:]))
-                            if max(lo, start) < min(hi, start + self.slice_size)]
         self.shard_gradients = shard_gradients and self.dp_size > 1
         # the gradient buffer: the owned slice (sharded), or the whole padded flat space whose `.grad` views backward
         # accumulates into in place, the gradients never copied (at DP size 1 the two are the same)
         self.grad_buffer = torch.zeros(self.slice_size if self.shard_gradients else self.slice_size * self.dp_size,
                                        dtype=torch.float32, device=self.device)
         self.owned_grads = self.grad_buffer if self.shard_gradients else self.grad_buffer[self.owned]
-        self._dp_ranks = dist.get_process_group_ranks(dp_group) if self.dp_size > 1 else [dist.get_rank()]
         if self.shard_gradients:
+            self._dp_ranks = dist.get_process_group_ranks(dp_group)
+            # {parameter index: its elements [first, last) that fall in the owned slice}: where its gradient goes
+            self.owned_parts = {index: (max(lo, start) - lo, min(hi, self.owned.stop) - lo)
+                                for index, (lo, hi) in enumerate(zip(self.offsets, self.offsets[1:]))
+                                if max(lo, start) < min(hi, self.owned.stop)}
             # gradients of parameters smaller than a bucket wait in it, in the order backward gives them, and are
             # all_reduced together when it is full and at the end of every backward: one collective per bucket, not
             # one per parameter (each a point where every replica waits for the others)
@@ -176,13 +175,17 @@ class DistributedAdamW:
             return
         filled = self._bucket[: self._bucket_filled]
         dist.all_reduce(filled, group=self.dp_group)
-        start, stop = self.owned.start, self.owned.stop
         for index, offset in self._bucketed:
-            lo, hi = self.offsets[index], self.offsets[index + 1]
-            first, last = max(lo, start), min(hi, stop)
-            if first < last:
-                self.owned_grads[first - start : last - start].add_(filled[offset + first - lo : offset + last - lo])
+            if index in self.owned_parts:
+                first, last = self.owned_parts[index]
+                self._owned_grad(index).add_(filled[offset + first : offset + last])
         self._bucketed, self._bucket_filled = [], 0
+
+    def _owned_grad(self, index: int) -> torch.Tensor:
+        """The owned part of parameter `index`'s gradient: a view of the gradient slice."""
+        first, last = self.owned_parts[index]
+        lo = self.offsets[index] - self.owned.start
+        return self.owned_grads[lo + first : lo + last]
 
     @torch.no_grad()
     def _reduce_into_slice(self, index: int, grad: torch.Tensor) -> None:
@@ -197,8 +200,7 @@ class DistributedAdamW:
             part = flat[first - lo : last - lo]
             dist.reduce(part, dst=self._dp_ranks[owner], group=self.dp_group)
             if owner == self.dp_rank:
-                start = owner * self.slice_size
-                self.owned_grads[first - start : last - start].add_(part)
+                self._owned_grad(index).add_(part)
 
     def grad_norm(self) -> float:
         """L2 norm of the whole model's gradient; the same value on every rank (after `reduce_gradients`)."""
@@ -398,16 +400,12 @@ class DistributedAdamW:
         """Whole-model L2 norm of the gradient, accumulated in fp64; gathered, never all_reduced: summed in rank order,
         the same bits on every rank run after run."""
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [TP-sharded, replicated] squares
-        if self.shard_gradients:  # this rank's slice
-            start = self.owned.start
-            for index, first, last in self.owned_parts:
-                lo = self.offsets[index]
-                part = self.owned_grads[lo + first - start : lo + last - start]
-                sums[int(self.replicated[index])] += part.double().square().sum()
-        else:  # every DP replica holds the whole reduced gradient
+        if not self.shard_gradients:  # every DP replica holds the whole reduced gradient
             for view, is_replicated in zip(self._views(self.grad_buffer), self.replicated):
                 sums[int(is_replicated)] += view.double().square().sum()
-        if self.shard_gradients:  # the DP slices are disjoint: their squares add up
+        else:  # this rank's slice; the DP slices are disjoint, so their squares add up
+            for index in self.owned_parts:
+                sums[int(self.replicated[index])] += self._owned_grad(index).double().square().sum()
             parts = [torch.empty_like(sums) for _ in range(self.dp_size)]
             dist.all_gather(parts, sums, group=self.dp_group)
             sums = torch.stack(parts).sum(0)
