@@ -30,14 +30,27 @@ class LRSchedule:
         return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def adamw_implementation(device: torch.device) -> str:
+    """Which of torch's AdamW implementations steps parameters on `device`: "fused" on CUDA, where torch's default
+    (foreach) makes temporaries of the whole shard (the square root of exp_avg_sq, the update) while the fused kernel
+    goes element by element (benchmarks/bench_adamw_gpu.py); torch's default, "for-loop", elsewhere (on the CPU
+    the per-tensor loop, whose temporaries are one tensor's). Element by element, both give every element the same
+    bits whatever shard it falls in."""
+    return "fused" if device.type == "cuda" else "for-loop"
+
+
 def build_optimizer(
     params: Iterable[torch.nn.Parameter], optim_cfg: dict[str, Any], total_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    params = list(params)
+    implementation = adamw_implementation(params[0].device) if params else "for-loop"
     optimizer = torch.optim.AdamW(
         params,
         lr=optim_cfg["lr"],
         betas=tuple(optim_cfg["betas"]),
         weight_decay=optim_cfg["weight_decay"],
+        fused=True if implementation == "fused" else None,
+        foreach=False if implementation == "for-loop" else None,
     )
     return optimizer, build_schedule(optimizer, optim_cfg, total_steps)
 

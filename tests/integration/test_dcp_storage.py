@@ -93,7 +93,7 @@ def _rank_body(rank: int, url: str, options: dict, out: Path) -> None:
     import torch.distributed as dist
 
     from rlrunner.backends.background_save import BackgroundSave
-    from rlrunner.backends.fsdp.dcp_state import fsdp_state, load_fsdp_state, new_stager, start_dcp_save
+    from rlrunner.backends.fsdp.dcp_state import fsdp_state, load_fsdp_state, stager_for_next_save, start_dcp_save
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=WORLD,
@@ -108,12 +108,18 @@ def _rank_body(rank: int, url: str, options: dict, out: Path) -> None:
 
     _train_step(*live, seed=11)
     results["async_saved"] = _tensors(*live, full=False)
-    start_dcp_save(saver, join(url, "async"), fsdp_state(*live, rank), True, options, group, new_stager())
+    stager = stager_for_next_save(None)
+    start_dcp_save(saver, join(url, "async"), fsdp_state(*live, rank), True, options, group, stager)
     _train_step(*live, seed=12)  # training goes on while the upload runs
     results["async_live_after"] = _tensors(*live, full=False)
     results["async_files"] = saver.finish()["files"]
+    # the next background save, with the stager the worker would use (the same one where torch allows)
+    results["async2_saved"] = _tensors(*live, full=False)
+    stager = stager_for_next_save(stager)
+    start_dcp_save(saver, join(url, "async2"), fsdp_state(*live, rank), True, options, group, stager)
+    results["async2_files"] = saver.finish()["files"]
 
-    for name in ("sync", "async"):
+    for name in ("sync", "async", "async2"):
         fresh = _build(seed=2)
         results[f"{name}_restored_rng"] = load_fsdp_state(join(url, name), *fresh, rank, WORLD, options)
         results[f"{name}_rng_loaded"] = torch.get_rng_state()
@@ -165,7 +171,7 @@ def assert_bit_equal(got: dict[str, torch.Tensor], expected: dict[str, torch.Ten
 def test_each_rank_uploads_its_shard_and_the_crcs_are_of_the_bytes_stored(two_ranks):
     url, options, ranks = two_ranks
     storage = open_storage(url, options)
-    for name in ("sync", "async"):
+    for name in ("sync", "async", "async2"):
         folder = join(url, name)
         assert sorted(storage.walk(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # no .metadata.tmp
         assert sorted(ranks[0][f"{name}_files"]) == [".metadata", "__0_0.distcp"]
@@ -181,6 +187,7 @@ def test_loading_back_from_s3_is_bit_identical(two_ranks):
         assert_bit_equal(results["sync_loaded"], results["sync_saved"])
         # the async save holds the state when it started, not the steps trained while it uploaded
         assert_bit_equal(results["async_loaded"], results["async_saved"])
+        assert_bit_equal(results["async2_loaded"], results["async2_saved"])  # a second save with the same stager
         assert not torch.equal(results["async_live_after"]["model.0.weight"], results["async_saved"]["model.0.weight"])
         assert results["sync_restored_rng"] and results["async_restored_rng"]
         assert torch.equal(results["sync_rng_loaded"], results["rng_saved"])

@@ -237,3 +237,25 @@ def test_a_restored_scheduler_keeps_this_run_s_schedule_from_its_first_step() ->
     same_scheduler.load_state_dict(saved_scheduler.state_dict())
     apply_schedule(same_optimizer, same_scheduler)
     assert same_optimizer.param_groups[0]["lr"] == saved_optimizer.param_groups[0]["lr"]
+
+
+def test_adamw_is_fused_on_cuda_and_the_per_tensor_loop_on_the_cpu() -> None:
+    """The actor's AdamW: fused on CUDA (torch's default there, foreach, makes temporaries of the whole shard); on the
+    CPU the per-tensor loop, which steps each element as a whole-model AdamW would."""
+    from rlrunner.backends.optim import adamw_implementation, build_optimizer
+
+    assert adamw_implementation(torch.device("cuda", 0)) == "fused"
+    assert adamw_implementation(torch.device("cpu")) == "for-loop"
+    cfg = {"lr": 0.1, "betas": [0.9, 0.99], "weight_decay": 0.01, "warmup_steps": 0, "lr_schedule": "constant",
+           "min_lr_ratio": 0.0}
+    whole = torch.nn.Parameter(torch.arange(6, dtype=torch.float32))
+    halves = [torch.nn.Parameter(whole.detach()[:3].clone()), torch.nn.Parameter(whole.detach()[3:].clone())]
+    optimizers = [build_optimizer([whole], cfg, 4)[0], build_optimizer(halves, cfg, 4)[0]]
+    assert [(o.defaults["foreach"], o.defaults["fused"]) for o in optimizers] == [(False, None)] * 2
+    grad = torch.linspace(-1.0, 1.0, 6)
+    for _ in range(3):
+        whole.grad = grad.clone()
+        halves[0].grad, halves[1].grad = grad[:3].clone(), grad[3:].clone()
+        for optimizer in optimizers:
+            optimizer.step()
+    assert torch.equal(torch.cat([h.detach() for h in halves]), whole.detach())  # the same bits, however split

@@ -18,6 +18,7 @@ written, never by reading them back.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
@@ -109,8 +110,35 @@ def fsdp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedul
 
 
 def new_stager() -> DefaultStager:
-    """DCP's stager for background saves: host copies (pinned where CUDA is), kept by a rank for every save."""
+    """DCP's stager for background saves: host copies (pinned where CUDA is), kept by a rank from one save to the next
+    where it can be (`stager_for_next_save`), so that its host buffers are reused."""
     return DefaultStager(StagingOptions(torch.cuda.is_available(), False, False, False))
+
+
+@functools.cache
+def stagers_are_reusable() -> bool:
+    """Whether this torch's DefaultStager can stage a second time. 2.13's can. 2.11's closes its inner stager after
+    every stage, which empties the tables it copies with (and its cache), so its second stage fails with
+    "KeyError: <class 'type'>" (seen on CUDA): there each save needs a stager of its own."""
+    probe = new_stager()
+    try:
+        probe.stage({"step": 1})
+        probe.stage({"step": 1})
+        return True
+    except KeyError:
+        return False
+    finally:
+        probe.close()
+
+
+def stager_for_next_save(stager: DefaultStager | None) -> DefaultStager:
+    """The stager of a rank's next background save: its previous one where stagers are reusable, else a new one (the
+    previous one closed: one save is in flight at a time, and the previous has finished)."""
+    if stager is not None and stagers_are_reusable():
+        return stager
+    if stager is not None:
+        stager.close()
+    return new_stager()
 
 
 def start_dcp_save(

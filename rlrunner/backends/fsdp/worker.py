@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from rlrunner.backends.actor import ActorWorker
-from rlrunner.backends.fsdp.dcp_state import fsdp_state, load_fsdp_state, new_stager, start_dcp_save
+from rlrunner.backends.fsdp.dcp_state import fsdp_state, load_fsdp_state, stager_for_next_save, start_dcp_save
 from rlrunner.backends.fsdp.weights import FSDPWeightSource, shard_rows
 from rlrunner.backends.optim import apply_schedule, build_optimizer
 from rlrunner.models.hf_tensors import BLOCK_ELEMENTS, HFTensors
@@ -93,7 +93,7 @@ class FSDPActorWorker(ActorWorker):
         # Checkpoint collectives get a gloo group of their own: a save written in the background must never
         # interleave its collectives with training's (and DCP's background path needs a CPU backend on GPU too).
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=self.dist_timeout)
-        self.stager = None  # made at the first background save; its host buffers are reused by every later one
+        self.stager = None  # made at the first background save; kept for the next ones where torch allows
         if self.algorithm_cfg["use_kl_loss"]:
             self.ref_model = self._build(tokenizer, trainable=False)
             self.ref_model.eval()
@@ -134,8 +134,8 @@ class FSDPActorWorker(ActorWorker):
     def start_checkpoint(self, url: str, step: int, background: bool, storage_options: dict[str, Any] | None) -> None:
         """Collective: every rank writes its DCP shard under `url`, straight there (a local folder or a store)."""
         state = fsdp_state(self.model, self.optimizer, self.scheduler, self.rank)
-        if background and self.stager is None:
-            self.stager = new_stager()
+        if background:
+            self.stager = stager_for_next_save(self.stager)
         start_dcp_save(self.saver, url, state, background, storage_options, self.checkpoint_group, self.stager)
 
     def load_checkpoint(self, url: str, storage_options: dict[str, Any] | None) -> bool:
