@@ -117,7 +117,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
     parser.add_argument("--fsdp-unit", default=FSDP_UNITS[0], choices=FSDP_UNITS,
                         help="actor.fsdp_unit of the fsdp runs")
-    parser.add_argument("--recompute", action="store_true", help="actor.gradient_checkpointing=true (both backends)")
+    parser.add_argument("--no-recompute", action="store_true",
+                        help="actor.gradient_checkpointing=false (both backends; the default recomputes)")
     parser.add_argument("--probe", default=None, metavar="DIR",
                         help="attribute the peaks: every worker runs benchlib/rss_probe and logs its stack at each new "
                              "high of its resident set to DIR/<pid>.txt (summarise with benchmarks/rss_report.py)")
@@ -206,7 +207,7 @@ def run_one(args: argparse.Namespace, workdir: Path, backend: str, layout: Layou
         "runner.logger.tensorboard=false", f"runner.snapshot.enabled={str(args.snapshots).lower()}",
         f"actor.training_backend={backend}", f"actor.num_workers={layout.ranks}",
         f"actor.tensor_model_parallel_size={layout.tp}", f"actor.fsdp_unit={args.fsdp_unit}",
-        f"actor.gradient_checkpointing={str(args.recompute).lower()}", "data.batch_size=4", "algorithm.group_size=4",
+        f"actor.gradient_checkpointing={str(not args.no_recompute).lower()}", "data.batch_size=4", "algorithm.group_size=4",
         "actor.micro_batch_size=4", "rollout.max_new_tokens=4", "rollout.generation_batch_size=4",
         f"cluster.cpus_per_actor_worker={CPUS_PER_WORKER}", f"cluster.cpus_per_rollout_worker={CPUS_PER_WORKER}",
         *overrides_for(size),

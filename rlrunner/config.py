@@ -150,7 +150,7 @@ class ActorConfig:
     grad_clip: float = 1.0
     param_dtype: str = "float32"  # compute dtype (FSDP2 mixed precision; autocast with megatron); master weights stay float32
     reduce_dtype: str = "float32"
-    gradient_checkpointing: bool = False  # keep each layer's input only, recompute its activations in backward
+    gradient_checkpointing: bool = True  # keep each layer's input only, recompute its activations in backward
     fsdp_unit: str = "decoder_layer"  # fsdp backend: what one all-gather unshards: decoder_layer | linear (docs/configuration.md)
     shard_gradients: bool = True  # megatron backend: keep only this data-parallel rank's slice of the gradients (ZeRO-2)
     optim: OptimConfig = field(default_factory=OptimConfig)

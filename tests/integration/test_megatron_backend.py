@@ -150,10 +150,10 @@ def test_resume_mid_epoch_is_bitwise_identical_to_the_uninterrupted_run(referenc
     assert all(torch.equal(a, b) for a, b in zip(seen["rng"], reference.rng, strict=True))
 
 
-def test_a_resume_with_recomputation_ends_bitwise_identical(reference, tmp_path):
-    """actor.gradient_checkpointing recomputes each layer (its tensor-parallel collectives too) in the backward: the
-    same gradients, so the same run."""
-    assert_resumed_bitwise(resume(tmp_path, reference.checkpoint(6), 2, 2, "actor.gradient_checkpointing=true"), reference, 6)
+def test_a_resume_without_recomputation_ends_bitwise_identical(reference, tmp_path):
+    """actor.gradient_checkpointing (the default) recomputes each layer (its tensor-parallel collectives too) in the
+    backward: the same gradients as keeping the activations, so the same run."""
+    assert_resumed_bitwise(resume(tmp_path, reference.checkpoint(6), 2, 2, "actor.gradient_checkpointing=false"), reference, 6)
 
 
 @pytest.mark.parametrize("tp, workers", [(1, 2), (2, 4)], ids=["tp1_dp2", "tp2_dp2"])  # tp1 x dp1: the next test
