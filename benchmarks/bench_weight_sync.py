@@ -7,8 +7,9 @@ For a Qwen2-architecture model of about `--params` million parameters, an FSDP2 
 repeat (`--repeats`, medians reported) measures, from the driver, in turn:
 
   channels      rlrunner.weight_sync.driver.sync_weights: every actor rank broadcasts its own shards, cast to
-                the rollout dtype, in buckets of `--bucket-mb`, to every rollout worker (gloo on CPU; NCCL
-                between distinct GPUs; gloo over pinned host memory for a GPU shared by two members)
+                the rollout dtype, in buckets of at most `--bucket-mb` (a 32nd of what the rank sends, at least
+                4 MiB: `channel_bucket_bytes`), to every rollout worker (gloo on CPU; NCCL between distinct GPUs;
+                gloo over pinned host memory for a GPU shared by two members)
   object store  the old path: FSDPActorWorker.full_state_dict (FSDP gather of float32 on rank 0, to CPU) passed
                 by reference through the Ray object store to every RolloutWorker.load_weights
   broadcast     torch.distributed.broadcast of as many bytes as the channels move into one rollout worker, from
@@ -74,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rollout-workers", type=int, default=2, help="rollout workers")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="rollout model dtype")
     parser.add_argument("--repeats", type=int, default=5, help="repeats per measurement (the median is reported)")
-    parser.add_argument("--bucket-mb", type=float, default=64.0, help="bucket size of the channels, MiB")
+    parser.add_argument("--bucket-mb", type=float, default=64.0, help="the channels' largest bucket (the cap sync_weights is given), MiB")
     parser.add_argument("--cpus-per-worker", type=float, default=0.25, help="Ray logical CPUs per worker (fractional)")
     parser.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs per worker (0.5: actor and rollout share one)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         channels = statistics.median(seconds["channels"])
         print(
             f"channels: {args.actor_workers} x {args.rollout_workers} ({backends['actor']} at the actor ranks), "
-            f"buckets of {args.bucket_mb:g} MiB, connect_weight_sync {connect_s:.2f}s once; "
+            f"buckets of at most {args.bucket_mb:g} MiB, connect_weight_sync {connect_s:.2f}s once; "
             f"{statistics.median(seconds['object store']) / channels:.1f}x faster than the object-store path; "
             "rollout weights checked bit-equal to full_state_dict cast to the dtype."
         )

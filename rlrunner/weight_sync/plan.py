@@ -159,6 +159,21 @@ def check_coverage(layout: Sequence[TensorSpec], pieces_by_rank: Sequence[Sequen
             raise WeightSyncError(f"{name}: the actor ranks send {position} of its {extent} rows")
 
 
+MIN_BUCKET_BYTES = 4 << 20
+BUCKETS_PER_SYNC = 32
+
+
+def channel_bucket_bytes(pieces: Sequence[Piece], cap: int) -> int:
+    """The bucket size of one actor rank's channel: what the rank sends over BUCKETS_PER_SYNC (rounded up to 64 bytes),
+    at least MIN_BUCKET_BYTES and at most `cap`. The two buffers each end of a channel holds during a sync are then
+    about a sixteenth of what the rank sends (itself at most a quarter of its share of the training state: 4 bytes
+    per parameter against 16), where a fixed size would outweigh the share of a small model over many ranks; a
+    large part still goes in buckets of `cap`. Both ends compute it from the same pieces."""
+    total = sum(piece.numel * piece.dtype.itemsize for piece in pieces)
+    size = -(-total // BUCKETS_PER_SYNC // 64) * 64
+    return min(cap, max(MIN_BUCKET_BYTES, size))
+
+
 def plan_buckets(pieces: Iterable[Piece], bucket_bytes: int) -> list[Bucket]:
     """Pack pieces, in order, into buckets of at most `bucket_bytes`; a piece that does not fit the rest of a bucket is
     split by elements. Each segment starts at a multiple of its dtype's size (so a byte view can be cast)."""

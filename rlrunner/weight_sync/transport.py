@@ -5,7 +5,8 @@ At join (a collective of every actor rank and rollout worker, through the rendez
   * each actor rank publishes its pieces (what its source holds, in the layout's dtypes);
   * every rollout worker checks that the pieces tile each tensor exactly once, and every channel is built.
 At each sync, actor rank r broadcasts a header (magic, sync number, bucket size, number of buckets), then its
-pieces packed into buckets of at most `bucket_bytes` (two buffers: one is packed while the other is sent); the
+pieces packed into buckets of at most `bucket_bytes` (`channel_bucket_bytes`: about a 32nd of what the rank sends,
+within [4 MiB, the cap the driver gives]; two buffers: one is packed while the other is sent); the
 rollout workers post bucket k of every channel at once (the actor ranks send side by side) and unpack round k-1
 meanwhile. After any failure a member closes its channels (its peers' waits on it fail at once, instead of at the
 channel's timeout) and must join again.
@@ -28,6 +29,7 @@ from rlrunner.weight_sync.plan import (
     Bucket,
     Piece,
     WeightSyncError,
+    channel_bucket_bytes,
     check_coverage,
     layout_from_json,
     layout_to_json,
@@ -142,6 +144,7 @@ class WeightSender(_Member):
         pieces, flat = self._pieces()
         if pieces != self.pieces:
             raise WeightSyncError(f"actor rank {self.rank}: the model's shards changed since the join; join again")
+        bucket_bytes = channel_bucket_bytes(pieces, bucket_bytes)
         buckets = plan_buckets(pieces, bucket_bytes)
         channel = self.channels[0]
         channel.wait(channel.broadcast(self._header(channel, bucket_bytes, len(buckets))))
@@ -199,13 +202,14 @@ class WeightReceiver(_Member):
 
     def _receive(self, bucket_bytes: int) -> dict[str, float]:
         assembler = Assembler(self.layout, self.pieces, self.sink)
-        plans = [plan_buckets(pieces, bucket_bytes) for pieces in self.pieces]
+        sizes = [channel_bucket_bytes(pieces, bucket_bytes) for pieces in self.pieces]
+        plans = [plan_buckets(pieces, size) for pieces, size in zip(self.pieces, sizes)]
         headers = [channel.new_tensor((_HEADER_LEN,), torch.int64) for channel in self.channels]
         works = [channel.broadcast(header) for channel, header in zip(self.channels, headers)]
-        for channel, header, work, buckets in zip(self.channels, headers, works, plans):
+        for channel, header, work, size, buckets in zip(self.channels, headers, works, sizes, plans):
             channel.wait(work)
             got = header.tolist()
-            expected = [_HEADER_MAGIC, self.sequence, bucket_bytes, len(buckets)]
+            expected = [_HEADER_MAGIC, self.sequence, size, len(buckets)]
             if got != expected:
                 raise WeightSyncError(
                     f"channel {channel.index}: actor sent header {got} (magic, sync, bucket_bytes, buckets), "

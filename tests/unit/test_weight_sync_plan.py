@@ -16,6 +16,7 @@ from rlrunner.weight_sync.plan import (
     Piece,
     TensorSpec,
     WeightSyncError,
+    channel_bucket_bytes,
     check_coverage,
     pack_bucket,
     plan_buckets,
@@ -52,6 +53,20 @@ def test_plan_buckets_boundaries_alignment_and_oversized_pieces():
     assert plan_buckets([], 16) == []
     with pytest.raises(ValueError, match="smaller than one"):
         plan_buckets([Piece("b", (1,), 0, 0, 1, f32)], 3)
+
+
+def test_a_channel_s_buckets_are_a_32nd_of_what_its_rank_sends_within_4_mib_and_the_cap():
+    f32, bf16 = torch.float32, torch.bfloat16
+    mib = 1 << 20
+    rows = lambda n, dtype: Piece("w", (n, 1024), 0, 0, n, dtype)  # noqa: E731 (n rows of 1024 elements)
+    assert channel_bucket_bytes([rows(80 * 1024, f32)], 64 * mib) == 10 * mib  # 320 MiB sent: 32 buckets of 10 MiB
+    assert channel_bucket_bytes([rows(80 * 1024, bf16), rows(80 * 1024, bf16)], 64 * mib) == 10 * mib  # the sum
+    assert channel_bucket_bytes([rows(1024 * 1024, f32)], 64 * mib) == 64 * mib  # 4 GiB: the cap
+    assert channel_bucket_bytes([rows(1024, f32)], 64 * mib) == 4 * mib  # 4 MiB sent: no smaller than 4 MiB
+    assert channel_bucket_bytes([], 64 * mib) == 4 * mib
+    assert channel_bucket_bytes([rows(1024, f32)], 16) == 16  # a cap below 4 MiB is the size
+    odd = channel_bucket_bytes([Piece("v", (200 * mib + 8,), 0, 0, 200 * mib + 8, f32)], 64 * mib)
+    assert odd % 64 == 0 and odd - 64 < (800 * mib + 32) / 32 <= odd  # rounded up to 64 bytes
 
 
 class DictSink:
