@@ -412,3 +412,15 @@ def test_dp2_tp2_matches_adamw_with_clipping_deterministic_resumable_and_skips_n
 
 def test_dp2_state_reshards_to_dp1_bitwise_and_bad_state_is_named() -> None:
     mp.spawn(_worker, args=(2, _free_port(), 2, 1, "resharding"), nprocs=2)
+
+
+def test_the_gradient_norm_s_squares_are_summed_a_chunk_at_a_time_in_fp64() -> None:
+    from rlrunner.backends.megatron.distrib_optim import _square_sum
+
+    values = torch.arange(1, 1001, dtype=torch.float32).reshape(10, 100)
+    whole = values.double().square().sum()
+    for chunk in (1, 7, 64, 1000, 5000):
+        got = _square_sum(values, chunk)
+        assert got.dtype == torch.float64 and got.item() == whole.item() == sum(i * i for i in range(1, 1001)), chunk
+    assert _square_sum(values.t(), 64).item() == whole.item()  # a non-contiguous view
+    assert _square_sum(torch.empty(0), 64).item() == 0.0

@@ -43,6 +43,7 @@ import torch.distributed as dist
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's two state tensors, by their torch names
 STEP_CHUNK_ELEMENTS = 1 << 22  # 16 MiB of fp32: the largest temporary of a step
 BUCKET_ELEMENTS = 1 << 22  # 16 MiB of fp32: the gradients of small parameters reduced together
+NORM_CHUNK_ELEMENTS = 1 << 20  # 8 MiB of fp64: the gradient norm's temporaries
 
 
 class DistributedAdamW:
@@ -402,10 +403,10 @@ class DistributedAdamW:
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [TP-sharded, replicated] squares
         if not self.shard_gradients:  # every DP replica holds the whole reduced gradient
             for view, is_replicated in zip(self._views(self.grad_buffer), self.replicated):
-                sums[int(is_replicated)] += view.double().square().sum()
+                sums[int(is_replicated)] += _square_sum(view)
         else:  # this rank's slice; the DP slices are disjoint, so their squares add up
             for index in self.owned_parts:
-                sums[int(self.replicated[index])] += self._owned_grad(index).double().square().sum()
+                sums[int(self.replicated[index])] += _square_sum(self._owned_grad(index))
             parts = [torch.empty_like(sums) for _ in range(self.dp_size)]
             dist.all_gather(parts, sums, group=self.dp_group)
             sums = torch.stack(parts).sum(0)
@@ -457,6 +458,15 @@ def _check_names(names: list[str], replicated: set[str]) -> None:
     unknown = sorted(set(replicated) - set(names))
     if unknown:
         raise ValueError(f"replicated parameter {unknown[0]!r} is not among the optimizer's parameters")
+
+
+def _square_sum(tensor: torch.Tensor, chunk: int = NORM_CHUNK_ELEMENTS) -> torch.Tensor:
+    """The sum of `tensor`'s squares in fp64, `chunk` elements at a time: its fp64 temporaries are a chunk's, not the
+    whole tensor's (two copies of the largest parameter, 100 MB at 600M over tp 2)."""
+    total = torch.zeros((), dtype=torch.float64, device=tensor.device)
+    for part in tensor.reshape(-1).split(chunk):
+        total += part.double().square().sum()
+    return total
 
 
 def flat_offsets(sizes: Iterable[int]) -> list[int]:
