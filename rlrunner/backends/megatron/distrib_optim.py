@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's two state tensors, by their torch names
-STEP_CHUNK_ELEMENTS = 1 << 22  # 16 MiB of fp32: the largest temporary of a step
+STEP_CHUNK_ELEMENTS = 1 << 20  # 4 MiB of fp32: the largest temporary of a step (and of an exchange over DP)
 BUCKET_ELEMENTS = 1 << 22  # 16 MiB of fp32: the gradients of small parameters reduced together
 NORM_CHUNK_ELEMENTS = 1 << 20  # 8 MiB of fp64: the gradient norm's temporaries
 
