@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for rlrunner
-from rlrunner.backends.fsdp.worker import shard_model  # noqa: E402
+from rlrunner.backends.fsdp.worker import local_shard, shard_model  # noqa: E402
 from rlrunner.backends.optim import adamw_implementation  # noqa: E402
 from rlrunner.models.loading import meta_model  # noqa: E402
 
@@ -80,8 +80,7 @@ def run(size: str, implementation: str, args: argparse.Namespace) -> dict:
     generator = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():
         for param in model.parameters():
-            local = param.to_local() if hasattr(param, "to_local") else param
-            local.normal_(0.0, 0.02, generator=generator)
+            local_shard(param).normal_(0.0, 0.02, generator=generator)
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.999), weight_decay=0.01,
                                   **{implementation: True})
@@ -104,8 +103,7 @@ def run(size: str, implementation: str, args: argparse.Namespace) -> dict:
         step_times.append(time.perf_counter() - start)
         step_peaks.append(torch.cuda.max_memory_allocated() - before)
         optimizer.zero_grad(set_to_none=True)
-    digest = torch.cat([(p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1)[:: 997].float()
-                        for p in model.parameters()]).cpu()
+    digest = torch.cat([local_shard(p).reshape(-1)[:: 997].float() for p in model.parameters()]).cpu()
     dist.destroy_process_group()
     # the first step also allocates the moments (8 bytes per parameter): the temporaries are the later steps'
     return {"params": params, "first_step": step_peaks[0], "step": max(step_peaks[1:] or step_peaks),

@@ -46,7 +46,7 @@ def shard_model(model: torch.nn.Module, param_dtype: str, reduce_dtype: str, tra
 def fill_own_rows(model: torch.nn.Module, tensors: HFTensors) -> None:
     """Copy into each parameter's local shard (its dim-0 rows, FSDP2's torch.chunk split) those rows of the HF tensor."""
     for name, param in model.named_parameters():
-        local = _local(param)
+        local = local_shard(param)
         if hasattr(param, "device_mesh"):
             start, stop = shard_rows(param.shape[0], param.device_mesh.size(), param.device_mesh.get_local_rank())
         else:
@@ -61,7 +61,7 @@ def fill_own_rows(model: torch.nn.Module, tensors: HFTensors) -> None:
             lo = hi
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (the tensor itself otherwise), detached."""
     return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).detach()
 
@@ -150,15 +150,15 @@ class FSDPActorWorker(ActorWorker):
     def training_state(self) -> dict[str, Any]:
         optimizer = self.optimizer.state_dict()  # the live state tensors (DTensors: their local shards are taken)
         return {
-            "model": {name: _local(param) for name, param in self.model.named_parameters()},
-            "optimizer": {**optimizer, "state": {i: {k: _local(v) for k, v in state.items()} for i, state in optimizer["state"].items()}},
+            "model": {name: local_shard(param) for name, param in self.model.named_parameters()},
+            "optimizer": {**optimizer, "state": {i: {k: local_shard(v) for k, v in state.items()} for i, state in optimizer["state"].items()}},
             "scheduler": self.scheduler.state_dict(),
         }
 
     @torch.no_grad()
     def load_training_state(self, state: dict[str, Any]) -> None:
         for name, param in self.model.named_parameters():
-            _local(param).copy_(state["model"][name])
+            local_shard(param).copy_(state["model"][name])
         params = [param for group in self.optimizer.param_groups for param in group["params"]]
         optimizer = dict(state["optimizer"])
         optimizer["state"] = {i: {k: _shard_like(v, params[i]) for k, v in s.items()} for i, s in optimizer["state"].items()}
