@@ -153,6 +153,7 @@ class ActorConfig:
     gradient_checkpointing: bool = True  # keep each layer's input only, recompute its activations in backward
     fsdp_unit: str = "decoder_layer"  # fsdp backend: what one all-gather unshards: decoder_layer | linear (docs/configuration.md)
     shard_gradients: bool = True  # megatron backend: keep only this data-parallel rank's slice of the gradients (ZeRO-2)
+    shard_weights: bool = True  # megatron backend: and of the weights, gathered a layer at a time (ZeRO-3; needs shard_gradients)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 

@@ -52,6 +52,16 @@ class WeightSource(ABC):
         """The blocks this rank sends, in a fixed order (the same at every sync, so the plan made at join holds).
         A rank that sends nothing (another replica of the same weights sends them) returns []."""
 
+    def block_tensor(self, index: int, block: Block) -> torch.Tensor:
+        """The values of block `index` of `blocks()` (which is `block`): asked for in order at each sync, each read
+        before the next is asked for. By default the block's own tensor; a source whose blocks hold only shapes (its
+        weights are gathered a unit at a time) gives the values here."""
+        return block.tensor
+
+    def end_of_sync(self) -> None:
+        """The sync has read what it will of the blocks: called on every rank at every sync, one with no blocks too,
+        and after a failure (a source that gathers its weights with other ranks finishes its walk over them here)."""
+
 
 class WeightSink(ABC):
     """One rollout worker's side of the sync."""

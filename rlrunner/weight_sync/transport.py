@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from rlrunner.errors import describe
 from rlrunner.weight_sync.channels import Channel, channel_backend, device_tag, device_tags, handshake, store_get
-from rlrunner.weight_sync.endpoints import WeightSink, WeightSource
+from rlrunner.weight_sync.endpoints import Block, WeightSink, WeightSource
 from rlrunner.weight_sync.plan import (
     Assembler,
     Bucket,
@@ -106,7 +106,7 @@ class WeightSender(_Member):
         store.set(f"device/actor/{rank}", device_tag(device))
         self.layout = {spec.name: spec for spec in layout_from_json(
             store_get(store, "rollout/layout", "layout from rollout worker 0", timeout_s))}
-        self.pieces, _ = self._pieces()
+        self.pieces, _, _ = self._pieces()
         store.set(f"pieces/{rank}", pieces_to_json(self.pieces))
         actors, rollouts = device_tags(store, num_actor_ranks, num_rollout_workers, timeout_s)
         backend = channel_backend([actors[rank], *rollouts])
@@ -118,10 +118,11 @@ class WeightSender(_Member):
     def backend(self) -> str:
         return self.channels[0].backend if self.channels else "closed"
 
-    def _pieces(self) -> tuple[list[Piece], list[torch.Tensor]]:
-        """The source's blocks as pieces in the wire's dtypes, and each block flattened (what buckets are packed from)."""
-        pieces, flat = [], []
-        for block in self.source.blocks():
+    def _pieces(self) -> tuple[list[Piece], list[int], list[Block]]:
+        """The source's blocks as pieces in the wire's dtypes, the index of each piece's block, and the blocks."""
+        pieces, indices = [], []
+        blocks = self.source.blocks()
+        for index, block in enumerate(blocks):
             spec = self.layout.get(block.name)
             if spec is None:
                 raise WeightSyncError(f"actor rank {self.rank} holds {block.name}, which the rollout model does not have")
@@ -133,17 +134,24 @@ class WeightSender(_Member):
                                       f"rows {block.start}:{block.stop} of dim {block.dim} are {piece.block_shape}")
             if piece.numel:
                 pieces.append(piece)
-                flat.append(block.tensor.detach().reshape(-1))
-        return pieces, flat
+                indices.append(index)
+        return pieces, indices, blocks
 
     def send(self, bucket_bytes: int) -> dict[str, float]:
         """Broadcast this rank's blocks as they are now, in buckets; returns stats."""
         return self._run(self._send, bucket_bytes)
 
     def _send(self, bucket_bytes: int) -> dict[str, float]:
-        pieces, flat = self._pieces()
+        try:
+            return self._send_blocks(bucket_bytes)
+        finally:
+            self.source.end_of_sync()
+
+    def _send_blocks(self, bucket_bytes: int) -> dict[str, float]:
+        pieces, indices, blocks = self._pieces()
         if pieces != self.pieces:
             raise WeightSyncError(f"actor rank {self.rank}: the model's shards changed since the join; join again")
+        flat = _BlockValues(self.source, blocks, indices)
         bucket_bytes = channel_bucket_bytes(pieces, bucket_bytes)
         buckets = plan_buckets(pieces, bucket_bytes)
         channel = self.channels[0]
@@ -163,6 +171,29 @@ class WeightSender(_Member):
             if work is not None:
                 channel.wait(work)
         return {"bytes": float(sum(b.nbytes for b in buckets)), "buckets": float(len(buckets))}
+
+
+class _BlockValues:
+    """Piece k's flattened values, read from the source when first asked for: buckets are packed in piece order, so
+    only the piece being packed is held (a source may gather its weights a unit at a time)."""
+
+    def __init__(self, source: WeightSource, blocks: list[Block], indices: list[int]):
+        self.source, self.blocks, self.indices = source, blocks, indices
+        self.current: tuple[int, torch.Tensor] | None = None
+
+    def __getitem__(self, piece: int) -> torch.Tensor:
+        if self.current is None or self.current[0] != piece:
+            if self.current is not None and piece < self.current[0]:
+                raise WeightSyncError(f"piece {piece} asked for after piece {self.current[0]}: pieces are packed in order")
+            self.current = None  # drop the last one before asking for the next
+            index = self.indices[piece]
+            block = self.blocks[index]
+            tensor = self.source.block_tensor(index, block).detach()
+            if tuple(tensor.shape) != tuple(block.tensor.shape):
+                raise WeightSyncError(f"{block.name}: the source gave {tuple(tensor.shape)} for a block of "
+                                      f"{tuple(block.tensor.shape)}")
+            self.current = (piece, tensor.reshape(-1))
+        return self.current[1]
 
 
 class WeightReceiver(_Member):

@@ -192,7 +192,9 @@ def test_resharding_tp2_to_tp1_and_back_goes_on_training_like_the_reference(refe
 
 def test_data_parallel_with_a_sharded_optimizer_matches_and_resumes_bitwise(reference, tmp_path):
     """dp=2 x tp=2: each data-parallel rank gets half the rows, metrics are counted once per data-parallel rank, the
-    optimizer state is split over the data-parallel ranks and each rank saves its own slice (nothing gathered)."""
+    optimizer state and the weights are split over the data-parallel ranks (ZeRO-3, the default) and each rank saves
+    its own slice of the moments (nothing gathered; the weights are written a layer at a time). Resumed with whole
+    weights (ZeRO-2, Megatron-LM's layout), the run goes on bit for bit: the same files, the same numbers."""
     Supervisor(megatron_config(tmp_path / "full", 2, 4, "runner.max_steps=4", "runner.save_interval=2")).run()
     full = read_metrics(tmp_path / "full" / "test" / "metrics.jsonl")
     assert [m["step"] for m in full] == [1, 2, 3, 4]
@@ -213,7 +215,7 @@ def test_data_parallel_with_a_sharded_optimizer_matches_and_resumes_bitwise(refe
     assert all(moments.tensor("exp_avg", k).shape == t.shape for k, t in states[0]["model"].items() if t is not None)
 
     Supervisor(megatron_config(tmp_path / "resumed", 2, 4, "runner.max_steps=4", "runner.save_interval=2",
-                               f"runner.resume_dir={actor.parent}")).run()
+                               f"runner.resume_dir={actor.parent}", "actor.shard_weights=false")).run()
     resumed = read_metrics(tmp_path / "resumed" / "test" / "metrics.jsonl")
     assert without_time(resumed) == without_time(full[2:])
     a = load_model_weights(tmp_path / "full" / "test" / "checkpoints" / "global_step_4")
@@ -239,7 +241,7 @@ def test_retention_keeps_the_newest_with_a_kl_reference_and_bfloat16_compute(ray
     # dp 2 x tp 1 with the whole gradients all-reduced once per step (ZeRO-1), the other runs' sharded ones aside
     Supervisor(megatron_config(tmp_path, 1, 2, "runner.max_steps=4", "runner.save_interval=1", "runner.max_ckpt_to_keep=2",
                                "algorithm.use_kl_loss=true", "actor.param_dtype=bfloat16",
-                               "actor.shard_gradients=false")).run()
+                               "actor.shard_gradients=false", "actor.shard_weights=false")).run()
     root = tmp_path / "test" / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["global_step_3", "global_step_4"]
     assert [s.status for s in scan_checkpoints(LOCAL, str(root), checksums=True)] == [COMPLETE] * 2
@@ -267,8 +269,12 @@ def test_a_checkpoint_of_the_other_backend_is_refused(reference, tmp_path):
          "actor.num_workers (3) must be a multiple of actor.tensor_model_parallel_size (2)"),
         (["actor.training_backend=deepspeed"], "actor.training_backend must be one of fsdp, megatron, got 'deepspeed'"),
         (["actor.shard_gradients=false"], "actor.shard_gradients=false needs actor.training_backend=megatron"),
+        (["actor.shard_weights=false"], "actor.shard_weights=false needs actor.training_backend=megatron"),
+        (["actor.training_backend=megatron", "actor.shard_gradients=false"],
+         "actor.shard_weights=true needs actor.shard_gradients=true"),
     ],
-    ids=["tp_without_megatron", "workers_not_a_multiple", "unknown_backend", "whole_gradients_without_megatron"],
+    ids=["tp_without_megatron", "workers_not_a_multiple", "unknown_backend", "whole_gradients_without_megatron",
+         "whole_weights_without_megatron", "sharded_weights_with_whole_gradients"],
 )
 def test_parallel_config_errors_are_one_line(tmp_path, overrides, expected):
     with pytest.raises(ConfigError) as error:

@@ -29,6 +29,9 @@ class FSDPBackend(TrainingBackend):
         if not cfg.actor.shard_gradients:
             raise ConfigError("actor.shard_gradients=false needs actor.training_backend=megatron (fsdp always "
                               "reduce-scatters its gradients to the ranks' shards)")
+        if not cfg.actor.shard_weights:
+            raise ConfigError("actor.shard_weights=false needs actor.training_backend=megatron (fsdp always shards "
+                              "its weights and all-gathers them a unit at a time)")
 
     def checkpoint_manager(self, actor_group: Any, rank_map: RankMap, timeout_s: float | None, background: bool,
                            storage_options: Mapping[str, Any] | None) -> Any:

@@ -27,6 +27,9 @@ class MegatronBackend(TrainingBackend):
                 "actor.reduce_dtype must be float32 with actor.training_backend=megatron (gradients are reduced in "
                 f"float32), got '{cfg.actor.reduce_dtype}'"
             )
+        if cfg.actor.shard_weights and not cfg.actor.shard_gradients:
+            raise ConfigError("actor.shard_weights=true needs actor.shard_gradients=true (whole gradients would outweigh "
+                              "sharded weights); set actor.shard_weights=false for Megatron-LM's own layout")
 
     def check_model(self, hf_config: Any, actor_cfg: Mapping[str, Any]) -> None:
         from rlrunner.backends.megatron.layout import Qwen2Dims, check_splittable

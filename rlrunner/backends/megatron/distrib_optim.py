@@ -18,7 +18,13 @@ of one TP rank hold the same parameters, so they split the optimizer's work betw
   weights are the model's own: no copy), with the moments in two flat tensors of the slice's size, so a rank holds
   4 + 4/D + 8/D bytes per parameter of its TP shard, and a step's temporaries are one chunk;
 * after a step each replica has updated its slice in place, and one all_gather over DP into the buffer gives every
-  replica the whole, identical update.
+  replica the whole, identical update;
+* with `shard_weights` (ZeRO-3) a rank keeps only its slice of the weights too, and no whole buffer: the parameters
+  are grouped in units (the model's embedding, each layer, the head: `units`), each a view of a buffer of its own
+  whose storage is empty except while the unit is gathered (`gather`, `release`): the owners of its elements
+  broadcast them over DP. The model gathers a unit before using it and releases it after, in forward and again in
+  backward (`TPQwen2ForCausalLM.weight_units`), so a rank holds 4/D + 4/D + 8/D bytes per parameter of its TP shard,
+  the share, and one or two units. The step updates the owned slice, and nothing is exchanged after it.
 
 Every parameter must get a gradient in every backward (the hooks are collectives over DP, run in backward's order,
 the same on every replica), as Megatron's and torch's DDP require by default. The hooks belong to the parameters:
@@ -63,12 +69,17 @@ class DistributedAdamW:
         step_chunk_elements: int = STEP_CHUNK_ELEMENTS,
         shard_gradients: bool = True,
         bucket_elements: int = BUCKET_ELEMENTS,
+        shard_weights: bool = False,
+        units: Sequence[Sequence[str]] | None = None,
     ):
         """`named_params` (fp32) become views of this optimizer's buffer: their values are kept, or zero for parameters
         on the meta device (a model built there gets its storage here, and its weights are copied in afterwards).
         `shard_gradients`: keep the owned slice of the gradients only, each parameter's reduced in backward (ZeRO-2);
         False keeps the whole gradient buffer, all_reduced once by `reduce_gradients` (ZeRO-1: fewer collectives when
-        backward runs several times per step, 4 + 4 + 8/D bytes per parameter)."""
+        backward runs several times per step, 4 + 4 + 8/D bytes per parameter).
+        `shard_weights`: keep the owned slice of the weights only (ZeRO-3, needs `shard_gradients`); `units` are the
+        parameter names of each unit gathered at once, consecutive runs of `named_params` covering all of them. At DP
+        size 1 it changes nothing: the slice is everything, and stays gathered."""
         self.names = [name for name, _ in named_params]
         self.index = {name: index for index, name in enumerate(self.names)}
         self.params = [param for _, param in named_params]
@@ -89,8 +100,29 @@ class DistributedAdamW:
         start = self.dp_rank * self.slice_size
         self.owned = slice(start, start + self.slice_size)
 
-        self.flat_params = bind_to_buffer(self.params, self.slice_size * self.dp_size, self.device)
         self.shard_gradients = shard_gradients and self.dp_size > 1
+        self.shard_weights = shard_weights and self.dp_size > 1
+        if self.shard_weights and not self.shard_gradients:
+            raise ValueError("shard_weights (ZeRO-3) needs shard_gradients: the whole gradients would outweigh the weights")
+        if self.shard_weights:
+            self.units = _unit_ranges(self.names, self.offsets, units)
+            self.unit_of = [index for index, (first, last) in enumerate(self.units)
+                            for _ in range(first, last)]  # parameter index -> its unit
+            self.owned_params = torch.zeros(self.slice_size, dtype=torch.float32, device=self.device)
+            for index, param in enumerate(self.params):  # values given (not on the meta device): their owned parts
+                if param.device.type != "meta":
+                    self.load_weight(self.names[index], param.detach())
+            self.unit_buffers = []
+            for first, last in self.units:  # each unit's buffer, its storage empty until gathered
+                params = self.params[first:last]
+                buffer = bind_to_buffer(params, self.offsets[last] - self.offsets[first], self.device)
+                buffer.untyped_storage().resize_(0)
+                self.unit_buffers.append(buffer)
+            self._gathered = [0] * len(self.units)  # how many holders each unit has now
+            self._unit_sizes = [self.offsets[last] - self.offsets[first] for first, last in self.units]
+        else:
+            self.flat_params = bind_to_buffer(self.params, self.slice_size * self.dp_size, self.device)
+            self.owned_params = self.flat_params[self.owned]
         # the gradient buffer: the owned slice (sharded), or the whole padded flat space whose `.grad` views backward
         # accumulates into in place, the gradients never copied (at DP size 1 the two are the same)
         self.grad_buffer = torch.zeros(self.slice_size if self.shard_gradients else self.slice_size * self.dp_size,
@@ -118,7 +150,7 @@ class DistributedAdamW:
         # temporaries (the square root of exp_avg_sq, the update) are one chunk, not the whole slice. The moments are
         # two flat tensors of the slice's size; each chunk's state is a view of them, made before AdamW would make its
         # own. foreach=False: the plain per-element AdamW, the same bits whatever chunk or slice an element falls in.
-        self.chunks = [torch.nn.Parameter(view) for view in self.flat_params[self.owned].split(step_chunk_elements)]
+        self.chunks = [torch.nn.Parameter(view) for view in self.owned_params.split(step_chunk_elements)]
         self.moments = {key: torch.zeros(self.slice_size, dtype=torch.float32, device=self.device) for key in MOMENTS}
         self.optimizer = torch.optim.AdamW(
             self.chunks, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, foreach=False
@@ -224,8 +256,8 @@ class DistributedAdamW:
         self.optimizer.step()  # updates this rank's slice of the model's weights in place
         for chunk in self.chunks:
             chunk.grad = None
-        if self.dp_size > 1:  # every replica's slice into every replica's buffer
-            self._exchange_slices(self.flat_params[self.owned], self.flat_params)
+        if self.dp_size > 1 and not self.shard_weights:  # every replica's slice into every replica's buffer
+            self._exchange_slices(self.owned_params, self.flat_params)
         return norm
 
     def zero_grad(self) -> None:
@@ -251,6 +283,70 @@ class DistributedAdamW:
             else:
                 view.copy_(param.grad)
             param.grad = view
+
+    # --- weights (sharded with `shard_weights`) ------------------------------------------------------------------
+
+    def _owner_parts(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """(DP rank, first, last): the elements [first, last) of the flat range [lo, hi) each DP rank owns."""
+        return [(owner, max(lo, owner * self.slice_size), min(hi, (owner + 1) * self.slice_size))
+                for owner in range(lo // self.slice_size, (hi - 1) // self.slice_size + 1)] if hi > lo else []
+
+    @torch.no_grad()
+    def gather(self, unit: int) -> None:
+        """Give unit `unit`'s parameters their whole values: each DP rank broadcasts the elements it owns (a collective
+        over DP, called by every DP rank in the same order). Nested calls count: the unit stays until as many
+        `release`s. Without `shard_weights`, nothing to do."""
+        if not self.shard_weights:
+            return
+        self._gathered[unit] += 1
+        if self._gathered[unit] > 1:
+            return
+        buffer = self.unit_buffers[unit]
+        lo = self.offsets[self.units[unit][0]]
+        # the parameters are views of the buffer, and autograd may hold them for backward: refilling must not count as
+        # an in-place change of what it saved (the values are the same ones, put back)
+        with torch.autograd._unsafe_preserve_version_counter(buffer):
+            buffer.untyped_storage().resize_(self._unit_sizes[unit] * buffer.element_size())
+            for owner, first, last in self._owner_parts(lo, lo + self._unit_sizes[unit]):
+                part = buffer[first - lo : last - lo]
+                if owner == self.dp_rank:
+                    part.copy_(self.owned_params[first - self.owned.start : last - self.owned.start])
+                dist.broadcast(part, src=self._dp_ranks[owner], group=self.dp_group)
+
+    def release(self, unit: int) -> None:
+        """Drop unit `unit`'s gathered values (its buffer's storage), once every `gather` of it has been released."""
+        if not self.shard_weights:
+            return
+        if self._gathered[unit] <= 0:
+            raise RuntimeError(f"weight unit {unit} released more often than gathered")
+        self._gathered[unit] -= 1
+        if self._gathered[unit] == 0:
+            self.unit_buffers[unit].untyped_storage().resize_(0)
+
+    @property
+    def num_units(self) -> int:
+        return len(self.units) if self.shard_weights else 0
+
+    def unit_of_param(self, name: str) -> int:
+        """The unit parameter `name` is gathered with."""
+        return self.unit_of[self.index[name]]
+
+    @torch.no_grad()
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """Set parameter `name` to `tensor` (its shape): sharded, only the elements this rank owns are copied; whole,
+        the parameter itself. No collective: every replica loads the same values."""
+        index = self.index[name]
+        param = self.params[index]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+        if not self.shard_weights:
+            param.copy_(tensor)
+            return
+        lo, hi = self.offsets[index], self.offsets[index + 1]
+        first, last = max(lo, self.owned.start), min(hi, self.owned.stop)
+        if first < last:
+            flat = tensor.reshape(-1)
+            self.owned_params[first - self.owned.start : last - self.owned.start].copy_(flat[first - lo : last - lo])
 
     # --- state ---------------------------------------------------------------------------------------------
 
@@ -336,18 +432,21 @@ class DistributedAdamW:
 
     def local_state(self) -> dict[str, Any]:
         """This DP rank's own part of the state, live (no collective): the step count and its slice of the moments
-        (its weights are the model's)."""
-        return {"step": self._step_count(), **self.moments}
+        (its weights are the model's; sharded, its slice of them too)."""
+        weights = {"weights": self.owned_params} if self.shard_weights else {}
+        return {"step": self._step_count(), **self.moments, **weights}
 
     @torch.no_grad()
     def load_local_state(self, state: dict[str, Any]) -> None:
         """Put back what `local_state` gave, on the same DP rank of the same layout (the model's weights of the same
         moment are loaded into the model)."""
-        for key in MOMENTS:
-            if tuple(state[key].shape) != tuple(self.moments[key].shape):
-                raise ValueError(f"optimizer state {key} has shape {tuple(state[key].shape)}, this rank's slice is "
-                                 f"{tuple(self.moments[key].shape)}: not the same layout")
-            self.moments[key].copy_(state[key])
+        mine = {**self.moments, **({"weights": self.owned_params} if self.shard_weights else {})}
+        for key, tensor in mine.items():
+            if key not in state or tuple(state[key].shape) != tuple(tensor.shape):
+                got = tuple(state[key].shape) if key in state else "nothing"
+                raise ValueError(f"optimizer state {key} has shape {got}, this rank's slice is {tuple(tensor.shape)}: "
+                                 "not the same layout")
+            tensor.copy_(state[key])
         self._set_chunk_state(int(state["step"]))
         self.zero_grad()  # the state has no gradients: none left by an interrupted step may count in the next
 
@@ -458,6 +557,62 @@ def _check_names(names: list[str], replicated: set[str]) -> None:
     unknown = sorted(set(replicated) - set(names))
     if unknown:
         raise ValueError(f"replicated parameter {unknown[0]!r} is not among the optimizer's parameters")
+
+
+class UnitCursor:
+    """Visits every weight unit of `optimizer` once, in order, gathered one at a time: what a pass over the whole
+    weights (a save, a weight sync) does with sharded weights. Every DP rank must make the same visits, so a rank that
+    reads nothing still walks them (`finish`), and a rank that stops early (an error) walks the rest in `finish` too,
+    instead of leaving its peers waiting in a gather. Without `shard_weights` it gathers nothing."""
+
+    def __init__(self, optimizer: DistributedAdamW):
+        self.optimizer = optimizer
+        self.current = -1  # the unit gathered now (-1: none yet)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Parameter `name`, its unit gathered (the units before it visited, the one before released): valid until a
+        later unit is asked for or `finish`. Units must be asked for in order."""
+        optimizer = self.optimizer
+        if not optimizer.shard_weights:
+            return optimizer.params[optimizer.index[name]]
+        unit = optimizer.unit_of_param(name)
+        if unit < self.current:
+            raise RuntimeError(f"weight unit {unit} asked for after unit {self.current}: a pass visits them in order")
+        self._advance_to(unit)
+        return optimizer.params[optimizer.index[name]]
+
+    def _advance_to(self, unit: int) -> None:
+        while self.current < unit:
+            if self.current >= 0:
+                self.optimizer.release(self.current)
+            self.current += 1
+            self.optimizer.gather(self.current)
+
+    def finish(self) -> None:
+        """Visit the units left, and release the last."""
+        last = self.optimizer.num_units - 1
+        if not self.optimizer.shard_weights or self.current > last:
+            return
+        self._advance_to(last)
+        self.optimizer.release(last)
+        self.current = last + 1  # done: nothing is gathered
+
+
+def _unit_ranges(names: list[str], offsets: list[int], units: Sequence[Sequence[str]] | None) -> list[tuple[int, int]]:
+    """[first, last) parameter indices of each unit; ValueError unless the units are consecutive runs of `names`
+    covering every one once, in order."""
+    if not units:
+        raise ValueError("shard_weights needs the units the parameters are gathered in")
+    ranges, position = [], 0
+    for unit in units:
+        unit = list(unit)
+        if not unit or names[position : position + len(unit)] != unit:
+            raise ValueError(f"weight unit {unit[:2]}... is not the next run of parameters (expected {names[position:position + 1]})")
+        ranges.append((position, position + len(unit)))
+        position += len(unit)
+    if position != len(names):
+        raise ValueError(f"the weight units leave out {len(names) - position} parameter(s), e.g. {names[position]!r}")
+    return ranges
 
 
 def _square_sum(tensor: torch.Tensor, chunk: int = NORM_CHUNK_ELEMENTS) -> torch.Tensor:

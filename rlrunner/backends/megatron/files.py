@@ -32,8 +32,10 @@ import collections
 import contextlib
 import os
 import re
+import struct
 import tempfile
-from typing import Any, Iterator, Mapping, Sequence
+import zipfile
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -232,12 +234,112 @@ def write_rank_file(
     return write_state_file(storage, root, rank_file(iteration, tp_rank), state)
 
 
-def write_state_file(storage: Storage, root: str, name: str, state: Mapping[str, Any]) -> dict[str, FileRecord]:
-    """torch.save `state` to `root`/`name` (checked loadable with weights_only first); {name: size and CRC-32}."""
+def write_state_file(
+    storage: Storage,
+    root: str,
+    name: str,
+    state: Mapping[str, Any],
+    deferred: Mapping[int, Callable[[], torch.Tensor]] | None = None,
+) -> dict[str, FileRecord]:
+    """torch.save `state` to `root`/`name` (checked loadable with weights_only first); {name: size and CRC-32}.
+
+    `deferred` maps `id(tensor)` of tensors in `state` that only stand for their values (their dtype and shape count,
+    e.g. an untouched `torch.empty`) to a function giving the values, called once each, in the order the file holds
+    them (the order `state` lists them), when its bytes are written: a file larger than memory is written one tensor
+    at a time. The file is torch.save's own, byte for byte (`_write_streamed`)."""
     check_loadable(state, name)
     with storage.open_write(storage.join(root, name)) as writer:
-        torch.save(dict(state), writer)
+        if deferred and any(id(tensor) in deferred for tensor in _tensors_in_save_order(state, [])):
+            _write_streamed(dict(state), deferred, writer)
+        else:
+            torch.save(dict(state), writer)
     return {name: writer.record()}
+
+
+def _tensors_in_save_order(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors under `obj` in the order torch.save's pickler meets them (dicts in order, keys before values;
+    lists and tuples in order): its storages' record names are their positions in this order."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, argparse.Namespace):
+        _tensors_in_save_order(vars(obj), out)
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            _tensors_in_save_order(key, out)
+            _tensors_in_save_order(value, out)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _tensors_in_save_order(value, out)
+    return out
+
+
+def _storage_records(skeleton: Any) -> list[tuple[int, int, int]]:
+    """(storage index, data offset, size) of every `<archive>/data/<index>` record of a torch.save zip file, by
+    offset. The offset is read from the record's local header (torch pads its extra field to align the data)."""
+    records = []
+    for info in zipfile.ZipFile(skeleton).infolist():
+        folder, _, index = info.filename.rpartition("/")
+        if not folder.endswith("/data") or not index.isdigit():
+            continue
+        skeleton.seek(info.header_offset)
+        header = skeleton.read(30)
+        if header[:4] != b"PK\x03\x04":
+            raise ValueError(f"{info.filename}: no zip local header at {info.header_offset}")
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        records.append((int(index), info.header_offset + 30 + name_len + extra_len, info.file_size))
+    return sorted(records, key=lambda record: record[1])
+
+
+def _write_streamed(state: dict[str, Any], deferred: Mapping[int, Callable[[], torch.Tensor]], writer: Any) -> None:
+    """torch.save `state` into `writer`, asking `deferred` for the values of its stand-in tensors as their bytes are
+    due. torch.save under `torch.serialization.skip_data` writes the file with room left for every tensor's bytes
+    (into a sparse temporary file: no bytes written there), and the file is then copied through, each tensor's bytes
+    put in its room; torch.load checks no CRC of skipped records (the zip's is left 0)."""
+    tensors = _tensors_in_save_order(state, [])
+    if len({t.untyped_storage().data_ptr() for t in tensors if t.untyped_storage().nbytes()}) != len(
+            [t for t in tensors if t.untyped_storage().nbytes()]):
+        raise ValueError("a streamed save needs every tensor in its own storage")
+    with tempfile.TemporaryFile() as skeleton:
+        with torch.serialization.skip_data():
+            torch.save(state, skeleton)
+        records = _storage_records(skeleton)
+        if sorted(index for index, _, _ in records) != list(range(len(tensors))):
+            raise ValueError(f"torch.save wrote {len(records)} storages for the {len(tensors)} tensors of the state")
+        skeleton.seek(0)
+        position = 0
+        for index, offset, size in records:
+            _copy(skeleton, writer, offset - position)
+            stand_in = tensors[index]
+            produce = deferred.get(id(stand_in))
+            if produce is None:  # a tensor of its own: torch.save writes its whole storage
+                data = torch.empty(0, dtype=torch.uint8).set_(stand_in.detach().cpu().untyped_storage())
+            else:
+                tensor = produce()
+                if tensor.dtype != stand_in.dtype or tuple(tensor.shape) != tuple(stand_in.shape):
+                    raise ValueError(f"storage {index}: {tensor.dtype} {tuple(tensor.shape)} given for a stand-in of "
+                                     f"{stand_in.dtype} {tuple(stand_in.shape)}")
+                data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                del tensor
+            if data.numel() != size:
+                raise ValueError(f"storage {index}: {data.numel()} bytes for a record of {size}")
+            writer.write(data.numpy())
+            del data
+            skeleton.seek(offset + size)
+            position = offset + size
+        _copy(skeleton, writer, None)
+
+
+def _copy(source: Any, target: Any, count: int | None, chunk: int = 1 << 20) -> None:
+    """Copy `count` bytes (None: the rest) of `source` into `target`."""
+    while count is None or count > 0:
+        data = source.read(chunk if count is None else min(chunk, count))
+        if not data:
+            if count:
+                raise ValueError(f"the skeleton file ended {count} bytes early")
+            return
+        target.write(data)
+        if count is not None:
+            count -= len(data)
 
 
 def write_tracker(storage: Storage, root: str, iteration: int) -> dict[str, FileRecord]:

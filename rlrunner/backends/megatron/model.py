@@ -13,7 +13,7 @@ are already whole on every rank and the shard gradients are the HF gradients spl
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.utils.checkpoint
@@ -90,6 +90,59 @@ def _reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 def _gather_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x if _tp_size(group) == 1 else _GatherLast.apply(x, group)
+
+
+# --- weights gathered unit by unit (ZeRO-3) ---------------------------------------------------------------
+
+
+class _GatherOnEntry(torch.autograd.Function):
+    """Identity on `x`; gathers weight unit `unit` of `units` in forward and releases it in backward (where the unit's
+    backward is done: autograd runs it after the unit's own)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, units: Any, unit: int) -> torch.Tensor:
+        ctx.units, ctx.unit = units, unit
+        units.gather(unit)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.units.release(ctx.unit)
+        return grad, None, None
+
+
+class _ReleaseOnExit(torch.autograd.Function):
+    """Identity on `x`; releases weight unit `unit` in forward and gathers it again in backward, before the unit's
+    backward (and its recomputation) needs the weights."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, units: Any, unit: int) -> torch.Tensor:
+        ctx.units, ctx.unit = units, unit
+        units.release(unit)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.units.gather(ctx.unit)
+        return grad, None, None
+
+
+def _enter(x: torch.Tensor, units: Any, unit: int) -> torch.Tensor:
+    if units is None:
+        return x
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _GatherOnEntry.apply(x, units, unit)
+    units.gather(unit)  # no backward will come: gather and release in forward only
+    return x
+
+
+def _exit(x: torch.Tensor, units: Any, unit: int) -> torch.Tensor:
+    if units is None:
+        return x
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _ReleaseOnExit.apply(x, units, unit)
+    units.release(unit)
+    return x
 
 
 # --- parallel layers (parameter names as megatron-core's) --------------------------------------------
@@ -254,11 +307,27 @@ class TPQwen2ForCausalLM(nn.Module):
         # on the CPU for a meta-device build (whose parameters get their storage from `bind_to_buffer`)
         self.rotary = Qwen2RotaryEmbedding(config).to(None if torch.device(device or "cpu").type == "meta" else device)
         self.gradient_checkpointing = False  # in training, keep each layer's input only and recompute it in backward
+        # ZeRO-3: an object with gather(unit) / release(unit) (DistributedAdamW with shard_weights) that gives the
+        # units of `weight_unit_names` their values around each use; None: every parameter holds its values
+        self.weight_units: Any = None
 
-    def load_megatron_shard(self, shard: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
+    def weight_unit_names(self) -> list[list[str]]:
+        """The parameter names of each unit gathered at once, in `named_parameters` order: the embedding, each layer,
+        then the final norm with the output layer."""
+        names = [name for name, _ in self.named_parameters()]
+        embedding = [n for n in names if n.startswith("embedding.")]
+        layers = [[n for n in names if n.startswith(f"decoder.layers.{i}.")] for i in range(self.dims.num_layers)]
+        head = [n for n in names if n.startswith("decoder.final_layernorm.") or n.startswith("output_layer.")]
+        return [embedding, *layers, head]
+
+    def load_megatron_shard(
+        self,
+        shard: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        into: Callable[[str, torch.Tensor], None] | None = None,
+    ) -> None:
         """Copy this rank's megatron-core dict (or its entries, one at a time) into the parameters (`_extra_state`
         entries ignored); ValueError naming the first missing, unexpected or misshapen key. A dict is checked whole
-        before anything is copied."""
+        before anything is copied. `into(key, tensor)` does the copy instead (sharded weights: the owned part only)."""
         own = self.state_dict()
         if isinstance(shard, Mapping):
             given = {k: v for k, v in shard.items() if not k.endswith(EXTRA_STATE)}
@@ -278,7 +347,10 @@ class TPQwen2ForCausalLM(nn.Module):
                 if tuple(tensor.shape) != tuple(own[key].shape):
                     raise ValueError(f"{key} has shape {tuple(tensor.shape)} in the shard, expected "
                                      f"{tuple(own[key].shape)} for tensor-parallel size {self.tp}")
-                own[key].copy_(tensor)
+                if into is not None:
+                    into(key, tensor)
+                else:
+                    own[key].copy_(tensor)
                 loaded.add(key)
         missing = sorted(set(own) - loaded)
         if missing:
@@ -293,19 +365,35 @@ class TPQwen2ForCausalLM(nn.Module):
         """Logits [batch, seq, vocab_size] over the real vocabulary (the padding columns are dropped after the
         gather, so they never reach a loss or a sampler). Positions default to 0..seq-1, as HF's."""
         seq = input_ids.shape[1]
-        hidden = self.embedding.word_embeddings(input_ids)
+        units = self.weight_units
+        head = self.dims.num_layers + 1
+        if units is not None:  # the lookup's backward needs no weights: the embedding is gathered for the forward only
+            units.gather(0)
+        try:
+            hidden = self.embedding.word_embeddings(input_ids)
+        finally:
+            if units is not None:
+                units.release(0)
         if position_ids is None:
             position_ids = torch.arange(seq, device=input_ids.device)[None]
         cos, sin = self.rotary(hidden, position_ids)
         mask = None if attention_mask is None else _padding_mask(attention_mask, seq)
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for layer in self.decoder.layers:
+        for index, layer in enumerate(self.decoder.layers, start=1):
+            hidden = _enter(hidden, units, index)  # outside the checkpoint: its recomputation finds the unit gathered
             if recompute:  # non-reentrant: the autocast state and the TP collectives are replayed as they ran
                 hidden = torch.utils.checkpoint.checkpoint(layer, hidden, cos, sin, mask, use_reentrant=False)
             else:
                 hidden = layer(hidden, cos, sin, mask)
+            hidden = _exit(hidden, units, index)
+        hidden = _enter(hidden, units, head)
+        if self.dims.tie_word_embeddings:
+            hidden = _enter(hidden, units, 0)
         hidden = self.decoder.final_layernorm(hidden)
         weight = self.embedding.word_embeddings.weight if self.dims.tie_word_embeddings else self.output_layer.weight
         logits = F.linear(_copy_to_tp(hidden, self.tp_group), weight)
+        if self.dims.tie_word_embeddings:
+            logits = _exit(logits, units, 0)
+        logits = _exit(logits, units, head)
         return _gather_last(logits, self.tp_group)[..., : self.dims.vocab_size]
 

@@ -21,8 +21,8 @@ what its part covers. RNG states are restored only when both sizes match.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -40,14 +40,22 @@ class MegatronRankState:
     written before the next step)."""
 
     files: dict[str, dict[str, Any]]
+    # stand-in tensors whose values are read as the file is written (sharded weights: `write_state_file`), and what
+    # to run once the files are written, or failed (the walk over the weight units every DP rank makes, finished)
+    deferred: dict[int, Callable[[], Any]] = field(default_factory=dict)
+    after: Callable[[], None] | None = None
 
     def write(self, url: str, storage_options: Mapping[str, Any] | None) -> dict[str, FileRecord]:
         """Write every file under `url` (the checkpoint's actor folder); {relative name: size and CRC-32}."""
-        storage = open_storage(url, storage_options)
-        records: dict[str, FileRecord] = {}
-        for name, state in self.files.items():
-            records.update(write_state_file(storage, url, name, state))
-        return records
+        try:
+            storage = open_storage(url, storage_options)
+            records: dict[str, FileRecord] = {}
+            for name, state in self.files.items():
+                records.update(write_state_file(storage, url, name, state, self.deferred))
+            return records
+        finally:
+            if self.after is not None:
+                self.after()
 
 
 # -- loading -----------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from typing import Any, Mapping
 
 import torch
 
-from rlrunner.backends.megatron.layout import Qwen2Dims, rank_blocks
+from rlrunner.backends.megatron.distrib_optim import UnitCursor
+from rlrunner.backends.megatron.layout import HFBlock, Qwen2Dims, rank_blocks
 from rlrunner.weight_sync.endpoints import Block, WeightSource
 
 
@@ -28,14 +29,40 @@ def hf_blocks(shard: Mapping[str, torch.Tensor], config: Any, tp: int, rank: int
 
 class MegatronWeightSource(WeightSource):
     """Data-parallel rank 0's tensor-parallel ranks each send their own slices, in HF layout; the other data-parallel
-    replicas hold the same weights and send nothing."""
+    replicas hold the same weights and send nothing.
+
+    With sharded weights (ZeRO-3) the blocks hold only their shapes; each block's values are taken from its unit,
+    gathered as the sync reaches it (`UnitCursor`), and the other data-parallel ranks walk the units along with it
+    (`end_of_sync`), so no rank holds more than a unit of the weights beyond its slice."""
 
     def __init__(self, worker: Any):  # a MegatronActorWorker
         self.worker = worker
+        self.cursor: UnitCursor | None = None
+
+    def _rank_blocks(self) -> list[HFBlock]:
+        worker = self.worker
+        rows = worker.model.embedding.word_embeddings.weight.shape[0]
+        return rank_blocks(Qwen2Dims.from_config(worker.hf_config), worker.tp, worker.tp_rank, rows)
 
     def blocks(self) -> list[Block]:
         worker = self.worker
         if worker.dp_rank != 0:
             return []
-        shard = {k: v.detach() for k, v in worker.model.state_dict().items()}
-        return [Block(*block) for block in hf_blocks(shard, worker.hf_config, worker.tp, worker.tp_rank)]
+        if not worker.optimizer.shard_weights:
+            shard = {k: v.detach() for k, v in worker.model.state_dict().items()}
+            return [Block(*block) for block in hf_blocks(shard, worker.hf_config, worker.tp, worker.tp_rank)]
+        shapes = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in worker.model.state_dict().items()}
+        return [Block(b.name, b.shape, b.dim, b.start, b.stop, b.take(shapes[b.key])) for b in self._rank_blocks()]
+
+    def block_tensor(self, index: int, block: Block) -> torch.Tensor:
+        if not self.worker.optimizer.shard_weights:
+            return block.tensor
+        if self.cursor is None:  # the first block of this sync
+            self.cursor = UnitCursor(self.worker.optimizer)
+            self.hf_blocks = self._rank_blocks()
+        hf_block = self.hf_blocks[index]
+        return hf_block.take(self.cursor.tensor(hf_block.key).detach())
+
+    def end_of_sync(self) -> None:
+        cursor, self.cursor = self.cursor or UnitCursor(self.worker.optimizer), None
+        cursor.finish()

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from rlrunner.backends.actor import ActorWorker
-from rlrunner.backends.megatron.distrib_optim import DistributedAdamW, bind_to_buffer
+from rlrunner.backends.megatron.distrib_optim import DistributedAdamW, UnitCursor, bind_to_buffer
 from rlrunner.backends.megatron.files import (
     megatron_args,
     megatron_rng_entry,
@@ -88,8 +88,11 @@ class MegatronActorWorker(ActorWorker):
             list(self.model.named_parameters()), self.dp_group, self.tp_group, replicated_names(self.model),
             lr=optim["lr"], betas=tuple(optim["betas"]), weight_decay=optim["weight_decay"], device=self.device,
             shard_gradients=bool(self.actor_cfg["shard_gradients"]),
+            shard_weights=bool(self.actor_cfg["shard_weights"]), units=self.model.weight_unit_names(),
         )
-        self._load_initial_weights(self.model)
+        if self.optimizer.shard_weights:  # ZeRO-3: the model gathers each unit around its use
+            self.model.weight_units = self.optimizer
+        self._load_initial_weights(self.model, self.optimizer.load_weight)
         self.model.gradient_checkpointing = bool(self.actor_cfg["gradient_checkpointing"])
         self.model.train()
         self.scheduler = build_schedule(self.optimizer.optimizer, optim, self.total_optimizer_steps)
@@ -100,10 +103,11 @@ class MegatronActorWorker(ActorWorker):
             self._load_initial_weights(self.ref_model.requires_grad_(False))
             self.ref_model.eval()
 
-    def _load_initial_weights(self, model: TPQwen2ForCausalLM) -> None:
+    def _load_initial_weights(self, model: TPQwen2ForCausalLM, into=None) -> None:
         plan = meta_model(self.hf_config, self.model_cfg["attn_implementation"], torch.float32)  # names and shapes
         tensors = initial_tensors(self.model_cfg, self.hf_config, self.init_seed, plan, self.read_weights)
-        model.load_megatron_shard(iter_hf_to_megatron_rank(tensors, self.hf_config, self.tp, self.tp_rank, self.divisible_by))
+        model.load_megatron_shard(
+            iter_hf_to_megatron_rank(tensors, self.hf_config, self.tp, self.tp_rank, self.divisible_by), into)
         model.to(self.device)  # the rotary table (the parameters are there already)
 
     # -- the update's backend parts ------------------------------------------------------------
@@ -114,8 +118,11 @@ class MegatronActorWorker(ActorWorker):
 
     def forward_logits(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         compute = torch_dtype(self.actor_cfg["param_dtype"])
+        # sharded weights: no cache of each weight's cast copy, which would keep every unit's (in the compute dtype)
+        # for the whole forward after the unit itself is released
         autocast = (
-            torch.autocast(self.device.type, dtype=compute) if compute != torch.float32 else contextlib.nullcontext()
+            torch.autocast(self.device.type, dtype=compute, cache_enabled=not self.optimizer.shard_weights)
+            if compute != torch.float32 else contextlib.nullcontext()
         )
         with autocast:
             return model(input_ids)
@@ -138,20 +145,34 @@ class MegatronActorWorker(ActorWorker):
             step, self.tp, self.data_parallel_size, self.dp_rank, own["step"], self.optimizer.layout(), own["start"],
             own["stop"], own["exp_avg"], own["exp_avg_sq"],
         )}
+        sharded = self.optimizer.shard_weights
+        cursor = UnitCursor(self.optimizer)
+        deferred = {}
+        weights: dict[str, torch.Tensor] = {}
+        if self.dp_rank == 0:
+            for key, param in self.model.state_dict().items():
+                if not sharded:
+                    weights[key] = param.detach().to("cpu", copy=background)
+                elif background:  # a copy of every unit now, one gathered at a time (the other DP ranks walk along)
+                    weights[key] = cursor.tensor(key).detach().to("cpu", copy=True)
+                else:  # written from each unit while it is gathered: a stand-in now, the values when they are due
+                    weights[key] = torch.empty(param.shape, dtype=param.dtype)
+                    deferred[id(weights[key])] = lambda key=key: cursor.tensor(key).detach()
+        if sharded and (background or self.dp_rank != 0):
+            cursor.finish()  # every DP rank walks every unit (the writer's walk ends in `write`)
         if self.dp_rank == 0:
             args = megatron_args(
                 self.hf_config, self.tp, self.data_parallel_size, self.divisible_by, torch.float32,
                 iteration=step, train_iters=self.total_optimizer_steps, lr=self.actor_cfg["optim"]["lr"],
                 use_distributed_optimizer=True,
             )
-            model = {**{k: v.detach().to("cpu", copy=background) for k, v in self.model.state_dict().items()},
-                     **{k: None for k in _extra_state_keys(self)}}
+            model = {**weights, **{k: None for k in _extra_state_keys(self)}}
             optimizer = {**self.optimizer.param_groups_state(), "distributed_optimizer": True,
                          "state_files": "distrib_optim_dp_*.pt"}
             files[rank_file(step, self.tp_rank)] = rank_state(
                 step, model, args, optimizer, self.scheduler.state_dict(), rng,
             )
-        state = MegatronRankState(files)
+        state = MegatronRankState(files, deferred, cursor.finish if deferred else None)
         self.saver.run(lambda: state.write(url, storage_options), background)
 
     def load_checkpoint(self, url: str, storage_options: dict[str, Any] | None) -> bool:
@@ -161,7 +182,7 @@ class MegatronActorWorker(ActorWorker):
             url, storage_options, self.hf_config, self.tp, self.tp_rank, self.data_parallel_size, self.dp_rank,
             self.divisible_by,
         )
-        self.model.load_megatron_shard(loaded.model)
+        self.model.load_megatron_shard(loaded.model, self.optimizer.load_weight)
         loaded.load_moments(self.optimizer)
         self.scheduler.load_state_dict(loaded.scheduler)
         apply_schedule(self.optimizer.optimizer, self.scheduler)  # this run's schedule, not the saved run's
@@ -172,14 +193,16 @@ class MegatronActorWorker(ActorWorker):
     # -- in-memory snapshots --------------------------------------------------------------------
 
     def training_state(self) -> dict[str, Any]:
+        sharded = self.optimizer.shard_weights  # then the optimizer's local state holds this rank's slice of them
         return {
-            "model": {k: v.detach() for k, v in self.model.state_dict().items()},
+            "model": {} if sharded else {k: v.detach() for k, v in self.model.state_dict().items()},
             "optimizer": self.optimizer.local_state(),
             "scheduler": self.scheduler.state_dict(),
         }
 
     def load_training_state(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        if not self.optimizer.shard_weights:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_local_state(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
@@ -188,9 +211,13 @@ class MegatronActorWorker(ActorWorker):
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective over data-parallel rank 0's tensor-parallel group: the full weights in the HF layout (tied output
         included under its HF name, as an HF model's state dict lists it) on rank 0, None elsewhere."""
+        cursor = UnitCursor(self.optimizer)
         if self.dp_rank != 0:
+            cursor.finish()  # with sharded weights, the other replicas take part in gathering them
             return None  # the other data-parallel replicas hold the same weights
-        own = {k: v.detach() for k, v in self.model.state_dict().items()}
+        own = {k: cursor.tensor(k).detach().clone() if self.optimizer.shard_weights else v.detach()
+               for k, v in self.model.state_dict().items()}
+        cursor.finish()
         if self.tp == 1:
             shards = [own]
         else:
