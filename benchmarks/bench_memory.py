@@ -10,9 +10,11 @@ resident set (VmHWM in /proc/<pid>/status: the machine is the only node) is read
             two AdamW moments in float32 (16 bytes per parameter) over the actor ranks
   overhead  what a rank holds besides its state: the peak of the same layout with the tiny embedded model
             (interpreter, torch, transformers, Ray, the framework), measured in the same invocation
-  layout's  what a rank of the layout holds by design: the share for FSDP; for Megatron's distributed optimizer
-            (gradients and moments sharded over data parallelism) the whole fp32 weights of the tensor-parallel
-            shard plus its slice of the gradients and moments (more than the share when dp > 1)
+  layout's  what a rank of the layout holds by design: the share for FSDP and for Megatron's default (weights,
+            gradients and moments sharded over data parallelism, ZeRO-3); with `--megatron-whole-weights`
+            (actor.shard_weights=false, Megatron-LM's distributed optimizer with sharded gradients) the whole fp32
+            weights of the tensor-parallel shard plus its slice of the gradients and moments (more than the share
+            when dp > 1)
 
 and printed as peak / share and (peak - overhead) / share (issue 18's goal: within 1.3x of the share plus the
 overhead), and (peak - overhead) / layout's. The rollout worker holds the whole model in its engine's dtype, by design; its peak is shown beside.
@@ -117,6 +119,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
     parser.add_argument("--fsdp-unit", default=FSDP_UNITS[0], choices=FSDP_UNITS,
                         help="actor.fsdp_unit of the fsdp runs")
+    parser.add_argument("--megatron-whole-weights", action="store_true",
+                        help="actor.shard_weights=false for the megatron runs (every data-parallel replica keeps its "
+                             "tensor-parallel shard's weights whole: ZeRO-2)")
     parser.add_argument("--no-recompute", action="store_true",
                         help="actor.gradient_checkpointing=false (both backends; the default recomputes)")
     parser.add_argument("--probe", default=None, metavar="DIR",
@@ -154,10 +159,10 @@ def count_params(size: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def estimated_need_bytes(backend: str, layout: Layout, params: int) -> float:
+def estimated_need_bytes(backend: str, layout: Layout, params: int, whole_weights: bool) -> float:
     """What a run needs at most, all processes together (see the module's docstring; the rollout worker's 6 bytes per
     parameter: its float32 model and the weight sync's buffers, 2.0 GiB measured at 358M)."""
-    actors = layout.ranks * (1.2 * layout_bytes(backend, layout, params) + OVERHEAD_BYTES)
+    actors = layout.ranks * (1.2 * layout_bytes(backend, layout, params, whole_weights) + OVERHEAD_BYTES)
     return actors + ROLLOUT_BYTES_PER_PARAM * params + OVERHEAD_BYTES
 
 
@@ -196,7 +201,7 @@ def run_one(args: argparse.Namespace, workdir: Path, backend: str, layout: Layou
     from rlrunner.config import load_config
     from rlrunner.runner.supervisor import Supervisor
 
-    need, have = estimated_need_bytes(backend, layout, params), available_bytes()
+    need, have = estimated_need_bytes(backend, layout, params, args.megatron_whole_weights), available_bytes()
     if need > 0.9 * have:
         return Row(backend, layout, size, params, [], 0.0, 0.0,
                    skipped=f"needs about {need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB available")
@@ -208,6 +213,7 @@ def run_one(args: argparse.Namespace, workdir: Path, backend: str, layout: Layou
         f"actor.training_backend={backend}", f"actor.num_workers={layout.ranks}",
         f"actor.tensor_model_parallel_size={layout.tp}", f"actor.fsdp_unit={args.fsdp_unit}",
         f"actor.gradient_checkpointing={str(not args.no_recompute).lower()}", "data.batch_size=4", "algorithm.group_size=4",
+        *([f"actor.shard_weights={str(not args.megatron_whole_weights).lower()}"] if backend == "megatron" else []),
         "actor.micro_batch_size=4", "rollout.max_new_tokens=4", "rollout.generation_batch_size=4",
         f"cluster.cpus_per_actor_worker={CPUS_PER_WORKER}", f"cluster.cpus_per_rollout_worker={CPUS_PER_WORKER}",
         *overrides_for(size),
@@ -218,17 +224,17 @@ def run_one(args: argparse.Namespace, workdir: Path, backend: str, layout: Layou
     return Row(backend, layout, size, params, probe.actor, max(probe.rollout), probe.startup_s)
 
 
-def layout_bytes(backend: str, layout: Layout, params: int) -> float:
-    """What a rank of this layout holds of the training state by design: FSDP shards everything over the ranks;
-    Megatron's distributed optimizer shards the gradients and moments over every rank but keeps the fp32 weights of
-    the tensor-parallel shard whole on each data-parallel replica (4 + 12/dp bytes per parameter of the shard), so
-    with dp > 1 it holds more than the even share."""
-    if backend == "megatron":
+def layout_bytes(backend: str, layout: Layout, params: int, whole_weights: bool) -> float:
+    """What a rank of this layout holds of the training state by design: FSDP and Megatron's sharded weights (ZeRO-3)
+    shard everything over the ranks; with whole weights Megatron's distributed optimizer shards the gradients and
+    moments over every rank but keeps the fp32 weights of the tensor-parallel shard whole on each data-parallel
+    replica (4 + 12/dp bytes per parameter of the shard), so with dp > 1 it holds more than the even share."""
+    if backend == "megatron" and whole_weights:
         return params * 4 / layout.tp + params * 12 / layout.ranks
     return params * STATE_BYTES_PER_PARAM / layout.ranks
 
 
-def table(rows: list[Row]) -> str:
+def table(rows: list[Row], whole_weights: bool) -> str:
     gib = 2**30
     overhead = {(r.backend, r.layout): max(r.actor_peaks) for r in rows if r.size == "tiny" and r.actor_peaks}
     lines = [
@@ -242,7 +248,7 @@ def table(rows: list[Row]) -> str:
             lines.append(f"{head} - | skipped: {r.skipped} | - | - | - | - | - | - |")
             continue
         share = r.params * STATE_BYTES_PER_PARAM / r.layout.ranks
-        held = layout_bytes(r.backend, r.layout, r.params)
+        held = layout_bytes(r.backend, r.layout, r.params, whole_weights)
         peak = max(r.actor_peaks)
         base = overhead.get((r.backend, r.layout))
         measured = base is not None and r.size != "tiny"
@@ -287,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     print()
-    print(table(rows))
+    print(table(rows, args.megatron_whole_weights))
     print(f"\nshare = {STATE_BYTES_PER_PARAM} bytes per parameter / actor ranks; layout's = the state a rank of the layout "
           f"holds by design; overhead = the same layout's peak with the tiny model; total benchmark time: "
           f"{time.monotonic() - began:.0f} s")

@@ -194,8 +194,11 @@ def test_data_parallel_with_a_sharded_optimizer_matches_and_resumes_bitwise(refe
     """dp=2 x tp=2: each data-parallel rank gets half the rows, metrics are counted once per data-parallel rank, the
     optimizer state and the weights are split over the data-parallel ranks (ZeRO-3, the default) and each rank saves
     its own slice of the moments (nothing gathered; the weights are written a layer at a time). Resumed with whole
-    weights (ZeRO-2, Megatron-LM's layout), the run goes on bit for bit: the same files, the same numbers."""
-    Supervisor(megatron_config(tmp_path / "full", 2, 4, "runner.max_steps=4", "runner.save_interval=2")).run()
+    weights (ZeRO-2, Megatron-LM's layout) and background saves, the run goes on bit for bit: the same files, the
+    same numbers."""
+    # synchronous saves: each unit's weights written into model_optim_rng.pt while it is gathered
+    Supervisor(megatron_config(tmp_path / "full", 2, 4, "runner.max_steps=4", "runner.save_interval=2",
+                               "runner.async_save=false")).run()
     full = read_metrics(tmp_path / "full" / "test" / "metrics.jsonl")
     assert [m["step"] for m in full] == [1, 2, 3, 4]
     assert full[0]["rollout/reward_mean"] == reference.metrics[0]["rollout/reward_mean"]

@@ -4,6 +4,7 @@ converters (megatron-core's own reading of our files: tests/integration/test_meg
 from __future__ import annotations
 
 import argparse
+import io
 import pickle
 import random
 from pathlib import Path
@@ -160,6 +161,44 @@ def test_reading_checks_tracker_ranks_and_iteration(tmp_path, megatron_models) -
 
 
 # --- the converters ---------------------------------------------------------------------------------
+
+
+def test_a_file_written_a_tensor_at_a_time_is_torch_save_s_own(tmp_path) -> None:
+    """`deferred` stand-ins get their values as their bytes are due, in order, each from a buffer that is freed
+    (its storage resized to 0, as a released weight unit's) before the next is asked for."""
+    storage = open_storage(str(tmp_path))
+    real = {"a.weight": torch.randn(700, 9), "b.bias": torch.randn(33), "c.weight": torch.randn(5, 4)}
+    stand_ins = {key: torch.empty(t.shape, dtype=t.dtype) for key, t in real.items()}
+    rng = [{"torch_rng_state": torch.arange(20, dtype=torch.uint8), "random_rng_state": (3, (1, 2), None)}]
+    state = mf.rank_state(7, {**stand_ins, "a._extra_state": None}, argparse.Namespace(hidden_size=9),
+                          {"lr": 0.1}, {"num_steps": 7}, rng)
+    asked: list[str] = []
+    held: list[torch.Tensor] = []
+
+    def value(key: str) -> torch.Tensor:
+        if held:  # the previous value's memory goes away, as a released unit's does
+            held.pop().untyped_storage().resize_(0)
+        asked.append(key)
+        buffer = real[key].clone()
+        held.append(buffer)
+        return buffer
+
+    deferred = {id(t): (lambda key=key: value(key)) for key, t in stand_ins.items()}
+    mf.write_state_file(storage, str(tmp_path), "streamed.pt", state, deferred)
+    assert asked == list(real)
+    loaded = mf.load_file(str(tmp_path / "streamed.pt"), mmap=True)
+    assert all(torch.equal(loaded["model"][key], t) for key, t in real.items()) and loaded["model"]["a._extra_state"] is None
+    assert torch.equal(loaded["rng_state"][0]["torch_rng_state"], rng[0]["torch_rng_state"])
+    assert loaded["iteration"] == 7 and loaded["args"].hidden_size == 9 and loaded["opt_param_scheduler"] == {"num_steps": 7}
+    plain = io.BytesIO()  # torch.save into a stream, as the streamed save's (the records' folder is then "archive")
+    torch.save(mf.rank_state(7, {**real, "a._extra_state": None}, argparse.Namespace(hidden_size=9), {"lr": 0.1},
+                             {"num_steps": 7}, rng), plain)
+    assert (tmp_path / "streamed.pt").stat().st_size == len(plain.getvalue())  # the same records, in the same places
+    # a value that does not fit its stand-in is refused, naming it
+    bad = {id(stand_ins["b.bias"]): lambda: torch.zeros(34)}
+    with pytest.raises(ValueError, match=r"\(34,\) given for a stand-in of torch.float32 \(33,\)"):
+        mf.write_state_file(storage, str(tmp_path), "bad.pt", mf.rank_state(7, stand_ins, argparse.Namespace()), bad)
+    assert not (tmp_path / "bad.pt").exists()
 
 
 def test_streamed_safetensors_file_is_what_safetensors_reads(tmp_path) -> None:

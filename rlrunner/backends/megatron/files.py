@@ -290,6 +290,9 @@ def _storage_records(skeleton: Any) -> list[tuple[int, int, int]]:
     return sorted(records, key=lambda record: record[1])
 
 
+BOUNCE_BYTES = 4 << 20  # a streamed save's copy buffer
+
+
 def _write_streamed(state: dict[str, Any], deferred: Mapping[int, Callable[[], torch.Tensor]], writer: Any) -> None:
     """torch.save `state` into `writer`, asking `deferred` for the values of its stand-in tensors as their bytes are
     due. torch.save under `torch.serialization.skip_data` writes the file with room left for every tensor's bytes
@@ -307,6 +310,9 @@ def _write_streamed(state: dict[str, Any], deferred: Mapping[int, Callable[[], t
             raise ValueError(f"torch.save wrote {len(records)} storages for the {len(tensors)} tensors of the state")
         skeleton.seek(0)
         position = 0
+        # bytes go out through a buffer of their own: handing a tensor's own memory to the writer (numpy) would make
+        # its storage fixed, and a gathered unit's storage is freed (resized) after it is written
+        bounce = torch.empty(BOUNCE_BYTES, dtype=torch.uint8)
         for index, offset, size in records:
             _copy(skeleton, writer, offset - position)
             stand_in = tensors[index]
@@ -322,7 +328,9 @@ def _write_streamed(state: dict[str, Any], deferred: Mapping[int, Callable[[], t
                 del tensor
             if data.numel() != size:
                 raise ValueError(f"storage {index}: {data.numel()} bytes for a record of {size}")
-            writer.write(data.numpy())
+            for part in data.split(BOUNCE_BYTES):
+                bounce[: part.numel()].copy_(part)
+                writer.write(bounce[: part.numel()].numpy())
             del data
             skeleton.seek(offset + size)
             position = offset + size
