@@ -104,6 +104,11 @@ class DistributedAdamW:
         self.shard_weights = shard_weights and self.dp_size > 1
         if self.shard_weights and not self.shard_gradients:
             raise ValueError("shard_weights (ZeRO-3) needs shard_gradients: the whole gradients would outweigh the weights")
+        # {parameter index: its elements [first, last) that fall in the owned slice}: where its gradient (and, sharded,
+        # its weight) goes
+        self.owned_parts = {index: (max(lo, start) - lo, min(hi, self.owned.stop) - lo)
+                            for index, (lo, hi) in enumerate(zip(self.offsets, self.offsets[1:]))
+                            if max(lo, start) < min(hi, self.owned.stop)}
         if self.shard_weights:
             self.units = _unit_ranges(self.names, self.offsets, units)
             self.unit_of = [index for index, (first, last) in enumerate(self.units)
@@ -130,10 +135,6 @@ class DistributedAdamW:
         self.owned_grads = self.grad_buffer if self.shard_gradients else self.grad_buffer[self.owned]
         if self.shard_gradients:
             self._dp_ranks = dist.get_process_group_ranks(dp_group)
-            # {parameter index: its elements [first, last) that fall in the owned slice}: where its gradient goes
-            self.owned_parts = {index: (max(lo, start) - lo, min(hi, self.owned.stop) - lo)
-                                for index, (lo, hi) in enumerate(zip(self.offsets, self.offsets[1:]))
-                                if max(lo, start) < min(hi, self.owned.stop)}
             # gradients of parameters smaller than a bucket wait in it, in the order backward gives them, and are
             # all_reduced together when it is full and at the end of every backward: one collective per bucket, not
             # one per parameter (each a point where every replica waits for the others)
@@ -214,11 +215,15 @@ class DistributedAdamW:
                 self._owned_grad(index).add_(filled[offset + first : offset + last])
         self._bucketed, self._bucket_filled = [], 0
 
-    def _owned_grad(self, index: int) -> torch.Tensor:
-        """The owned part of parameter `index`'s gradient: a view of the gradient slice."""
+    def _owned_part(self, index: int, owned: torch.Tensor) -> torch.Tensor:
+        """The owned part of parameter `index` in `owned`, a tensor laid out like the owned slice (the gradients, the
+        sharded weights): a view."""
         first, last = self.owned_parts[index]
         lo = self.offsets[index] - self.owned.start
-        return self.owned_grads[lo + first : lo + last]
+        return owned[lo + first : lo + last]
+
+    def _owned_grad(self, index: int) -> torch.Tensor:
+        return self._owned_part(index, self.owned_grads)
 
     @torch.no_grad()
     def _reduce_into_slice(self, index: int, grad: torch.Tensor) -> None:
@@ -228,8 +233,7 @@ class DistributedAdamW:
         if not flat.is_contiguous():
             flat = flat.contiguous()
         lo, hi = self.offsets[index], self.offsets[index + 1]
-        for owner in range(lo // self.slice_size, (hi - 1) // self.slice_size + 1):
-            first, last = max(lo, owner * self.slice_size), min(hi, (owner + 1) * self.slice_size)
+        for owner, first, last in self._owner_parts(lo, hi):
             part = flat[first - lo : last - lo]
             dist.reduce(part, dst=self._dp_ranks[owner], group=self.dp_group)
             if owner == self.dp_rank:
@@ -341,12 +345,9 @@ class DistributedAdamW:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
         if not self.shard_weights:
             param.copy_(tensor)
-            return
-        lo, hi = self.offsets[index], self.offsets[index + 1]
-        first, last = max(lo, self.owned.start), min(hi, self.owned.stop)
-        if first < last:
-            flat = tensor.reshape(-1)
-            self.owned_params[first - self.owned.start : last - self.owned.start].copy_(flat[first - lo : last - lo])
+        elif index in self.owned_parts:
+            first, last = self.owned_parts[index]
+            self._owned_part(index, self.owned_params).copy_(tensor.reshape(-1)[first:last])
 
     # --- state ---------------------------------------------------------------------------------------------
 

@@ -249,8 +249,9 @@ def write_state_file(
     at a time. The file is torch.save's own, byte for byte (`_write_streamed`)."""
     check_loadable(state, name)
     with storage.open_write(storage.join(root, name)) as writer:
-        if deferred and any(id(tensor) in deferred for tensor in _tensors_in_save_order(state, [])):
-            _write_streamed(dict(state), deferred, writer)
+        tensors = _tensors_in_save_order(state, []) if deferred else []
+        if any(id(tensor) in deferred for tensor in tensors):
+            _write_streamed(dict(state), tensors, deferred, writer)
         else:
             torch.save(dict(state), writer)
     return {name: writer.record()}
@@ -293,14 +294,16 @@ def _storage_records(skeleton: Any) -> list[tuple[int, int, int]]:
 BOUNCE_BYTES = 4 << 20  # a streamed save's copy buffer
 
 
-def _write_streamed(state: dict[str, Any], deferred: Mapping[int, Callable[[], torch.Tensor]], writer: Any) -> None:
+def _write_streamed(
+    state: dict[str, Any], tensors: list[torch.Tensor], deferred: Mapping[int, Callable[[], torch.Tensor]], writer: Any
+) -> None:
     """torch.save `state` into `writer`, asking `deferred` for the values of its stand-in tensors as their bytes are
     due. torch.save under `torch.serialization.skip_data` writes the file with room left for every tensor's bytes
     (into a sparse temporary file: no bytes written there), and the file is then copied through, each tensor's bytes
-    put in its room; torch.load checks no CRC of skipped records (the zip's is left 0)."""
-    tensors = _tensors_in_save_order(state, [])
-    if len({t.untyped_storage().data_ptr() for t in tensors if t.untyped_storage().nbytes()}) != len(
-            [t for t in tensors if t.untyped_storage().nbytes()]):
+    put in its room; torch.load checks no CRC of skipped records (the zip's is left 0). `tensors`: the state's, in
+    save order (`_tensors_in_save_order`)."""
+    stored = [t for t in tensors if t.untyped_storage().nbytes()]
+    if len({t.untyped_storage().data_ptr() for t in stored}) != len(stored):
         raise ValueError("a streamed save needs every tensor in its own storage")
     with tempfile.TemporaryFile() as skeleton:
         with torch.serialization.skip_data():

@@ -95,54 +95,37 @@ def _gather_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 # --- weights gathered unit by unit (ZeRO-3) ---------------------------------------------------------------
 
 
-class _GatherOnEntry(torch.autograd.Function):
-    """Identity on `x`; gathers weight unit `unit` of `units` in forward and releases it in backward (where the unit's
-    backward is done: autograd runs it after the unit's own)."""
+class _AroundUnit(torch.autograd.Function):
+    """Identity on `x`; calls `now(unit)` in forward and `later(unit)` in backward, which autograd runs once the
+    backward has come back through this point (after the unit's own backward, for a point before the unit)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, units: Any, unit: int) -> torch.Tensor:
-        ctx.units, ctx.unit = units, unit
-        units.gather(unit)
+    def forward(ctx, x: torch.Tensor, now: Callable[[int], None], later: Callable[[int], None], unit: int) -> torch.Tensor:
+        ctx.later, ctx.unit = later, unit
+        now(unit)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.units.release(ctx.unit)
-        return grad, None, None
+        ctx.later(ctx.unit)
+        return grad, None, None, None
 
 
-class _ReleaseOnExit(torch.autograd.Function):
-    """Identity on `x`; releases weight unit `unit` in forward and gathers it again in backward, before the unit's
-    backward (and its recomputation) needs the weights."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, units: Any, unit: int) -> torch.Tensor:
-        ctx.units, ctx.unit = units, unit
-        units.release(unit)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.units.gather(ctx.unit)
-        return grad, None, None
+def _around(x: torch.Tensor, now: Callable[[int], None], later: Callable[[int], None], unit: int) -> torch.Tensor:
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _AroundUnit.apply(x, now, later, unit)
+    now(unit)  # no backward will come
+    return x
 
 
 def _enter(x: torch.Tensor, units: Any, unit: int) -> torch.Tensor:
-    if units is None:
-        return x
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _GatherOnEntry.apply(x, units, unit)
-    units.gather(unit)  # no backward will come: gather and release in forward only
-    return x
+    """Before weight unit `unit` is used: gathered now, released once its backward is done."""
+    return x if units is None else _around(x, units.gather, units.release, unit)
 
 
 def _exit(x: torch.Tensor, units: Any, unit: int) -> torch.Tensor:
-    if units is None:
-        return x
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _ReleaseOnExit.apply(x, units, unit)
-    units.release(unit)
-    return x
+    """After weight unit `unit` is used: released now, gathered again before its backward (and its recomputation)."""
+    return x if units is None else _around(x, units.release, units.gather, unit)
 
 
 # --- parallel layers (parameter names as megatron-core's) --------------------------------------------

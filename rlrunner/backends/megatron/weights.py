@@ -38,29 +38,27 @@ class MegatronWeightSource(WeightSource):
     def __init__(self, worker: Any):  # a MegatronActorWorker
         self.worker = worker
         self.cursor: UnitCursor | None = None
-
-    def _rank_blocks(self) -> list[HFBlock]:
-        worker = self.worker
-        rows = worker.model.embedding.word_embeddings.weight.shape[0]
-        return rank_blocks(Qwen2Dims.from_config(worker.hf_config), worker.tp, worker.tp_rank, rows)
+        self.rank_blocks: list[HFBlock] | None = None  # what `block_tensor` takes each block's values by
 
     def blocks(self) -> list[Block]:
         worker = self.worker
         if worker.dp_rank != 0:
             return []
-        if not worker.optimizer.shard_weights:
-            shard = {k: v.detach() for k, v in worker.model.state_dict().items()}
-            return [Block(*block) for block in hf_blocks(shard, worker.hf_config, worker.tp, worker.tp_rank)]
-        shapes = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in worker.model.state_dict().items()}
-        return [Block(b.name, b.shape, b.dim, b.start, b.stop, b.take(shapes[b.key])) for b in self._rank_blocks()]
+        sharded = worker.optimizer.shard_weights  # then stand-ins of the parameters' shapes: the values come later
+        shard = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") if sharded else v.detach()
+                 for k, v in worker.model.state_dict().items()}
+        return [Block(*block) for block in hf_blocks(shard, worker.hf_config, worker.tp, worker.tp_rank)]
 
     def block_tensor(self, index: int, block: Block) -> torch.Tensor:
-        if not self.worker.optimizer.shard_weights:
+        worker = self.worker
+        if not worker.optimizer.shard_weights:
             return block.tensor
+        if self.rank_blocks is None:
+            rows = worker.model.embedding.word_embeddings.weight.shape[0]
+            self.rank_blocks = rank_blocks(Qwen2Dims.from_config(worker.hf_config), worker.tp, worker.tp_rank, rows)
         if self.cursor is None:  # the first block of this sync
-            self.cursor = UnitCursor(self.worker.optimizer)
-            self.hf_blocks = self._rank_blocks()
-        hf_block = self.hf_blocks[index]
+            self.cursor = UnitCursor(worker.optimizer)
+        hf_block = self.rank_blocks[index]
         return hf_block.take(self.cursor.tensor(hf_block.key).detach())
 
     def end_of_sync(self) -> None:

@@ -14,7 +14,7 @@ each rank sends in a weight sync: its own tensor-parallel slices, in HF layout (
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -103,7 +103,9 @@ class MegatronActorWorker(ActorWorker):
             self._load_initial_weights(self.ref_model.requires_grad_(False))
             self.ref_model.eval()
 
-    def _load_initial_weights(self, model: TPQwen2ForCausalLM, into=None) -> None:
+    def _load_initial_weights(
+        self, model: TPQwen2ForCausalLM, into: Callable[[str, torch.Tensor], None] | None = None
+    ) -> None:
         plan = meta_model(self.hf_config, self.model_cfg["attn_implementation"], torch.float32)  # names and shapes
         tensors = initial_tensors(self.model_cfg, self.hf_config, self.init_seed, plan, self.read_weights)
         model.load_megatron_shard(
@@ -145,21 +147,21 @@ class MegatronActorWorker(ActorWorker):
             step, self.tp, self.data_parallel_size, self.dp_rank, own["step"], self.optimizer.layout(), own["start"],
             own["stop"], own["exp_avg"], own["exp_avg_sq"],
         )}
-        sharded = self.optimizer.shard_weights
+        # sharded weights are walked a unit at a time by every DP rank (`UnitCursor`); a synchronous save writes each
+        # unit while it is gathered (a stand-in now, the values when they are due), a background one copies it now
+        streamed = self.optimizer.shard_weights and not background
         cursor = UnitCursor(self.optimizer)
         deferred = {}
         weights: dict[str, torch.Tensor] = {}
         if self.dp_rank == 0:
             for key, param in self.model.state_dict().items():
-                if not sharded:
-                    weights[key] = param.detach().to("cpu", copy=background)
-                elif background:  # a copy of every unit now, one gathered at a time (the other DP ranks walk along)
-                    weights[key] = cursor.tensor(key).detach().to("cpu", copy=True)
-                else:  # written from each unit while it is gathered: a stand-in now, the values when they are due
+                if streamed:
                     weights[key] = torch.empty(param.shape, dtype=param.dtype)
                     deferred[id(weights[key])] = lambda key=key: cursor.tensor(key).detach()
-        if sharded and (background or self.dp_rank != 0):
-            cursor.finish()  # every DP rank walks every unit (the writer's walk ends in `write`)
+                else:
+                    weights[key] = cursor.tensor(key).detach().to("cpu", copy=background)
+        if not deferred:
+            cursor.finish()  # the writer's walk ends in `write`
         if self.dp_rank == 0:
             args = megatron_args(
                 self.hf_config, self.tp, self.data_parallel_size, self.divisible_by, torch.float32,
