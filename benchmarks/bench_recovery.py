@@ -194,7 +194,7 @@ def build_config(output_dir: Path, steps: int, args: argparse.Namespace, *extra:
             f"runner.max_steps={steps}",
             f"runner.save_interval={args.save_interval}",
             "runner.logger.progress_bar=false",
-            "runner.logger.tensorboard=false",
+            "runner.logger.backends=[]",
             f"runner.recovery.max_restarts={args.max_restarts}",
             *args.overrides,
             *extra,

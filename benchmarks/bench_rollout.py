@@ -60,11 +60,12 @@ def measure(engine: str, cfg, weights, records: list[dict], args) -> dict:
     from omegaconf import OmegaConf
 
     from rlrunner.cluster.worker_group import WorkerGroup
+    from rlrunner.rewards.scorer import RewardSettings
     from rlrunner.rollout.worker import RolloutWorker
 
     plain = lambda node: OmegaConf.to_container(node, resolve=True)  # noqa: E731
     kwargs = {"model_cfg": plain(cfg.model), "rollout_cfg": {**plain(cfg.rollout), "engine": engine},
-              "group_size": args.samples, "verifier": "arithmetic", "seed": 1, "max_prompt_length": 64,
+              "group_size": args.samples, "reward": RewardSettings.builtin("arithmetic"), "seed": 1, "max_prompt_length": 64,
               "threads": args.threads}
     started = time.perf_counter()
     group = WorkerGroup(f"rollout-{engine}", RolloutWorker, 1, worker_kwargs=kwargs, cpus_per_worker=1.0,
@@ -119,7 +120,8 @@ def main() -> None:
                 if model.config.tie_word_embeddings:
                     weights.pop("lm_head.weight", None)
                 del model
-                records = [{"index": i, "prompt_ids": tokenizer.encode(f"{i % 5}+{(3 * i) % 5}="), "answer": "0"}
+                records = [{"index": i, "prompt_ids": tokenizer.encode(f"{i % 5}+{(3 * i) % 5}="), "answer": "0",
+                            "data_source": "arithmetic", "extra_info": {}}
                            for i in range(args.prompts)]
                 results = {engine: measure(engine, cfg, weights, records, args) for engine in ("hf", "vllm")}
                 rows.append((shape, params, dtype, results))

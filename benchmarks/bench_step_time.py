@@ -95,7 +95,7 @@ def run_overrides(args: argparse.Namespace, backend: str, output_dir: Path) -> l
         f"runner.max_steps={total}",
         f"runner.save_interval={total + 1000}",  # no periodic save: only the last step's, after its timing
         "runner.logger.progress_bar=false",
-        "runner.logger.tensorboard=false",
+        "runner.logger.backends=[]",
         f"runner.seed={args.seed}",
         f"actor.num_workers={args.tp * args.dp}",
         f"cluster.cpus_per_actor_worker={args.cpus_per_actor_worker}",

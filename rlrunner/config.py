@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import II, DictConfig, OmegaConf
 
 from rlrunner.backends.registry import get_backend
 from rlrunner.errors import ConfigError, first_line
@@ -46,10 +46,27 @@ class ClusterConfig:
 
 
 @dataclass
+class WandbConfig:
+    project: str = "rlrunner"
+    entity: Optional[str] = None  # null: the W&B account's default entity
+    mode: Optional[str] = None  # online | offline | disabled; null: W&B's own default (WANDB_MODE, else online)
+    name: Optional[str] = None  # the run's display name; null: runner.experiment_name
+
+
+@dataclass
+class MlflowConfig:
+    tracking_uri: Optional[str] = None  # null: a sqlite store in the experiment folder (mlflow.db)
+    experiment: str = "rlrunner"  # the MLflow experiment the run is filed under
+
+
+@dataclass
 class LoggerConfig:
     log_path: str = "${runner.output_dir}/${runner.experiment_name}"
-    tensorboard: bool = True
+    # trackers beside metrics.jsonl (always written): any of tensorboard, wandb, mlflow (rlrunner/trackers/registry.py)
+    backends: list[str] = field(default_factory=lambda: ["tensorboard"])
     progress_bar: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
 
 @dataclass
@@ -86,20 +103,35 @@ class RunnerConfig:
     verify_checksums: bool = True  # check every file's CRC-32 before resuming (sizes are always checked)
     async_save: bool = True  # write checkpoint files in the background while training goes on
     max_wall_time_s: Optional[float] = None  # stop with an emergency checkpoint after this long (set below a scheduler's limit)
+    val_interval: int = 50  # validate every N steps and at the last step (0: never); needs a validation set
+    val_before_train: Optional[bool] = None  # validate the initial policy (step 0); null: true when there is a validation set
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    # truncated importance sampling: each token's loss weighted by min(p_actor / p_rollout, tis_cap), the two
+    # log-probs of the same policy from the actor and the rollout engine (null: off)
+    tis_cap: Optional[float] = None
+
+
+@dataclass
 class AlgorithmConfig:
+    adv_estimator: str = "grpo"  # rlrunner/algorithms/registry.py: grpo | rloo | reinforce_plus_plus_baseline
+    policy_loss: str = "ppo_clip"  # ppo_clip | gspo
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     group_size: int = 16
-    norm_adv_by_std: bool = True
+    norm_adv_by_std: bool = True  # grpo: divide by the group's std
     clip_ratio: float = 0.2
     clip_ratio_high: Optional[float] = None  # null: same as clip_ratio (symmetric clipping)
     use_kl_loss: bool = False
     kl_coef: float = 0.001
     entropy_coef: float = 0.0
+    # seq-mean-token-sum-norm's constant normaliser (Dr. GRPO): the tokens a response may have
+    loss_scale_factor: int = II("rollout.max_new_tokens")
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass
@@ -107,13 +139,16 @@ class SyntheticDataConfig:
     num_problems: int = 4096
     max_operand: int = 4
     operations: str = "+"  # any of + - *
+    val_size: int = 64  # validation problems when data.val_files is null, drawn apart from the training ones (0: none)
 
 
 @dataclass
 class DataConfig:
     train_files: Optional[str] = None  # null: the synthetic arithmetic task; else .jsonl / .parquet path(s), comma-separated
+    val_files: Optional[str] = None  # the validation set, same formats; null: none (the synthetic task: data.synthetic.val_size)
     prompt_key: str = "prompt"
     answer_key: str = "answer"  # dotted paths reach nested fields, e.g. reward_model.ground_truth
+    data_source_key: str = "data_source"  # the field naming each record's source (given to the reward function); dotted paths too
     batch_size: int = 16  # prompts per step
     max_prompt_length: int = 512
     shuffle: bool = True
@@ -168,6 +203,14 @@ class VLLMConfig:
 
 
 @dataclass
+class ValidationRolloutConfig:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    num_samples: int = 1  # responses per validation prompt
+    max_new_tokens: Optional[int] = None  # null: rollout.max_new_tokens
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "hf"  # the rollout engine (rlrunner/rollout/registry.py): hf (HF model, our sampler) | vllm
     num_workers: int = 1
@@ -175,12 +218,20 @@ class RolloutConfig:
     top_p: float = 1.0
     max_new_tokens: int = 4
     generation_batch_size: int = 8  # prompts generated together (padded); fixed chunks of the step's batch
+    val: ValidationRolloutConfig = field(default_factory=ValidationRolloutConfig)  # sampling of the validation set
     vllm: VLLMConfig = field(default_factory=VLLMConfig)  # rollout.engine=vllm only
 
 
 @dataclass
 class RewardConfig:
-    verifier: Optional[str] = None  # null: arithmetic for the synthetic task, math for prompt files
+    # a reward function of your own, verl's signature (data_source, solution_str, ground_truth, extra_info) -> float or
+    # dict with "score": "path/to/file.py:name" or "package.module:name"; null: the built-in verifier below
+    function: Optional[str] = None
+    function_kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments of every call
+    verifier: Optional[str] = None  # built-in: arithmetic | math; null: arithmetic for the synthetic task, math for files
+    num_workers: int = 1  # scoring processes per rollout worker
+    timeout_s: float = 60.0  # bound on one call; a call past it is an error
+    on_error: str = "raise"  # a call that raises or times out: raise (the run stops) | zero (scored 0, counted)
 
 
 @dataclass
@@ -345,13 +396,63 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"cluster.placement_strategy must be one of {', '.join(strategies)}, got '{cfg.cluster.placement_strategy}'")
     if set(cfg.data.synthetic.operations) - set("+-*") or not cfg.data.synthetic.operations:
         raise ConfigError(f"data.synthetic.operations must be made of + - *, got '{cfg.data.synthetic.operations}'")
-    from rlrunner.rewards import REWARD_FUNCTIONS
-
-    if cfg.reward.verifier is not None and cfg.reward.verifier not in REWARD_FUNCTIONS:
-        raise ConfigError(f"reward.verifier must be one of {', '.join(sorted(REWARD_FUNCTIONS))} or null, got '{cfg.reward.verifier}'")
+    _validate_reward(cfg)
+    _validate_algorithm(cfg)
+    _validate_validation(cfg)
     if cfg.data.synthetic.max_operand < 1:
         raise ConfigError(f"data.synthetic.max_operand must be >= 1, got {cfg.data.synthetic.max_operand}")
     _validate_batch_divisibility(cfg)
+
+
+def _validate_reward(cfg: DictConfig) -> None:
+    from rlrunner.rewards import BUILTIN_VERIFIERS
+    from rlrunner.rewards.function import parse_spec
+
+    reward = cfg.reward
+    if reward.verifier is not None and reward.verifier not in BUILTIN_VERIFIERS:
+        raise ConfigError(f"reward.verifier must be one of {', '.join(sorted(BUILTIN_VERIFIERS))} or null, got '{reward.verifier}'")
+    if reward.function is not None:
+        parse_spec(reward.function, os.getcwd())  # the form only: the function is loaded by the driver's checks
+    if reward.num_workers < 1:
+        raise ConfigError(f"reward.num_workers must be >= 1, got {reward.num_workers}")
+    if reward.timeout_s <= 0:
+        raise ConfigError(f"reward.timeout_s must be positive, got {reward.timeout_s}")
+    if reward.on_error not in ("raise", "zero"):
+        raise ConfigError(f"reward.on_error must be 'raise' or 'zero', got '{reward.on_error}'")
+
+
+def _validate_algorithm(cfg: DictConfig) -> None:
+    from rlrunner.algorithms.registry import ADV_ESTIMATORS, POLICY_LOSSES, check_loss_agg_mode
+    from rlrunner.utils.registry import check_name
+
+    algorithm = cfg.algorithm
+    check_name(ADV_ESTIMATORS, algorithm.adv_estimator, "algorithm.adv_estimator")
+    check_name(POLICY_LOSSES, algorithm.policy_loss, "algorithm.policy_loss")
+    check_loss_agg_mode(algorithm.loss_agg_mode)
+    if algorithm.loss_scale_factor <= 0:
+        raise ConfigError(f"algorithm.loss_scale_factor must be positive, got {algorithm.loss_scale_factor}")
+    cap = algorithm.rollout_correction.tis_cap
+    if cap is not None and cap <= 0:
+        raise ConfigError(f"algorithm.rollout_correction.tis_cap must be positive or null, got {cap}")
+
+
+def _validate_validation(cfg: DictConfig) -> None:
+    val = cfg.rollout.val
+    if cfg.runner.val_interval < 0:
+        raise ConfigError(f"runner.val_interval must be >= 0 (0: never), got {cfg.runner.val_interval}")
+    if cfg.data.synthetic.val_size < 0:
+        raise ConfigError(f"data.synthetic.val_size must be >= 0, got {cfg.data.synthetic.val_size}")
+    if val.temperature < 0:
+        raise ConfigError(f"rollout.val.temperature must be >= 0, got {val.temperature}")
+    if not 0 < val.top_p <= 1:
+        raise ConfigError(f"rollout.val.top_p must be in (0, 1], got {val.top_p}")
+    if val.num_samples < 1:
+        raise ConfigError(f"rollout.val.num_samples must be >= 1, got {val.num_samples}")
+    if val.max_new_tokens is not None and val.max_new_tokens < 1:
+        raise ConfigError(f"rollout.val.max_new_tokens must be positive or null, got {val.max_new_tokens}")
+    mode = cfg.runner.logger.wandb.mode
+    if mode is not None and mode not in ("online", "offline", "disabled"):
+        raise ConfigError(f"runner.logger.wandb.mode must be online, offline, disabled or null, got '{mode}'")
 
 
 def _validate_parallel_sizes(cfg: DictConfig) -> None:

@@ -163,6 +163,16 @@ class WorkerError(RLRunnerError):
     exit_code = FAILED_FOR_GOOD
 
 
+class RewardFunctionError(RLRunnerError):
+    """The reward function raised, hung past `reward.timeout_s` or returned no score (with `reward.on_error=raise`).
+
+    The same samples would fail again: neither repaired in-job nor relaunched. The trainer writes the emergency
+    checkpoint of the last completed step before the run ends.
+    """
+
+    exit_code = FAILED_FOR_GOOD
+
+
 class ClusterLostError(RLRunnerError):
     """The Ray cluster itself is gone: the embedded one's node died, or the head of a joined cluster.
 

@@ -14,7 +14,7 @@ import sys
 import warnings
 
 from rlrunner.config import DEFAULT_CONFIG_NAME, config_to_yaml, load_config
-from rlrunner.errors import ClusterLostError, exit_codes_text, user_error
+from rlrunner.errors import ClusterLostError, ConfigError, exit_codes_text, user_error
 
 logger = logging.getLogger("rlrunner")
 
@@ -43,12 +43,19 @@ def configure_logging() -> None:
 def check_inputs(cfg) -> None:
     """Fail before any worker starts on inputs that cannot work (each check raises a one-line ConfigError)."""
     from rlrunner.backends.registry import check_model_path
-    from rlrunner.runner.metrics import require_tensorboard
+    from rlrunner.rewards.function import RewardLoadError
+    from rlrunner.rewards.scorer import check_reward_function
+    from rlrunner.runner.context import reward_settings
+    from rlrunner.trackers.registry import check_backends
 
     if cfg.model.path is not None:
         check_model_path(cfg.model.path)
-    if cfg.runner.logger.tensorboard:
-        require_tensorboard()
+    check_backends(list(cfg.runner.logger.backends))
+    if cfg.reward.function is not None:
+        try:
+            check_reward_function(reward_settings(cfg))
+        except RewardLoadError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -93,6 +95,7 @@ def run_config(tmp_path: Path, *overrides: str):
         "cluster.cpus_per_actor_worker=0.5",
         "cluster.cpus_per_rollout_worker=0.5",
         "cluster.placement_timeout_s=30",
+        "data.synthetic.val_size=0",  # no validation set: tests that validate ask for one
         *TINY_MODEL,
     ]
     return load_config(base + list(overrides))
@@ -148,6 +151,28 @@ def assert_bit_equal(got: dict[str, torch.Tensor], expected: dict[str, torch.Ten
 
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def metrics_lines(output_dir: Path) -> int:
+    """The lines of the test experiment's metrics.jsonl (`run_config`'s experiment under `output_dir`)."""
+    path = output_dir / "test" / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def once(condition, action, timeout_s: float = 120) -> threading.Thread:
+    """Run `action` in a thread as soon as `condition()` holds (polled every few ms)."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if condition():
+                action()
+                return
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
 
 
 def without_time(records: list[dict]) -> list[dict]:

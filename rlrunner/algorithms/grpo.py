@@ -1,4 +1,6 @@
-"""GRPO as pure tensor functions: group-normalised advantages, token log-probs, the clipped loss, KL, entropy.
+"""GRPO as pure tensor functions: group-normalised advantages, token log-probs, KL, entropy, masked reductions.
+
+The policy losses live in policy_losses.py, the other advantage estimators in advantages.py.
 
 Shapes: `rewards` and `advantages` are [N] with the N = prompts x group_size samples in prompt-major
 order (the G samples of prompt 0, then of prompt 1, ...); token tensors are [B, T] over target
@@ -6,8 +8,6 @@ positions, with `mask` 1.0 on response tokens.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -40,37 +40,6 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     # a token with logit -inf has probability 0 and contributes 0 (not 0 * -inf = NaN)
     weighted = torch.where(probs > 0, probs * logits, torch.zeros_like(logits))
     return torch.logsumexp(logits, dim=-1) - weighted.sum(dim=-1)
-
-
-@dataclass
-class PolicyLossTerms:
-    loss: torch.Tensor  # per-token clipped surrogate loss, [B, T]
-    clipped: torch.Tensor  # 1.0 where the clipped branch was taken, [B, T]
-    approx_kl: torch.Tensor  # old_log_probs - log_probs, [B, T]
-
-
-def clipped_policy_loss(
-    log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-) -> PolicyLossTerms:
-    """PPO's clipped surrogate per token: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), r = p / p_old.
-
-    `advantages` is [B] (one per sequence, broadcast over its tokens) or [B, T].
-    """
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1)
-    log_ratio = log_probs - old_log_probs
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    return PolicyLossTerms(
-        loss=torch.maximum(unclipped, clipped),
-        clipped=(clipped > unclipped).float(),
-        approx_kl=-log_ratio.detach(),
-    )
 
 
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:

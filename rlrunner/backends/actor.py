@@ -1,9 +1,10 @@
 """The actor worker every training backend subclasses: one rank of the policy, its optimizer and LR schedule.
 
-The GRPO update is written once, here. The driver sends each rank its shard of the step's batch (see
+The policy update is written once, here. The driver sends each rank its shard of the step's batch (see
 `rlrunner.runner.batching` and `RankMap`): `num_minibatches` equal slices, one optimizer step each, every slice
-split into micro-batches whose gradients accumulate. The loss is a token mean over the whole mini-batch on all
-data-parallel ranks: each rank divides its token sum by the mini-batch's global token count, known in advance.
+split into micro-batches whose gradients accumulate. What is minimised is the algorithm's, not the backend's
+(`rlrunner.algorithms.objective.PolicyObjective`: the policy loss, its correction and aggregation chosen by name);
+the update gives it the log-probs and the whole mini-batch's token and sequence counts, known in advance.
 
 A backend supplies, as abstract methods: building the model (`setup`), the forward pass, the gradient reduction and
 clipped optimizer step, the checkpoint files, the full weights (`full_state_dict`) and what this rank
@@ -19,7 +20,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from rlrunner.algorithms.grpo import clipped_policy_loss, kl_penalty, masked_sum, token_entropy, token_log_probs
+from rlrunner.algorithms.grpo import token_entropy, token_log_probs
+from rlrunner.algorithms.objective import MicroBatch, MiniBatchCounts, PolicyObjective
 from rlrunner.backends.background_save import BackgroundSave
 from rlrunner.cluster.node import node_ip
 from rlrunner.cluster.worker import Worker
@@ -65,6 +67,7 @@ class ActorWorker(Worker, ABC):
         self.init_seed = init_seed
         self.total_optimizer_steps = total_optimizer_steps
         self.read_weights = read_weights  # set when model.path is a training checkpoint (of any backend)
+        self.objective = PolicyObjective(algorithm_cfg)
         self.saver = BackgroundSave()
         self.weight_sync: WeightSender | None = None
         self._weight_sync_store = None
@@ -179,61 +182,46 @@ class ActorWorker(Worker, ABC):
         return out
 
     def update(self, shard: dict[str, torch.Tensor]) -> dict[str, float]:
-        """One GRPO policy update on this rank's shard; returns sums for the driver to combine."""
+        """One policy update on this rank's shard; returns sums for the driver to combine."""
         cfg, algo = self.actor_cfg, self.algorithm_cfg
         rows = shard["input_ids"].shape[0]
-        token_counts = shard["token_counts"].tolist()
+        token_counts, sequence_counts = shard["token_counts"].tolist(), shard["sequence_counts"].tolist()
         num_minibatches = len(token_counts)
         rows_per_minibatch = rows // num_minibatches
         # With one on-policy pass the old policy is the current one: its log-probs are the live ones, detached.
         reuse_live = num_minibatches == 1 and cfg["ppo_epochs"] == 1
         old_log_probs = None if reuse_live else self._log_probs(self.model, shard)
         ref_log_probs = self._log_probs(self.ref_model, shard) if self.ref_model is not None else None
-        clip_low = algo["clip_ratio"]
-        clip_high = algo["clip_ratio_high"] if algo["clip_ratio_high"] is not None else clip_low
         max_norm = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
 
-        sums = {"pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clipped": 0.0, "ppo_kl": 0.0, "tokens": 0.0, "logprob_diff": 0.0}
+        sums = self.objective.new_sums()
         grad_norms: list[float] = []
         skipped = 0
         for _ in range(cfg["ppo_epochs"]):
-            for mb, global_tokens in enumerate(token_counts):
+            for mb, (tokens, sequences) in enumerate(zip(token_counts, sequence_counts)):
                 rows_mb = range(mb * rows_per_minibatch, (mb + 1) * rows_per_minibatch)
+                counts = MiniBatchCounts(tokens, sequences)
                 # FSDP reduce-scatters each micro-batch's gradients in its backward: accumulating them unsharded
                 # over the micro-batches would hold the whole model's gradients on every rank
                 for index, width in self._micro_batches(shard, rows_mb):
                     logits = self._logits(self.model, shard["input_ids"][index], width)
                     targets = shard["input_ids"][index, 1:width].to(self.device)
-                    mask = shard["loss_mask"][index, : width - 1].to(self.device)
                     log_probs = token_log_probs(logits, targets)
-                    old = log_probs.detach() if reuse_live else old_log_probs[index, : width - 1].to(self.device)
-                    terms = clipped_policy_loss(
-                        log_probs, old, shard["advantages"][index].to(self.device), clip_low, clip_high
-                    )
-                    per_token = terms.loss
-                    if ref_log_probs is not None:
-                        kl = kl_penalty(log_probs, ref_log_probs[index, : width - 1].to(self.device))
-                        per_token = per_token + algo["kl_coef"] * kl
-                        sums["kl"] += masked_sum(kl.detach(), mask).item()
+                    positions = (index, slice(0, width - 1))
                     if algo["entropy_coef"]:
                         entropy = token_entropy(logits)
-                        per_token = per_token - algo["entropy_coef"] * entropy
                     else:
                         with torch.no_grad():
                             entropy = token_entropy(logits)
-                    # Gradients are averaged over the data-parallel ranks; scaling by their number makes the result the
-                    # global token mean.
-                    loss = masked_sum(per_token, mask) * (self.data_parallel_size / global_tokens)
-                    loss.backward()
-                    sums["pg_loss"] += masked_sum(terms.loss.detach(), mask).item()
-                    sums["entropy"] += masked_sum(entropy.detach(), mask).item()
-                    sums["clipped"] += masked_sum(terms.clipped, mask).item()
-                    sums["ppo_kl"] += masked_sum(terms.approx_kl, mask).item()
-                    sums["tokens"] += mask.sum().item()
-                    # The rollout engine's log-probabilities of its own tokens against this policy's (the one that
-                    # generated them): the rollout/training mismatch.
-                    rollout = shard["rollout_logprobs"][index, : width - 1].to(self.device)
-                    sums["logprob_diff"] += masked_sum((old.detach() - rollout).abs(), mask).item()
+                    batch = MicroBatch(
+                        old_log_probs=log_probs.detach() if reuse_live else old_log_probs[positions].to(self.device),
+                        advantages=shard["advantages"][index].to(self.device),
+                        mask=shard["loss_mask"][positions].to(self.device),
+                        rollout_log_probs=shard["rollout_logprobs"][positions].to(self.device),
+                        entropy=entropy,
+                        ref_log_probs=None if ref_log_probs is None else ref_log_probs[positions].to(self.device),
+                    )
+                    self.objective.micro_batch_loss(log_probs, batch, counts, self.data_parallel_size, sums).backward()
                 grad_norm = self.clip_and_step(max_norm)
                 if not math.isfinite(grad_norm):
                     skipped += 1  # a non-finite gradient would poison the weights: the step was dropped

@@ -1,7 +1,9 @@
 """Prompt datasets: the synthetic arithmetic task and GSM8K-style prompt files (jsonl / parquet).
 
-Each record is a dict with a `prompt` (text, or a list of chat messages) and an `answer` (the text
-the reward verifier compares against). `PromptDataset` tokenizes every prompt once, up front.
+Each record is a dict with a `prompt` (text, or a list of chat messages), an `answer` (the ground truth the reward
+function compares against, as the file has it), a `data_source` (which source it comes from: the reward function may
+score each its own way, and validation metrics are kept per source) and `extra_info` (the record's other fields, for
+the reward function). `PromptDataset` tokenizes every prompt once, up front.
 """
 
 from __future__ import annotations
@@ -20,15 +22,22 @@ logger = logging.getLogger(__name__)
 Record = dict[str, Any]
 
 
-def synthetic_arithmetic(num_problems: int, max_operand: int, operations: str, seed: int) -> list[Record]:
-    """`num_problems` problems like {"prompt": "7+5=", "answer": "12"}; problem i depends only on (seed, i)."""
+SYNTHETIC_SOURCE = "arithmetic"  # the synthetic task's data_source
+
+
+def synthetic_arithmetic(num_problems: int, max_operand: int, operations: str, seed: int,
+                         stream: str = "arithmetic") -> list[Record]:
+    """`num_problems` problems like {"prompt": "7+5=", "answer": "12"}; problem i depends only on (seed, stream, i)
+    (the validation problems are another stream)."""
     records = []
     for i in range(num_problems):
-        rng = random.Random(derive_seed(seed, "arithmetic", i))
+        rng = random.Random(derive_seed(seed, stream, i))
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
         op = operations[rng.randrange(len(operations))]
         result = a + b if op == "+" else a - b if op == "-" else a * b
-        records.append({"prompt": f"{a}{op}{b}=", "answer": str(result)})
+        prompt, answer = f"{a}{op}{b}=", str(result)
+        records.append({"prompt": prompt, "answer": answer, "data_source": SYNTHETIC_SOURCE,
+                        "extra_info": {"prompt": prompt, "answer": answer}})
     return records
 
 
@@ -63,8 +72,19 @@ def _read_records(path: Path) -> list[Record]:
     raise ConfigError(f"data file {path} must end in .jsonl or .parquet")
 
 
-def load_prompt_files(paths: str, prompt_key: str, answer_key: str) -> list[Record]:
-    """Read comma-separated jsonl / parquet files into {"prompt", "answer"} records; ConfigError on any problem."""
+def extra_info(record: Record, data_source_key: str) -> dict[str, Any]:
+    """What the reward function gets as `extra_info`: the record's fields but its data source, with the fields of its
+    own `extra_info` mapping (verl's layout) on top, so that a verl reward reading `extra_info["split"]` works."""
+    top = data_source_key.split(".")[0]
+    info = {key: value for key, value in record.items() if key not in (top, "extra_info")}
+    if isinstance(record.get("extra_info"), dict):
+        info.update(record["extra_info"])
+    return info
+
+
+def load_prompt_files(paths: str, prompt_key: str, answer_key: str, data_source_key: str = "data_source") -> list[Record]:
+    """Read comma-separated jsonl / parquet files into {"prompt", "answer", "data_source", "extra_info"} records (a
+    record without a data source gets its file's name, less the suffix); ConfigError on any problem."""
     records: list[Record] = []
     for name in [p.strip() for p in paths.split(",") if p.strip()]:
         path = Path(name).expanduser()
@@ -88,14 +108,19 @@ def load_prompt_files(paths: str, prompt_key: str, answer_key: str) -> list[Reco
                 raise ConfigError(
                     f"data file {name}: record {row} has no '{answer_key}' field (data.answer_key; it has: {fields})"
                 ) from None
-            records.append({"prompt": prompt, "answer": str(answer)})
+            try:
+                source = str(_field(record, data_source_key))
+            except KeyError:
+                source = path.stem
+            records.append({"prompt": prompt, "answer": answer, "data_source": source,
+                            "extra_info": extra_info(record, data_source_key)})
     if not records:
-        raise ConfigError(f"data.train_files names no files: '{paths}'")
+        raise ConfigError(f"no data files named: '{paths}'")
     return records
 
 
 class PromptDataset:
-    """Tokenized prompts. Item i is {"index": i, "prompt_ids": [...], "answer": str}."""
+    """Tokenized prompts. Item i is {"index": i, "prompt_ids": [...], "answer", "data_source", "extra_info"}."""
 
     def __init__(self, records: Sequence[Record], tokenizer, max_prompt_length: int, apply_chat_template: bool):
         self.items: list[Record] = []
@@ -107,7 +132,9 @@ class PromptDataset:
             elif len(ids) > max_prompt_length:
                 too_long += 1
             else:
-                self.items.append({"index": len(self.items), "prompt_ids": ids, "answer": record["answer"]})
+                self.items.append({"index": len(self.items), "prompt_ids": ids, "answer": record["answer"],
+                                   "data_source": record.get("data_source", "unknown"),
+                                   "extra_info": record.get("extra_info", {})})
         if too_long:
             logger.warning("dropped %d of %d prompts longer than data.max_prompt_length=%d", too_long, len(records), max_prompt_length)
         if empty:
@@ -140,7 +167,7 @@ def encode_prompt(prompt: str | list, tokenizer, apply_chat_template: bool) -> l
 def build_dataset(data_cfg, tokenizer, seed: int) -> PromptDataset:
     """The run's dataset from `data.*`: prompt files when `data.train_files` is set, else the synthetic task."""
     if data_cfg.train_files:
-        records = load_prompt_files(data_cfg.train_files, data_cfg.prompt_key, data_cfg.answer_key)
+        records = load_prompt_files(data_cfg.train_files, data_cfg.prompt_key, data_cfg.answer_key, data_cfg.data_source_key)
     else:
         synthetic = data_cfg.synthetic
         records = synthetic_arithmetic(synthetic.num_problems, synthetic.max_operand, synthetic.operations, seed)
@@ -148,3 +175,17 @@ def build_dataset(data_cfg, tokenizer, seed: int) -> PromptDataset:
     if len(dataset) < data_cfg.batch_size:
         raise ConfigError(f"the dataset has {len(dataset)} prompts, fewer than data.batch_size={data_cfg.batch_size}")
     return dataset
+
+
+def build_val_dataset(data_cfg, tokenizer, seed: int) -> PromptDataset | None:
+    """The validation set: `data.val_files`; else, on the synthetic task, `data.synthetic.val_size` problems drawn
+    apart from the training ones; None when there is none."""
+    if data_cfg.val_files:
+        records = load_prompt_files(data_cfg.val_files, data_cfg.prompt_key, data_cfg.answer_key, data_cfg.data_source_key)
+    elif not data_cfg.train_files and data_cfg.synthetic.val_size > 0:
+        synthetic = data_cfg.synthetic
+        records = synthetic_arithmetic(synthetic.val_size, synthetic.max_operand, synthetic.operations, seed,
+                                       stream="arithmetic-val")
+    else:
+        return None
+    return PromptDataset(records, tokenizer, data_cfg.max_prompt_length, data_cfg.apply_chat_template)

@@ -1,34 +1,27 @@
-"""Reward verifiers: each takes ``(response_text, answer_field)`` and returns a float in [0, 1]."""
+"""Rewards: the built-in verifiers, a user's own reward function, and the processes that score with either.
+
+Every reward is called with verl's signature, `fn(data_source, solution_str, ground_truth, extra_info)`, returning a
+float or a dict whose `score` is the reward (its other numeric keys become metrics). The built-in verifiers are such
+functions too (`builtin.py`), registered by name in `BUILTIN_VERIFIERS` (`reward.verifier`); a user's own is named by
+`reward.function` (`function.py`). Scoring runs in processes of its own (`scorer.py`, `scoring_process.py`), so that a
+slow reward runs in parallel and a hung one can be stopped.
+"""
 
 from __future__ import annotations
-
-from typing import Callable
 
 from rlrunner.rewards.arithmetic import arithmetic_reward
 from rlrunner.rewards.math_verifier import answers_match, extract_answer, math_reward
 
-RewardFn = Callable[[str, str], float]
-
-REWARD_FUNCTIONS: dict[str, RewardFn] = {
-    "math": math_reward,
-    "arithmetic": arithmetic_reward,
+# reward.verifier -> "module:function" with verl's signature (imported by the scoring processes)
+BUILTIN_VERIFIERS: dict[str, str] = {
+    "math": "rlrunner.rewards.builtin:math_score",
+    "arithmetic": "rlrunner.rewards.builtin:arithmetic_score",
 }
 
-
-def get_reward_fn(name: str) -> RewardFn:
-    """The registered reward function called ``name``; ValueError for an unknown name."""
-    try:
-        return REWARD_FUNCTIONS[name]
-    except KeyError:
-        choices = ", ".join(sorted(REWARD_FUNCTIONS))
-        raise ValueError(f"unknown reward verifier '{name}'; choose one of: {choices}") from None
-
-
 __all__ = [
-    "REWARD_FUNCTIONS",
+    "BUILTIN_VERIFIERS",
     "answers_match",
     "arithmetic_reward",
     "extract_answer",
-    "get_reward_fn",
     "math_reward",
 ]

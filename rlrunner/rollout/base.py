@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -38,6 +38,29 @@ class SampleRequest:
     seed: int
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How one generation call samples: the training settings (`rollout.*`) or the validation ones (`rollout.val.*`)."""
+
+    temperature: float  # 0: greedy
+    top_p: float
+    max_new_tokens: int
+
+    @classmethod
+    def training(cls, rollout_cfg: Mapping[str, Any]) -> "Sampling":
+        return cls(rollout_cfg["temperature"], rollout_cfg["top_p"], rollout_cfg["max_new_tokens"])
+
+    @classmethod
+    def validation(cls, rollout_cfg: Mapping[str, Any]) -> "Sampling":
+        val = rollout_cfg["val"]
+        return cls(val["temperature"], val["top_p"], val["max_new_tokens"] or rollout_cfg["max_new_tokens"])
+
+
+def longest_response(rollout_cfg: Mapping[str, Any]) -> int:
+    """The most tokens any generation call may add (training or validation): what an engine sizes its sequences by."""
+    return max(Sampling.training(rollout_cfg).max_new_tokens, Sampling.validation(rollout_cfg).max_new_tokens)
+
+
 class RolloutEngine(ABC):
     def __init__(
         self,
@@ -50,8 +73,9 @@ class RolloutEngine(ABC):
         max_prompt_length: int,
     ):
         """Build the engine for `model.*` (its dtype is the rollout's) and `rollout.*`; `seed` seeds anything random
-        at build time. A response ends with its first id in `token_ids.eos` (kept) or after `rollout.max_new_tokens`;
-        no prompt is longer than `max_prompt_length` tokens (`data.max_prompt_length`)."""
+        at build time. A response ends with its first id in `token_ids.eos` (kept) or after the call's
+        `Sampling.max_new_tokens` (at most `longest_response(rollout_cfg)`); no prompt is longer than
+        `max_prompt_length` tokens (`data.max_prompt_length`)."""
         self.max_prompt_length = max_prompt_length
         self.model_cfg = model_cfg
         self.rollout_cfg = rollout_cfg
@@ -65,9 +89,19 @@ class RolloutEngine(ABC):
         any worker starts."""
 
     @abstractmethod
-    def generate(self, chunks: Sequence[Sequence[SampleRequest]]) -> list[list[Completion]]:
-        """The completion of every request, chunk by chunk, in order. The chunks are fixed by the driver; what a
-        request gets may depend on its chunk (its batch) but never on how chunks are shared between workers."""
+    def generate(self, chunks: Sequence[Sequence[SampleRequest]], sampling: Sampling) -> list[list[Completion]]:
+        """The completion of every request, chunk by chunk, in order, sampled as `sampling` says. The chunks are fixed
+        by the driver; what a request gets may depend on its chunk (its batch) but never on how chunks are shared
+        between workers."""
+
+    def iter_generate(self, chunks: Sequence[Sequence[SampleRequest]], sampling: Sampling) -> Iterator[list[Completion]]:
+        """`generate`'s chunks one by one, as each is done (so the worker scores a chunk while the next generates). By
+        default all at once; an engine that generates chunk by chunk yields each as it finishes."""
+        yield from self.generate(chunks, sampling)
+
+    def reset_cache(self) -> None:
+        """Drop whatever a generation left behind that could change a later one (a prefix cache): called after each
+        validation, so that validating never changes training. Nothing by default."""
 
     @abstractmethod
     def weight_sink(self) -> WeightSink:

@@ -7,12 +7,12 @@ The weight sink writes the synced tensors straight into the model's own paramete
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
 from rlrunner.models.loading import TokenIds, build_hf_config, random_model, torch_dtype
-from rlrunner.rollout.base import Completion, RolloutEngine, SampleRequest
+from rlrunner.rollout.base import Completion, RolloutEngine, SampleRequest, Sampling
 from rlrunner.rollout.sampling import generate
 from rlrunner.weight_sync.endpoints import WeightSink, distinct_state_tensors, specs_of
 from rlrunner.weight_sync.plan import TensorSpec
@@ -48,20 +48,21 @@ class HFEngine(RolloutEngine):
         self.model = self.model.to(device).eval()
         self.sink = ModuleSink(self.model)
 
-    def generate(self, chunks: Sequence[Sequence[SampleRequest]]) -> list[list[Completion]]:
-        return [
-            generate(
+    def generate(self, chunks: Sequence[Sequence[SampleRequest]], sampling: Sampling) -> list[list[Completion]]:
+        return list(self.iter_generate(chunks, sampling))
+
+    def iter_generate(self, chunks: Sequence[Sequence[SampleRequest]], sampling: Sampling) -> Iterator[list[Completion]]:
+        for chunk in chunks:
+            yield generate(
                 self.model,
                 prompts=[request.prompt_ids for request in chunk],
                 seeds=[request.seed for request in chunk],
-                max_new_tokens=self.rollout_cfg["max_new_tokens"],
-                temperature=self.rollout_cfg["temperature"],
-                top_p=self.rollout_cfg["top_p"],
+                max_new_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
                 pad_id=self.token_ids.pad,
                 eos_ids=self.token_ids.eos,
             )
-            for chunk in chunks
-        ]
 
     def weight_sink(self) -> WeightSink:
         return self.sink

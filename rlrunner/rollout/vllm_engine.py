@@ -34,7 +34,7 @@ import torch
 
 from rlrunner.errors import ConfigError, first_line
 from rlrunner.models.loading import TokenIds, build_hf_config, random_model, torch_dtype
-from rlrunner.rollout.base import Completion, RolloutEngine, SampleRequest
+from rlrunner.rollout.base import Completion, RolloutEngine, SampleRequest, Sampling, longest_response
 from rlrunner.weight_sync.endpoints import WeightSink, distinct_state_tensors, specs_of
 from rlrunner.weight_sync.plan import TensorSpec
 
@@ -64,12 +64,13 @@ def check_options(cfg: Any) -> None:
         raise ConfigError(f"rollout.vllm.gpu_memory_utilization must be in (0, 1], got {options.gpu_memory_utilization}")
     if options.kv_cache_gb is not None and options.kv_cache_gb <= 0:
         raise ConfigError(f"rollout.vllm.kv_cache_gb must be positive or null, got {options.kv_cache_gb}")
-    needed = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    longest = longest_response(cfg.rollout)
+    needed = cfg.data.max_prompt_length + longest
     if options.max_model_len is not None and options.max_model_len < needed:
         raise ConfigError(
             f"rollout.vllm.max_model_len ({options.max_model_len}) is shorter than a prompt plus its response "
-            f"(data.max_prompt_length {cfg.data.max_prompt_length} + rollout.max_new_tokens {cfg.rollout.max_new_tokens} "
-            f"= {needed})"
+            f"(data.max_prompt_length {cfg.data.max_prompt_length} + the longest of rollout.max_new_tokens and "
+            f"rollout.val.max_new_tokens, {longest}, = {needed})"
         )
 
 
@@ -149,7 +150,7 @@ class VLLMEngine(RolloutEngine):
             load_format="auto" if self.multiprocessing else "dummy",
             dtype=self.dtype,
             seed=seed,
-            max_model_len=options["max_model_len"] or (max_prompt_length + rollout_cfg["max_new_tokens"]),
+            max_model_len=options["max_model_len"] or (max_prompt_length + longest_response(rollout_cfg)),
             enforce_eager=options["enforce_eager"],
             gpu_memory_utilization=options["gpu_memory_utilization"],
             kv_cache_memory_bytes=None if kv_cache_gb is None else int(kv_cache_gb * (1 << 30)),
@@ -186,7 +187,7 @@ class VLLMEngine(RolloutEngine):
         manager = getattr(getattr(self.llm.llm_engine.engine_core, "resources", None), "engine_manager", None)
         return [process.pid for process in getattr(manager, "processes", [])]
 
-    def generate(self, chunks: Sequence[Sequence[SampleRequest]]) -> list[list[Completion]]:
+    def generate(self, chunks: Sequence[Sequence[SampleRequest]], sampling: Sampling) -> list[list[Completion]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -194,9 +195,9 @@ class VLLMEngine(RolloutEngine):
         params = [
             SamplingParams(
                 n=1,
-                temperature=self.rollout_cfg["temperature"],
-                top_p=self.rollout_cfg["top_p"],
-                max_tokens=self.rollout_cfg["max_new_tokens"],
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_new_tokens,
                 seed=request.seed,
                 stop_token_ids=list(self.token_ids.eos),
                 logprobs=0,  # the sampled token's own log-probability (vLLM's raw, unscaled logprobs)
@@ -221,6 +222,11 @@ class VLLMEngine(RolloutEngine):
 
     def weight_sink(self) -> WeightSink:
         return self.sink
+
+    def reset_cache(self) -> None:
+        """Validation prompts left in the prefix cache could change how the next training prompts are computed."""
+        with _engine_alive():
+            self.llm.reset_prefix_cache()
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """vLLM's own loader on HF-layout tensors, then the prefix cache dropped (it holds the old weights' KV).

@@ -2,7 +2,8 @@
 
 The driver fixes the chunks of prompts; each sample's seed comes from (run seed, step, prompt index, sample
 index), so what a sample gets does not depend on which worker generated it. Every response is scored here, in
-one place, with the run's reward function, whatever the engine.
+one place, with the run's reward function, whatever the engine: in the worker's scoring processes
+(`rlrunner.rewards.scorer`), each chunk as soon as the engine has it, so scoring overlaps the next chunk's generation.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import torch
 from rlrunner.cluster.node import node_ip
 from rlrunner.cluster.worker import Worker
 from rlrunner.models.loading import build_tokenizer, token_ids
-from rlrunner.rewards import get_reward_fn
-from rlrunner.rollout.base import SampleRequest
+from rlrunner.errors import ConfigError, RewardFunctionError
+from rlrunner.rewards.function import RewardLoadError
+from rlrunner.rewards.scorer import RewardSettings, ScoreRequest
+from rlrunner.rollout.base import SampleRequest, Sampling
 from rlrunner.rollout.registry import get_engine
 from rlrunner.utils.seeding import derive_seed
 from rlrunner.weight_sync.channels import connect_store
@@ -30,7 +33,7 @@ class RolloutWorker(Worker):
         model_cfg: dict[str, Any],
         rollout_cfg: dict[str, Any],
         group_size: int,
-        verifier: str,
+        reward: RewardSettings,
         seed: int,
         max_prompt_length: int = 512,
         threads: int = 1,
@@ -41,39 +44,70 @@ class RolloutWorker(Worker):
         self.seed = seed
         self.tokenizer = build_tokenizer(model_cfg)
         self.token_ids = token_ids(model_cfg, self.tokenizer)
-        self.reward_fn = get_reward_fn(verifier)
+        self.reward = reward
+        self.val_samples = rollout_cfg["val"]["num_samples"]
+        self.sampling = {"train": Sampling.training(rollout_cfg), "val": Sampling.validation(rollout_cfg)}
+        self.scorer = reward.scorer()  # its processes start now, beside the engine's build
         engine = get_engine(rollout_cfg["engine"])
         self.engine = engine(model_cfg, rollout_cfg, self.tokenizer, self.token_ids, seed, self.device, max_prompt_length)
         self.weight_sync: WeightReceiver | None = None
 
-    def generate(self, step: int, chunks: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-        """`group_size` scored samples per prompt, in prompt order, for each chunk of prompts."""
-        rows = [[(record, j) for record in chunk for j in range(self.group_size)] for chunk in chunks]
+    def generate(self, step: int, chunks: list[list[dict[str, Any]]], first_sample: int = 0,
+                 validation: bool = False) -> list[dict[str, Any]]:
+        """Scored samples, in prompt order, for each chunk of prompts: `group_size` per prompt, or with `validation`
+        `rollout.val.num_samples` sampled the `rollout.val.*` way. `first_sample` is the position of this call's first
+        sample in the step's batch (what a reward error names)."""
+        mode = "val" if validation else "train"
+        per_prompt = self.val_samples if validation else self.group_size
+        seed_name = "val_sample" if validation else "sample"  # validation draws apart from training
+        rows = [[(record, j) for record in chunk for j in range(per_prompt)] for chunk in chunks]
         requests = [
-            [SampleRequest(record["prompt_ids"], derive_seed(self.seed, "sample", step, record["index"], j)) for record, j in chunk]
+            [SampleRequest(record["prompt_ids"], derive_seed(self.seed, seed_name, step, record["index"], j)) for record, j in chunk]
             for chunk in rows
         ]
-        responses = self.engine.generate(requests)
         samples: list[dict[str, Any]] = []
-        for chunk, completions in zip(rows, responses):
-            for (record, j), completion in zip(chunk, completions):
-                response = list(completion.token_ids)
-                samples.append({
-                    "index": record["index"],
-                    "sample": j,
-                    "prompt_ids": record["prompt_ids"],
-                    "response_ids": response,
-                    "logprobs": list(completion.logprobs),
-                    "finished": bool(response) and response[-1] in self.token_ids.eos,
-                })
-        self._score(samples, [record["answer"] for chunk in rows for record, _ in chunk])
+        batches = []
+        for chunk, completions in zip(rows, self.engine.iter_generate(requests, self.sampling[mode])):
+            chunk_samples = [self._sample(record, j, completion) for (record, j), completion in zip(chunk, completions)]
+            batches.append(self.scorer.submit([self._score_request(s) for s in chunk_samples]))
+            samples.extend(chunk_samples)
+        if validation:
+            self.engine.reset_cache()
+        try:
+            scores = [score for batch in batches for score in self.scorer.wait(batch)]
+        except RewardLoadError as exc:
+            raise ConfigError(str(exc)) from None
+        for position, (sample, score) in enumerate(zip(samples, scores)):
+            if score.error is not None and self.reward.on_error == "raise":
+                where = "validation at step" if validation else "step"
+                raise RewardFunctionError(
+                    f"reward function {self.reward.spec.text} failed at {where} {step}, sample {first_sample + position} "
+                    f"(prompt {sample['index']}, response {sample['sample']}): {score.error}"
+                )
+            sample["reward"] = score.value if score.error is None else 0.0
+            sample["reward_error"] = score.error is not None
+            sample["reward_extras"] = score.extras
+            del sample["text"]
         return samples
 
-    def _score(self, samples: list[dict[str, Any]], answers: list[Any]) -> None:
-        """Each sample's reward: the reward function on its decoded response and its prompt's answer."""
-        for sample, answer in zip(samples, answers):
-            text = self.tokenizer.decode(sample["response_ids"], skip_special_tokens=True)
-            sample["reward"] = float(self.reward_fn(text, answer))
+    def _sample(self, record: dict[str, Any], j: int, completion) -> dict[str, Any]:
+        response = list(completion.token_ids)
+        return {
+            "index": record["index"],
+            "sample": j,
+            "prompt_ids": record["prompt_ids"],
+            "response_ids": response,
+            "logprobs": list(completion.logprobs),
+            "finished": bool(response) and response[-1] in self.token_ids.eos,
+            "data_source": record["data_source"],
+            "text": self.tokenizer.decode(response, skip_special_tokens=True),
+            "record": record,
+        }
+
+    @staticmethod
+    def _score_request(sample: dict[str, Any]) -> ScoreRequest:
+        record = sample.pop("record")
+        return ScoreRequest(record["data_source"], sample["text"], record["answer"], record["extra_info"])
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load full HF-layout weights passed in whole (the path before the collective weight sync; benchmarks)."""
@@ -111,4 +145,5 @@ class RolloutWorker(Worker):
 
     def close(self) -> None:
         self.close_weight_sync()
+        self.scorer.close()
         self.engine.close()

@@ -56,8 +56,8 @@ def build_actor_batch(samples: Sequence[dict[str, Any]], advantages: torch.Tenso
 def shard_actor_batch(batch: dict[str, torch.Tensor], num_ranks: int, num_minibatches: int) -> list[dict[str, torch.Tensor]]:
     """Rank r's rows: its equal slice of every mini-batch, mini-batches in order.
 
-    Each shard also carries `token_counts` [num_minibatches]: the response tokens of each whole
-    mini-batch on all ranks, the denominator of the token-mean loss.
+    Each shard also carries `token_counts` and `sequence_counts` [num_minibatches]: the response tokens, and the
+    sequences with at least one, of each whole mini-batch on all ranks (the loss aggregation's denominators).
     """
     rows = batch["input_ids"].shape[0]
     if rows % (num_ranks * num_minibatches):
@@ -65,6 +65,7 @@ def shard_actor_batch(batch: dict[str, torch.Tensor], num_ranks: int, num_miniba
     per_minibatch = rows // num_minibatches
     per_rank = per_minibatch // num_ranks
     token_counts = batch["loss_mask"].view(num_minibatches, -1).sum(dim=1)
+    sequence_counts = (batch["loss_mask"].sum(dim=1) > 0).float().view(num_minibatches, -1).sum(dim=1)
     shards = []
     for rank in range(num_ranks):
         index = torch.cat(
@@ -72,5 +73,6 @@ def shard_actor_batch(batch: dict[str, torch.Tensor], num_ranks: int, num_miniba
         )
         shard = {key: value[index] for key, value in batch.items()}
         shard["token_counts"] = token_counts.clone()
+        shard["sequence_counts"] = sequence_counts.clone()
         shards.append(shard)
     return shards

@@ -8,6 +8,7 @@ an attempt (`rlrunner.runner.trainer.Trainer`) takes it and adds the worker grou
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +19,16 @@ from rlrunner.checkpoint import layout
 from rlrunner.checkpoint.handler import CheckpointHandler
 from rlrunner.checkpoint.manager import CheckpointManager
 from rlrunner.checkpoint.policy import flatten
+from rlrunner.algorithms.objective import PolicyObjective
 from rlrunner.config import mini_batch_prompts
-from rlrunner.data.datasets import build_dataset
+from rlrunner.data.datasets import build_dataset, build_val_dataset
 from rlrunner.data.loader import PromptLoader
 from rlrunner.experiment.lock import ExperimentLock
 from rlrunner.models.loading import build_hf_config, build_tokenizer, token_ids
+from rlrunner.rewards.function import parse_spec
+from rlrunner.rewards.scorer import RewardSettings
 from rlrunner.runner.experiment_logs import ExperimentLogs
+from rlrunner.runner.metrics import MetricsLogger
 from rlrunner.runner.recovery import RecoveryLog
 from rlrunner.runner.snapshots import SnapshotStore
 from rlrunner.rollout.registry import get_engine
@@ -34,11 +39,17 @@ from rlrunner.storage import open_storage
 _VOLATILE_HF_KEYS = {"transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache", "_commit_hash"}
 
 
-def reward_verifier(cfg: DictConfig) -> str:
-    """`reward.verifier`, or the natural one for the data: arithmetic for the synthetic task, math for files."""
-    if cfg.reward.verifier:
-        return cfg.reward.verifier
-    return "math" if cfg.data.train_files else "arithmetic"
+def reward_settings(cfg: DictConfig, base_dir: str | None = None) -> RewardSettings:
+    """What scores the run: `reward.function` (a relative file path taken from `base_dir`, the driver's working
+    directory), else `reward.verifier`, else the natural verifier for the data (arithmetic for the synthetic task,
+    math for prompt files)."""
+    reward = cfg.reward
+    options = {"kwargs": OmegaConf.to_container(reward.function_kwargs, resolve=True), "num_workers": reward.num_workers,
+               "timeout_s": reward.timeout_s, "on_error": reward.on_error}
+    if reward.function:
+        return RewardSettings(parse_spec(reward.function, base_dir or os.getcwd()), **options)
+    verifier = reward.verifier or ("math" if cfg.data.train_files else "arithmetic")
+    return RewardSettings.builtin(verifier, **options)
 
 
 def model_optimizer_fingerprint(cfg: DictConfig, hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -59,6 +70,9 @@ class RunContext:
         self.tokenizer = build_tokenizer(cfg.model)
         self.token_ids = token_ids(cfg.model, self.tokenizer)
         self.dataset = build_dataset(cfg.data, self.tokenizer, cfg.runner.seed)
+        self.val_dataset = build_val_dataset(cfg.data, self.tokenizer, cfg.runner.seed)
+        self.reward = reward_settings(cfg)
+        self.objective = PolicyObjective(OmegaConf.to_container(cfg.algorithm, resolve=True))  # its metrics
         self.total_steps = min(cfg.runner.max_steps, cfg.runner.max_epochs * self.new_loader().steps_per_epoch)
         self.num_minibatches = cfg.data.batch_size // mini_batch_prompts(cfg)
         self.optimizer_steps = self.total_steps * self.num_minibatches * cfg.actor.ppo_epochs
@@ -85,6 +99,18 @@ class RunContext:
         # in-memory snapshots of the actor, held across attempts (their holders start with the first snapshot)
         self.snapshots = SnapshotStore(cfg.runner.snapshot)
         self.spare_pools: dict[str, Any] | None = None  # warm spares by group (rlrunner.runner.placement.spare_pools)
+        self.metrics: MetricsLogger | None = None  # metrics.jsonl and the trackers, once the run's start is known
+
+    def open_metrics(self, continue_runs: bool) -> MetricsLogger:
+        """metrics.jsonl and the trackers of `runner.logger.backends`; `continue_runs`: the trackers' runs recorded in
+        the experiment folder go on (a resumed run), else new ones start (a fresh start, a new branch)."""
+        from rlrunner.trackers.session import Trackers
+
+        logger_cfg = self.cfg.runner.logger
+        trackers = Trackers(list(logger_cfg.backends), logger_cfg, self.log_path, self.cfg.runner.experiment_name,
+                            OmegaConf.to_container(self.cfg, resolve=True), continue_runs) if logger_cfg.backends else None
+        self.metrics = MetricsLogger(self.log_path, trackers)
+        return self.metrics
 
     def close_spares(self, lost: bool = False) -> None:
         """Kill the warm spares (the run is over), or only forget them (`lost`: the embedded Ray went with them)."""

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 from rlrunner.errors import first_line
 from rlrunner.runner.metrics import METRICS_FILE
 from rlrunner.runner.recovery import RECOVERY_FILE
+from rlrunner.trackers.state import TRACKERS_FILE
 from rlrunner.storage import join, open_storage
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ TENSORBOARD_PREFIX = "events.out.tfevents."  # SummaryWriter's event files, one 
 
 def is_log_file(name: str) -> bool:
     """Whether a file of the log folder is one of the logs (not a checkpoint, a lock or a temporary file)."""
-    return name in (METRICS_FILE, RECOVERY_FILE) or name.startswith(TENSORBOARD_PREFIX)
+    return name in (METRICS_FILE, RECOVERY_FILE, TRACKERS_FILE) or name.startswith(TENSORBOARD_PREFIX)
 
 
 class ExperimentLogs:

@@ -1,32 +1,26 @@
-"""Per-step metrics: `metrics.jsonl` (one JSON object per step), TensorBoard events, and a progress display."""
+"""Per-step metrics: `metrics.jsonl` (one JSON object per step) and the trackers, a progress display, and the pure
+functions that make a step's metrics from its samples and the actor ranks' sums."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlrunner.errors import ConfigError
+if TYPE_CHECKING:
+    from rlrunner.algorithms.objective import PolicyObjective
+    from rlrunner.trackers.session import Trackers
 from rlrunner.storage import is_url
 from rlrunner.storage.local import local_path
 
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
-
-
-def require_tensorboard() -> None:
-    """ConfigError when TensorBoard logging is asked for and the package is missing."""
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        raise ConfigError(
-            "runner.logger.tensorboard=true needs the tensorboard package: pip install tensorboard "
-            "(or pip install 'rlrunner[tensorboard]'), or set runner.logger.tensorboard=false"
-        ) from None
 
 
 def local_folder(log_path: str | os.PathLike) -> Path:
@@ -58,35 +52,55 @@ def truncate_metrics(path: Path, last_step: int) -> int:
 
 
 class MetricsLogger:
-    """Appends each step's metrics; on (re)start, drops whatever a previous run logged after `start_step`."""
+    """The run's metrics: `metrics.jsonl` (always; the truth) and the trackers (`runner.logger.backends`), for the whole
+    driver. Every attempt `begin`s at the step it starts from: the lines of later steps a previous attempt or run logged
+    are dropped (they are redone), and the trackers are told where the run stands (`rlrunner.trackers.session`)."""
 
-    def __init__(self, log_path: str | os.PathLike, start_step: int, tensorboard: bool):
+    def __init__(self, log_path: str | os.PathLike, trackers: "Trackers | None" = None):
         log_path = local_folder(log_path)
         log_path.mkdir(parents=True, exist_ok=True)
         self.path = log_path / METRICS_FILE
-        truncate_metrics(self.path, start_step)
-        self._file = self.path.open("a")
-        self._writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        self.trackers = trackers
+        self._file = None
 
-            # purge_step hides events of steps >= start_step + 1 left by an earlier run, so curves have no duplicates.
-            self._writer = SummaryWriter(log_dir=str(log_path), purge_step=start_step + 1)
+    def begin(self, start_step: int) -> None:
+        """An attempt starts after `start_step` (0: from the start, whose step-0 validation is logged again)."""
+        truncate_metrics(self.path, start_step if start_step > 0 else -1)
+        if self.trackers is not None:
+            self.trackers.begin(start_step, read_records(self.path))
+        self._file = self.path.open("a")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **metrics}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._writer is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)):
-                    self._writer.add_scalar(key, value, step)
-            self._writer.flush()
+        if self.trackers is not None:
+            self.trackers.log(step, metrics)
 
-    def close(self) -> None:
-        self._file.close()
-        if self._writer is not None:
-            self._writer.close()
+    def end_attempt(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self.trackers is not None:
+            self.trackers.end_attempt()
+
+    def close(self, status: str) -> None:
+        """The run ends: "finished", "stopped" (on request, to be resumed) or "failed"."""
+        self.end_attempt()
+        if self.trackers is not None:
+            self.trackers.close(status)
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl ([] when there is none), up to a line cut short."""
+    records = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return records
 
 
 class Progress:
@@ -119,12 +133,15 @@ class Progress:
 # -- one step's metrics from its samples and the actor ranks' sums (pure) -----------------------------
 
 
-def rollout_metrics(samples: list[dict[str, Any]]) -> dict[str, float]:
+def rollout_metrics(samples: list[dict[str, Any]], count_errors: bool = False) -> dict[str, float]:
+    """The step's rollout: reward statistics, exact answers (reward 1.0), lengths; `reward/<key>`, the mean of each
+    other numeric key a reward function returned in a dict; `reward/errors` (`count_errors`), the calls that failed
+    and were scored 0."""
     import torch
 
     rewards = torch.tensor([s["reward"] for s in samples], dtype=torch.float64)
     lengths = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.float64)
-    return {
+    metrics = {
         "rollout/reward_mean": rewards.mean().item(),
         "rollout/reward_std": rewards.std().item(),
         "rollout/reward_max": rewards.max().item(),
@@ -132,29 +149,55 @@ def rollout_metrics(samples: list[dict[str, Any]]) -> dict[str, float]:
         "rollout/accuracy": (rewards == 1.0).double().mean().item(),
         "rollout/response_length_mean": lengths.mean().item(),
         "rollout/eos_frac": sum(s["finished"] for s in samples) / len(samples),
+        **reward_extras(samples, "reward/"),
     }
+    if count_errors:
+        metrics["reward/errors"] = float(sum(s["reward_error"] for s in samples))
+    return metrics
 
 
-def actor_metrics(per_rank: list[dict[str, float]], use_kl_loss: bool, kl_coef: float, entropy_coef: float) -> dict[str, float]:
+def reward_extras(samples: list[dict[str, Any]], prefix: str) -> dict[str, float]:
+    """`<prefix><key>`: the mean of each extra key over the samples whose reward function returned it."""
+    values: dict[str, list[float]] = {}
+    for sample in samples:
+        for key, value in sample.get("reward_extras", {}).items():
+            values.setdefault(key, []).append(value)
+    return {f"{prefix}{key}": math.fsum(vals) / len(vals) for key, vals in sorted(values.items())}
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def source_key(data_source: str) -> str:
+    """A data source as a metric-name part: characters other than letters, digits, `_ . -` become `_`."""
+    return _UNSAFE.sub("_", data_source) or "_"
+
+
+def validation_metrics(samples: list[dict[str, Any]]) -> dict[str, float]:
+    """`val/reward_mean`, `val/accuracy` (reward 1.0), the same per data source (`val/<source>/...`), and
+    `val/reward/<key>` for a reward function's other numeric keys."""
+    def summary(group: list[dict[str, Any]], prefix: str) -> dict[str, float]:
+        rewards = [s["reward"] for s in group]
+        return {f"{prefix}reward_mean": math.fsum(rewards) / len(rewards),
+                f"{prefix}accuracy": sum(r == 1.0 for r in rewards) / len(rewards)}
+
+    metrics = summary(samples, "val/")
+    sources: dict[str, list[dict[str, Any]]] = {}
+    for sample in samples:
+        sources.setdefault(source_key(sample["data_source"]), []).append(sample)
+    for name, group in sorted(sources.items()):
+        metrics.update(summary(group, f"val/{name}/"))
+    metrics.update(reward_extras(samples, "val/reward/"))
+    metrics["val/response_length_mean"] = sum(len(s["response_ids"]) for s in samples) / len(samples)
+    return metrics
+
+
+def actor_metrics(per_rank: list[dict[str, float]], objective: "PolicyObjective") -> dict[str, float]:
     """Token means over all data-parallel ranks (sums added in rank order, so the result is reproducible)."""
     total = {key: sum(stats[key] for stats in per_rank) for key in per_rank[0]}
-    tokens = max(total["tokens"], 1.0)
-    pg_loss = total["pg_loss"] / tokens
-    metrics = {
-        "actor/pg_loss": pg_loss,
-        "actor/entropy": total["entropy"] / tokens,
-        "actor/pg_clipfrac": total["clipped"] / tokens,
-        "actor/ppo_kl": total["ppo_kl"] / tokens,
+    return {
+        **objective.metrics(total),
         "actor/grad_norm": per_rank[0]["grad_norm"],
         "actor/lr": per_rank[0]["lr"],
         "actor/skipped_steps": per_rank[0]["skipped_steps"],
-        # mean |rollout engine's log-prob - actor's| over the response tokens, under the policy that generated them
-        "rollout/logprob_abs_diff": total["logprob_diff"] / tokens,
     }
-    loss = pg_loss
-    if use_kl_loss:
-        metrics["actor/kl"] = total["kl"] / tokens
-        loss += kl_coef * metrics["actor/kl"]
-    if entropy_coef:
-        loss -= entropy_coef * metrics["actor/entropy"]
-    return {"actor/loss": loss, **metrics}

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from rlrunner.cluster.spares import SparePool
 from rlrunner.rollout.worker import RolloutWorker
-from rlrunner.runner.context import RunContext, reward_verifier
+from rlrunner.runner.context import RunContext
 from rlrunner.utils.seeding import derive_seed
 
 START_TIMEOUT_S = 300.0  # bound on starting workers (imports, model build), whatever the step timeout
@@ -61,7 +61,7 @@ def group_specs(ctx: RunContext, placement_timeout_s: float, abandon: Callable[[
             "model_cfg": _plain(cfg.model),
             "rollout_cfg": _plain(cfg.rollout),
             "group_size": cfg.algorithm.group_size,
-            "verifier": reward_verifier(cfg),
+            "reward": ctx.reward,
             "seed": cfg.runner.seed,
             "max_prompt_length": cfg.data.max_prompt_length,
             **common,

@@ -12,7 +12,7 @@ import ray
 
 from rlrunner.cluster.ray_setup import cluster_lost
 from rlrunner.cluster.worker_group import CallTimeoutError, WorkerRaised
-from rlrunner.errors import ClusterLostError, WorkerError, describe, exception_chain, user_error
+from rlrunner.errors import ClusterLostError, RewardFunctionError, WorkerError, describe, exception_chain, user_error
 from rlrunner.runner.metrics import local_folder
 
 RECOVERY_FILE = "recovery.jsonl"
@@ -31,7 +31,10 @@ _DIST_ERROR_NAMES = {"DistBackendError", "DistNetworkError", "DistStoreError", "
 
 
 def failure_cause(exc: BaseException) -> str | None:
-    """A one-line cause when `exc` comes from a lost or hung worker (repairable), None otherwise (a bug, bad input)."""
+    """A one-line cause when `exc` comes from a lost or hung worker (repairable), None otherwise (a bug, bad input,
+    the reward function's own failure: a hung reward call is not a hung worker)."""
+    if any(isinstance(err, RewardFunctionError) for err in exception_chain(exc)):
+        return None
     for err in exception_chain(exc):
         if isinstance(err, ClusterLostError):
             return f"cluster lost: {err}"

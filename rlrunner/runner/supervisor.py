@@ -65,9 +65,17 @@ class Supervisor:
         """
         with self.ctx.lock:
             self.ctx.logs.restore()  # once per driver: an in-job restart must not drop log lines not yet uploaded
+            status = "failed"
             try:
-                return self._attempts(connect)
+                last = self._attempts(connect)
+                status = "finished"
+                return last
+            except StoppedEarly:
+                status = "stopped"
+                raise
             finally:
+                if self.ctx.metrics is not None:
+                    self.ctx.metrics.close(status)
                 self.ctx.snapshots.close()
                 self.ctx.close_spares()
                 self.ctx.logs.upload()
@@ -76,9 +84,12 @@ class Supervisor:
         ctx, recovery = self.ctx, self.cfg.runner.recovery
         handler = ctx.handler
         handler.remove_leftovers()
-        initial = handler.find_resume(self.cfg.runner.resume_dir)
-        if initial is not None and self.cfg.runner.resume_dir != "auto":
-            handler.start_branch(initial)
+        resume_dir = self.cfg.runner.resume_dir
+        initial = handler.find_resume(resume_dir)
+        branched = initial is not None and resume_dir != "auto" and bool(handler.start_branch(initial))
+        # the trackers' runs go on when the run does (resumed, or relaunched with auto); a fresh start or a new
+        # branch starts new ones
+        ctx.open_metrics(continue_runs=resume_dir is not None and not branched)
         if connect is not None:
             connect()
         checkpoint, placement_timeout_s = initial, self.cfg.cluster.placement_timeout_s

@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from rlrunner.algorithms.grpo import group_advantages
+from rlrunner.algorithms.registry import get_adv_estimator
 from rlrunner.checkpoint.handler import Checkpoint, PendingSave
 from rlrunner.cluster.shared_storage import check_shared_folder
 from rlrunner.cluster.worker_group import CallAbandoned, WorkerGroup
-from rlrunner.errors import CheckpointError, ExperimentLockedError, StoppedEarly
+from rlrunner.errors import CheckpointError, ExperimentLockedError, RewardFunctionError, StoppedEarly, exception_chain
 from rlrunner.runner.batching import build_actor_batch, chunk, shard_actor_batch, split_evenly
 from rlrunner.runner.context import RunContext
-from rlrunner.runner.metrics import MetricsLogger, Progress, actor_metrics, rollout_metrics
+from rlrunner.runner.metrics import Progress, actor_metrics, rollout_metrics, validation_metrics
 from rlrunner.runner.placement import START_TIMEOUT_S, group_specs, spare_pools
 from rlrunner.runner.recovery import rollout_loss
 from rlrunner.runner.snapshots import Snapshot
@@ -181,22 +181,55 @@ class Trainer:
                 # the emergency checkpoint holds it (a resumed run pushes the weights at its start).
                 pass
 
-    def generate(self, step: int, prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def generate(self, step: int, prompts: list[dict[str, Any]], validation: bool = False) -> list[dict[str, Any]]:
         """Scored samples in prompt order; chunks of prompts are fixed here, so the result is the same for any worker
         count, and after a lost rollout worker is replaced the generation is redone with the same result. A stop
-        request abandons the generation in flight (CallAbandoned): nothing has changed yet."""
-        chunks = chunk(prompts, self.cfg.rollout.generation_batch_size)
+        request abandons a training generation in flight (CallAbandoned): nothing has changed yet. A validation
+        (`validation`: the `rollout.val.*` sampling) is never abandoned: it belongs to a step whose update is done."""
+        per_prompt, chunk_prompts = self._chunking(validation)
+        chunks = chunk(prompts, chunk_prompts)
         while True:
             assignment = split_evenly(chunks, self.rollout_group.num_workers)
-            refs = self.rollout_group.call_each_async("generate", [(step, part) for part in assignment])
+            starts = [0]
+            for part in assignment[:-1]:
+                starts.append(starts[-1] + sum(len(c) for c in part) * per_prompt)
+            refs = self.rollout_group.call_each_async(
+                "generate", [(step, part, first, validation) for part, first in zip(assignment, starts)])
             try:
-                results = self.rollout_group.get(refs, abandon=self._stop_requested)
+                results = self.rollout_group.get(refs, abandon=None if validation else self._stop_requested)
             except CallAbandoned:
                 raise
             except Exception as exc:
-                self.repair_rollout(exc, step, "generation")
+                failed = [err for err in exception_chain(exc) if isinstance(err, RewardFunctionError)]
+                if failed:  # the innermost: the worker's own error (the outer ones carry Ray's traceback)
+                    raise RewardFunctionError(str(failed[-1])) from None
+                self.repair_rollout(exc, step, "validation" if validation else "generation")
                 continue
             return [sample for part in results for sample in part]
+
+    def _chunking(self, validation: bool) -> tuple[int, int]:
+        """(samples per prompt, prompts per chunk): a validation chunk holds as many rows as a training one."""
+        rollout, group = self.cfg.rollout, self.cfg.algorithm.group_size
+        if not validation:
+            return group, rollout.generation_batch_size
+        per_prompt = rollout.val.num_samples
+        return per_prompt, max(1, rollout.generation_batch_size * group // per_prompt)
+
+    def validate(self, step: int) -> dict[str, Any]:
+        """The validation set generated with the current weights (those after `step`) and scored: `val/*` metrics."""
+        started = time.perf_counter()
+        samples = self.generate(step, self.ctx.val_dataset.items, validation=True)
+        return {**validation_metrics(samples), "time/val_s": time.perf_counter() - started}
+
+    def validation_due(self, step: int) -> bool:
+        """Whether the weights after `step` are validated: every `runner.val_interval` steps and at the last step
+        (step 0: before training, `runner.val_before_train`)."""
+        runner = self.cfg.runner
+        if self.ctx.val_dataset is None:
+            return False
+        if step == 0:
+            return runner.val_before_train is not False
+        return runner.val_interval > 0 and (step % runner.val_interval == 0 or step == self.ctx.total_steps)
 
     def repair_rollout(self, exc: Exception, step: int, phase: str) -> None:
         """Replace the rollout group after a loss or hang of rollout workers alone and push the actor's current weights
@@ -248,7 +281,9 @@ class Trainer:
         rollout_done = time.perf_counter()
 
         rewards = torch.tensor([s["reward"] for s in samples], dtype=torch.float32)
-        advantages = group_advantages(rewards, cfg.algorithm.group_size, cfg.algorithm.norm_adv_by_std)
+        lengths = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.long)
+        estimator = get_adv_estimator(cfg.algorithm.adv_estimator)
+        advantages = estimator(rewards, cfg.algorithm.group_size, lengths, cfg.algorithm.norm_adv_by_std)
         batch = build_actor_batch(samples, advantages, ctx.token_ids.pad)
         shards = shard_actor_batch(batch, ctx.rank_map.dp, ctx.num_minibatches)
         per_rank = self.actor_group.call_each("update", [(shard,) for shard in ctx.rank_map.scatter(shards)])
@@ -263,11 +298,10 @@ class Trainer:
         self.sync_weights_in_step(step)  # on the actor ranks it waits for their snapshot copies
         sync_done = time.perf_counter()
 
-        algorithm = cfg.algorithm
         metrics = {
             "data/epoch": epoch,
-            **rollout_metrics(samples),
-            **actor_metrics(actor_stats, algorithm.use_kl_loss, algorithm.kl_coef, algorithm.entropy_coef),
+            **rollout_metrics(samples, count_errors=cfg.reward.on_error == "zero"),
+            **actor_metrics(actor_stats, ctx.objective),
             "time/rollout_s": rollout_done - started,
             "time/update_s": update_done - rollout_done,
             "time/weight_sync_s": sync_done - sync_started,
@@ -280,26 +314,40 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------
 
     def train(self) -> dict[str, Any]:
-        """Run the steps up to the end; returns the last step's metrics. StoppedEarly after a stop request."""
+        """Run the steps up to the end; returns the last step's metrics. StoppedEarly after a stop request;
+        RewardFunctionError, after the emergency checkpoint, when the reward function failed."""
         cfg, ctx = self.cfg.runner, self.ctx
         logger.info("run %s: steps %d..%d, logs in %s", cfg.experiment_name, self.global_step + 1, ctx.total_steps, ctx.log_path)
         logger.info(ctx.handler.describe_schedule())
         if self.global_step >= ctx.total_steps:
             logger.info("nothing to do: the resumed checkpoint is at step %d of %d", self.global_step, ctx.total_steps)
-        metrics_log = MetricsLogger(ctx.log_path, self.global_step, cfg.logger.tensorboard)
+        metrics_log = ctx.metrics
+        metrics_log.begin(self.global_step)
         progress = Progress(ctx.total_steps, self.global_step, cfg.logger.progress_bar)
         last: dict[str, Any] = {}
+        failed: RewardFunctionError | None = None  # the reward function failed: the run ends after its emergency save
         try:
-            while self.global_step < ctx.total_steps and not ctx.stop.requested:
+            if self.global_step == 0 and self.validation_due(0) and not ctx.stop.requested:
+                try:
+                    metrics_log.log(0, self.validate(0))  # the initial policy's score, logged at step 0
+                except RewardFunctionError as exc:
+                    failed = exc
+            while failed is None and self.global_step < ctx.total_steps and not ctx.stop.requested:
                 step = self.global_step + 1
                 committed_before = self.last_saved_step
                 self._raise_if_lock_lost(f"step {step}")
                 position = self.loader.state_dict()
                 try:
                     last = self.train_step(step)
-                except CallAbandoned:
+                except (CallAbandoned, RewardFunctionError) as exc:
                     self.loader.load_state_dict(position)  # the abandoned step never happened
+                    failed = exc if isinstance(exc, RewardFunctionError) else None
                     break
+                if self.validation_due(step):
+                    try:  # inside the step: a failure before it is logged redoes the step, validation included
+                        last.update(self.validate(step))
+                    except RewardFunctionError as exc:
+                        failed = exc  # the step itself is complete (updated and synced): it is logged and saved
                 self.global_step = step
                 self.rollout_repairs = 0
                 if self.spares_due:
@@ -322,23 +370,27 @@ class Trainer:
                     self.restart_to_report = None
         finally:
             progress.close()
-            metrics_log.close()
+            metrics_log.end_attempt()
             ctx.logs.upload()
         self.commit_pending_save(wait=True)  # the last step's save, or the one in flight when a stop came
+        if failed is not None:
+            raise RewardFunctionError(f"{failed}; {self.emergency_save()}; fix the reward function (or set "
+                                      "reward.on_error=zero) and resume with runner.resume_dir=auto")
         if self.global_step < ctx.total_steps:  # the loop ended on a stop request
-            self.emergency_stop()
+            raise StoppedEarly(f"{self.ctx.stop.reason} at step {self.global_step}; {self.emergency_save()}; "
+                               "resume with runner.resume_dir=auto")
         return last
 
-    def emergency_stop(self) -> None:
+    def emergency_save(self) -> str:
+        """Save the last completed step unless it is saved (committed before returning); what was done, for a
+        message."""
         step = self.global_step
         if step == 0:
-            saved = "no step had finished, so there is nothing to save"
-        elif self.last_saved_step == step:
-            saved = f"global_step_{step} is already saved"
-        else:
-            self.save_checkpoint(step)
-            saved = f"saved {basename(self.commit_pending_save(wait=True))}"
-        raise StoppedEarly(f"{self.ctx.stop.reason} at step {step}; {saved}; resume with runner.resume_dir=auto")
+            return "no step had finished, so there is nothing to save"
+        if self.last_saved_step == step:
+            return f"global_step_{step} is already saved"
+        self.save_checkpoint(step)
+        return f"saved {basename(self.commit_pending_save(wait=True))}"
 
     # -- checkpoints ---------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ def test_more_workers_than_the_cluster_can_place(ray_session, tmp_path, capsys):
             "actor.num_workers=4",
             "cluster.cpus_per_actor_worker=4",
             "cluster.placement_timeout_s=2",
-            "runner.logger.tensorboard=false",
+            "runner.logger.backends=[]",
             *TINY_MODEL,
         ]
     )

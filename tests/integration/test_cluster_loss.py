@@ -21,7 +21,7 @@ import pytest
 import ray
 import torch
 
-from conftest import TINY_MODEL, read_metrics, run_config, without_time
+from conftest import TINY_MODEL, metrics_lines, read_metrics, run_config, without_time
 from rlrunner.tools.convert import load_model_weights
 from rlrunner.cluster.ray_setup import init_ray
 from rlrunner.runner.supervisor import Supervisor
@@ -47,11 +47,6 @@ def no_ray_before_or_after():
         ray.shutdown()
     yield
     ray.shutdown()
-
-
-def metrics_lines(output_dir: Path) -> int:
-    path = output_dir / "test" / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 def recovery_events(output_dir: Path, event: str) -> list[dict]:

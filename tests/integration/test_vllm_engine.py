@@ -29,6 +29,7 @@ from rlrunner.algorithms.grpo import group_advantages
 from rlrunner.backends.fsdp.worker import FSDPActorWorker
 from rlrunner.cluster.worker_group import WorkerGroup
 from rlrunner.errors import ConfigError
+from rlrunner.rewards.scorer import RewardSettings
 from rlrunner.rollout.worker import RolloutWorker
 from rlrunner.rollout.vllm_engine import VLLMEngine, _probe
 from rlrunner.runner.batching import build_actor_batch, shard_actor_batch
@@ -125,7 +126,7 @@ def test_weights_pushed_into_vllm_give_the_hf_engines_greedy_output(ray_session,
         rollouts = {}
         for engine in ("hf", "vllm"):
             kwargs = {"model_cfg": plain(cfg.model), "rollout_cfg": {**plain(cfg.rollout), "engine": engine}, "group_size": 1,
-                      "verifier": "arithmetic", "seed": 7}
+                      "reward": RewardSettings.builtin("arithmetic"), "seed": 7}
             rollouts[engine] = WorkerGroup(f"rollout-{engine}", RolloutWorker, 1, worker_kwargs=kwargs, cpus_per_worker=0.25,
                                            call_timeout_s=120, wait=False)
             groups.append(rollouts[engine])
@@ -137,7 +138,8 @@ def test_weights_pushed_into_vllm_give_the_hf_engines_greedy_output(ray_session,
         from rlrunner.models.loading import build_tokenizer
 
         tokenizer = build_tokenizer(cfg.model)
-        records = [{"index": i, "prompt_ids": tokenizer.encode(text), "answer": "7"} for i, text in enumerate(tokenizer_text)]
+        records = [{"index": i, "prompt_ids": tokenizer.encode(text), "answer": "7", "data_source": "arithmetic",
+                    "extra_info": {}} for i, text in enumerate(tokenizer_text)]
         assert len(records[1]["prompt_ids"]) > 128  # several KV-cache blocks
 
         def generate() -> dict[str, list[list[int]]]:
@@ -174,10 +176,10 @@ def test_runs_are_the_same_for_any_rollout_worker_count_after_a_killed_rollout_w
     assert all(m["rollout/logprob_abs_diff"] < 1e-3 for m in expected)  # vLLM's log-probs against the actor's
     out = tmp_path / "two"
     # the second rollout worker dies inside its second generate (step 2's); each actor rank's update has 2
-    # micro-batches (8 rows of 4), so its 5th loss is step 3's first
+    # micro-batches (8 rows of 4), so its 5th log-probs call is step 3's first
     rollout_kill, killed_rollout = patched_at_the_first_start("rollout", 1, kill_at_call(2, lambda w: w.engine, "generate", own_process))
     actor_kill, killed_actor = patched_at_the_first_start(
-        "actor", 1, kill_at_call(5, lambda w: sys.modules["rlrunner.backends.actor"], "clipped_policy_loss", own_process))
+        "actor", 1, kill_at_call(5, lambda w: sys.modules["rlrunner.backends.actor"], "token_log_probs", own_process))
     runner = Supervisor(run_config(out, *RUN, "rollout.num_workers=2", "rollout.generation_batch_size=1"),
                         callbacks=[rollout_kill, actor_kill])
     runner.run()

@@ -193,6 +193,7 @@ def test_ray_groups_sync_bit_exact_and_fail_fast(ray_session, tmp_path):
     from rlrunner.cluster.worker_group import WorkerGroup
     from rlrunner.weight_sync.driver import connect_weight_sync, sync_weights
     from rlrunner.backends.fsdp.worker import FSDPActorWorker
+    from rlrunner.rewards.scorer import RewardSettings
     from rlrunner.rollout.worker import RolloutWorker
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import this module by name
@@ -207,7 +208,7 @@ def test_ray_groups_sync_bit_exact_and_fail_fast(ray_session, tmp_path):
         rollouts = {}
         for dtype in ("float32", "bfloat16"):
             kwargs = {"model_cfg": {**plain(cfg.model), "dtype": dtype}, "rollout_cfg": plain(cfg.rollout), "group_size": 2,
-                      "verifier": "arithmetic", "seed": 7}
+                      "reward": RewardSettings.builtin("arithmetic"), "seed": 7}
             rollouts[dtype] = WorkerGroup(f"rollout-{dtype}", RolloutWorker, 2, worker_kwargs=kwargs, cpus_per_worker=0.25,
                                           call_timeout_s=60, wait=False)
             groups.append(rollouts[dtype])

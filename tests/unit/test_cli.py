@@ -46,14 +46,14 @@ def test_model_path_that_is_not_a_hf_model(tmp_path, capsys):
 
 def test_missing_data_file(tmp_path, capsys):
     missing = tmp_path / "train.jsonl"
-    assert main([f"data.train_files={missing}", "runner.logger.tensorboard=false"]) == 2
+    assert main([f"data.train_files={missing}", "runner.logger.backends=[]"]) == 2
     assert f"data file not found: {missing}" in error_line(capsys)
 
 
 def test_data_file_without_prompt_field(tmp_path, capsys):
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n")
-    assert main([f"data.train_files={data}", "runner.logger.tensorboard=false"]) == 2
+    assert main([f"data.train_files={data}", "runner.logger.backends=[]"]) == 2
     line = error_line(capsys)
     assert "record 0 has no 'prompt' field" in line and "question" in line
 
@@ -63,7 +63,7 @@ def test_bad_resume_dir_is_reported_before_ray_starts(tmp_path, capsys):
 
     assert not ray.is_initialized()
     missing = tmp_path / "checkpoints" / "global_step_5"
-    assert main([f"runner.output_dir={tmp_path}", f"runner.resume_dir={missing}", "runner.logger.tensorboard=false"]) == 2
+    assert main([f"runner.output_dir={tmp_path}", f"runner.resume_dir={missing}", "runner.logger.backends=[]"]) == 2
     assert error_line(capsys) == f"rlrunner: error: runner.resume_dir does not exist: {missing}"
     assert not ray.is_initialized(), "the error must come before Ray's start-up"
 

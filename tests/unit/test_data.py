@@ -38,7 +38,9 @@ def test_synthetic_answers_are_correct_and_operands_in_range() -> None:
     ops_seen = set()
     operands = set()
     for record in records:
-        assert set(record) == {"prompt", "answer"}
+        assert set(record) == {"prompt", "answer", "data_source", "extra_info"}
+        assert record["data_source"] == "arithmetic"
+        assert record["extra_info"] == {"prompt": record["prompt"], "answer": record["answer"]}
         match = PROBLEM.match(record["prompt"])
         assert match, record
         a, op, b = int(match.group(1)), match.group(2), int(match.group(3))
@@ -78,9 +80,10 @@ def test_load_jsonl(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "1+1=", "answer": 2}, {"prompt": "2+3=", "answer": "5"}])
     # blank lines are skipped
     path.write_text(path.read_text() + "\n  \n")
+    # the answer as the file has it (the reward function's ground truth); the file's name as the data source
     assert load_prompt_files(str(path), "prompt", "answer") == [
-        {"prompt": "1+1=", "answer": "2"},
-        {"prompt": "2+3=", "answer": "5"},
+        {"prompt": "1+1=", "answer": 2, "data_source": "train", "extra_info": {"prompt": "1+1=", "answer": 2}},
+        {"prompt": "2+3=", "answer": "5", "data_source": "train", "extra_info": {"prompt": "2+3=", "answer": "5"}},
     ]
 
 
@@ -90,7 +93,7 @@ def test_load_parquet_with_dotted_answer_key(tmp_path: Path) -> None:
         {"question": "What is 1+2?", "reward_model": {"ground_truth": "3", "style": "rule"}},
     ]
     path = write_parquet(tmp_path / "train.parquet", records)
-    assert load_prompt_files(str(path), "question", "reward_model.ground_truth") == [
+    assert [{k: r[k] for k in ("prompt", "answer")} for r in load_prompt_files(str(path), "question", "reward_model.ground_truth")] == [
         {"prompt": "What is 6*7?", "answer": "42"},
         {"prompt": "What is 1+2?", "answer": "3"},
     ]
@@ -103,8 +106,25 @@ def test_load_jsonl_dotted_keys_and_chat_prompts(tmp_path: Path) -> None:
         [{"extra": {"messages": chat}, "reward_model": {"ground_truth": 4}}],
     )
     assert load_prompt_files(str(path), "extra.messages", "reward_model.ground_truth") == [
-        {"prompt": chat, "answer": "4"}
+        {"prompt": chat, "answer": 4, "data_source": "chat",
+         "extra_info": {"extra": {"messages": chat}, "reward_model": {"ground_truth": 4}}}
     ]
+
+
+def test_verl_records_give_their_data_source_and_extra_info(tmp_path: Path) -> None:
+    """verl's parquet layout: `data_source` picks the scorer, `extra_info`'s own fields are on top of the others."""
+    record = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1+1?"}], "ability": "math",
+              "reward_model": {"style": "rule", "ground_truth": "2"}, "extra_info": {"split": "train", "index": 7}}
+    second = {**record, "data_source": None, "extra_info": None}  # parquet's null: no source, no extra fields
+    path = write_parquet(tmp_path / "mixed.parquet", [record, second])
+    first, other = load_prompt_files(str(path), "prompt", "reward_model.ground_truth")
+    assert first["data_source"] == "openai/gsm8k" and first["answer"] == "2"
+    assert first["extra_info"] == {"prompt": record["prompt"], "ability": "math", "reward_model": record["reward_model"],
+                                   "split": "train", "index": 7}
+    assert other["data_source"] == "mixed"  # the file's name
+    assert "split" not in other["extra_info"] and other["extra_info"]["ability"] == "math"
+    source_key = load_prompt_files(str(path), "prompt", "reward_model.ground_truth", data_source_key="ability")
+    assert [r["data_source"] for r in source_key] == ["math", "math"]
 
 
 def test_load_comma_separated_files_in_order(tmp_path: Path) -> None:
@@ -112,7 +132,8 @@ def test_load_comma_separated_files_in_order(tmp_path: Path) -> None:
     second = write_parquet(tmp_path / "b.parquet", [{"prompt": "b", "answer": "2"}, {"prompt": "c", "answer": "3"}])
     records = load_prompt_files(f"{first}, {second},", "prompt", "answer")
     assert [r["prompt"] for r in records] == ["a", "b", "c"]
-    assert [r["answer"] for r in records] == ["1", "2", "3"]
+    assert [r["answer"] for r in records] == [1, "2", "3"]
+    assert [r["data_source"] for r in records] == ["a", "b", "b"]
 
 
 def test_load_missing_file_names_it(tmp_path: Path) -> None:
@@ -185,7 +206,7 @@ def test_load_unreadable_parquet_and_empty_file(tmp_path: Path) -> None:
     empty.write_text("\n")
     with pytest.raises(ConfigError, match="no records"):
         load_prompt_files(str(empty), "prompt", "answer")
-    with pytest.raises(ConfigError, match="names no files"):
+    with pytest.raises(ConfigError, match="no data files named"):
         load_prompt_files(" , ", "prompt", "answer")
 
 
@@ -200,7 +221,8 @@ def test_prompt_dataset_drops_long_prompts(tokenizer) -> None:
     ]
     dataset = PromptDataset(records, tokenizer, max_prompt_length=4, apply_chat_template=True)
     assert len(dataset) == 2
-    assert dataset[0] == {"index": 0, "prompt_ids": tokenizer("1+2=")["input_ids"], "answer": "3"}
+    assert dataset[0] == {"index": 0, "prompt_ids": tokenizer("1+2=")["input_ids"], "answer": "3", "data_source": "unknown",
+                          "extra_info": {}}
     assert dataset[1]["index"] == 1
     assert dataset[1]["answer"] == "81"
     assert tokenizer.decode(dataset[1]["prompt_ids"]) == "9*9="
@@ -281,13 +303,15 @@ def test_the_chat_template_survives_save_and_load(tmp_path: Path, tokenizer) -> 
 def data_cfg(**changes):
     cfg = {
         "train_files": None,
+        "val_files": None,
         "prompt_key": "prompt",
         "answer_key": "answer",
+        "data_source_key": "data_source",
         "batch_size": 4,
         "max_prompt_length": 32,
         "shuffle": True,
         "apply_chat_template": True,
-        "synthetic": {"num_problems": 10, "max_operand": 9, "operations": "+"},
+        "synthetic": {"num_problems": 10, "max_operand": 9, "operations": "+", "val_size": 0},
     }
     synthetic = changes.pop("synthetic", {})
     cfg.update(changes)
@@ -307,7 +331,7 @@ def test_build_dataset_from_files(tmp_path: Path, tokenizer) -> None:
     path = write_jsonl(tmp_path / "t.jsonl", [{"q": f"{i}+1=", "a": {"v": i + 1}} for i in range(5)])
     dataset = build_dataset(data_cfg(train_files=str(path), prompt_key="q", answer_key="a.v"), tokenizer, seed=0)
     assert len(dataset) == 5
-    assert dataset[4]["answer"] == "5"
+    assert dataset[4]["answer"] == 5
 
 
 def test_build_dataset_smaller_than_batch_raises(tmp_path: Path, tokenizer) -> None:
@@ -331,3 +355,17 @@ def test_null_answer_in_jsonl_is_a_missing_field(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": None}])
     with pytest.raises(ConfigError, match="record 0 has no 'answer' field"):
         load_prompt_files(str(path), "prompt", "answer")
+
+
+def test_the_validation_set(tmp_path: Path, tokenizer) -> None:
+    """data.val_files when set; else the synthetic task's own validation problems (another stream than training's)."""
+    from rlrunner.data.datasets import build_val_dataset
+
+    assert build_val_dataset(data_cfg(), tokenizer, seed=7) is None
+    synthetic = build_val_dataset(data_cfg(synthetic={"val_size": 6}), tokenizer, seed=7)
+    expected = synthetic_arithmetic(6, 9, "+", seed=7, stream="arithmetic-val")
+    assert expected != synthetic_arithmetic(6, 9, "+", seed=7)
+    assert [tokenizer.decode(item["prompt_ids"]) for item in synthetic.items] == [r["prompt"] for r in expected]
+    path = write_jsonl(tmp_path / "val.jsonl", [{"prompt": "1+1=", "answer": 2, "data_source": "add"}])
+    from_file = build_val_dataset(data_cfg(val_files=str(path), synthetic={"val_size": 6}), tokenizer, seed=7)
+    assert len(from_file) == 1 and from_file[0]["data_source"] == "add" and from_file[0]["answer"] == 2

@@ -15,13 +15,15 @@ from rlrunner.runner.experiment_logs import ExperimentLogs
 from rlrunner.runner.metrics import MetricsLogger
 from rlrunner.runner.recovery import RecoveryLog
 from rlrunner.storage import join, open_storage
+from rlrunner.trackers.session import Trackers
 
 
 def log_steps(folder: str, start_step: int, steps: range, scale: float) -> None:
-    metrics = MetricsLogger(folder, start_step, tensorboard=True)
+    metrics = MetricsLogger(folder, Trackers(["tensorboard"], {}, folder, "exp", {}, continue_runs=True))
+    metrics.begin(start_step)
     for step in steps:
         metrics.log(step, {"loss": step * scale, "note": "text is not a scalar"})
-    metrics.close()
+    metrics.close("finished")
 
 
 def tensorboard_scalars(folder: str, tag: str) -> list[tuple[int, float]]:
@@ -118,6 +120,6 @@ def test_a_local_log_folder_is_used_as_it_is(tmp_path):
 
 def test_the_loggers_refuse_a_store_url(tmp_path):
     with pytest.raises(ValueError, match=r"^s3://bucket/run is not a local folder: write the logs in ExperimentLogs"):
-        MetricsLogger("s3://bucket/run", 0, tensorboard=False)
+        MetricsLogger("s3://bucket/run")
     with pytest.raises(ValueError, match=r"^s3://bucket/run is not a local folder"):
         RecoveryLog("s3://bucket/run")

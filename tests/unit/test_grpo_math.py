@@ -6,8 +6,6 @@ import pytest
 import torch
 
 from rlrunner.algorithms.grpo import (
-    PolicyLossTerms,
-    clipped_policy_loss,
     group_advantages,
     kl_penalty,
     masked_mean,
@@ -15,6 +13,7 @@ from rlrunner.algorithms.grpo import (
     token_entropy,
     token_log_probs,
 )
+from rlrunner.algorithms.policy_losses import PolicyLossTerms, ppo_clip
 
 TOL = 1e-5
 
@@ -137,13 +136,13 @@ def test_token_entropy_one_hot_is_zero_and_hand_value() -> None:
     assert token_entropy(two).item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), abs=1e-6)
 
 
-# --- clipped_policy_loss -----------------------------------------------------
+# --- ppo_clip (the clipped surrogate) -------------------------------------------
 
 
 def _loss(ratio: float, advantage: float, clip_low: float = 0.2, clip_high: float = 0.2) -> PolicyLossTerms:
     log_probs = torch.tensor([[math.log(ratio)]])
     old = torch.zeros(1, 1)
-    return clipped_policy_loss(log_probs, old, torch.tensor([advantage]), clip_low, clip_high)
+    return ppo_clip(log_probs, old, torch.tensor([advantage]), torch.ones(1, 1), clip_low, clip_high)
 
 
 def test_clipped_loss_positive_advantage_ratio_above_band_is_clipped() -> None:
@@ -205,8 +204,8 @@ def test_clipped_loss_broadcast_of_sequence_advantages() -> None:
     log_probs = torch.log(ratios)
     old = torch.zeros(2, 3)
     adv_b = torch.tensor([2.0, -1.0])
-    per_seq = clipped_policy_loss(log_probs, old, adv_b, 0.2, 0.2)
-    per_tok = clipped_policy_loss(log_probs, old, adv_b.unsqueeze(-1).expand(2, 3), 0.2, 0.2)
+    per_seq = ppo_clip(log_probs, old, adv_b, torch.ones(2, 3), 0.2, 0.2)
+    per_tok = ppo_clip(log_probs, old, adv_b.unsqueeze(-1).expand(2, 3), torch.ones(2, 3), 0.2, 0.2)
     assert per_seq.loss.shape == (2, 3)
     assert torch.allclose(per_seq.loss, per_tok.loss)
     assert torch.equal(per_seq.clipped, per_tok.clipped)
@@ -219,7 +218,7 @@ def test_clipped_loss_broadcast_of_sequence_advantages() -> None:
 def test_clipped_loss_per_token_advantages_differ_per_position() -> None:
     log_probs = torch.log(torch.tensor([[1.5, 1.5]]))
     adv = torch.tensor([[2.0, -1.0]])
-    terms = clipped_policy_loss(log_probs, torch.zeros(1, 2), adv, 0.2, 0.2)
+    terms = ppo_clip(log_probs, torch.zeros(1, 2), adv, torch.ones(1, 2), 0.2, 0.2)
     # pos 0: A=2, r=1.5 -> -2.4 clipped; pos 1: A=-1, r=1.5 -> 1.5 unclipped
     assert close(terms.loss, [[-2.4, 1.5]])
     assert torch.equal(terms.clipped, torch.tensor([[1.0, 0.0]]))
@@ -228,7 +227,7 @@ def test_clipped_loss_per_token_advantages_differ_per_position() -> None:
 def test_clipped_loss_gradient_is_zero_on_clipped_tokens() -> None:
     # tokens: (A=2, r=1.5) clipped; (A=2, r=1.1) unclipped: d(-A r)/d log p = -A r = -2.2
     log_probs = torch.log(torch.tensor([[1.5, 1.1]])).requires_grad_(True)
-    terms = clipped_policy_loss(log_probs, torch.zeros(1, 2), torch.tensor([2.0]), 0.2, 0.2)
+    terms = ppo_clip(log_probs, torch.zeros(1, 2), torch.tensor([2.0]), torch.ones(1, 2), 0.2, 0.2)
     terms.loss.sum().backward()
     assert log_probs.grad[0, 0].item() == 0.0
     assert log_probs.grad[0, 1].item() == pytest.approx(-2.2, abs=TOL)
@@ -237,7 +236,7 @@ def test_clipped_loss_gradient_is_zero_on_clipped_tokens() -> None:
 def test_approx_kl_is_old_minus_new_and_detached() -> None:
     log_probs = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
     old = torch.tensor([[-1.5, -1.0, -0.5]])
-    terms = clipped_policy_loss(log_probs, old, torch.tensor([1.0]), 0.2, 0.2)
+    terms = ppo_clip(log_probs, old, torch.tensor([1.0]), torch.ones(1, 3), 0.2, 0.2)
     assert close(terms.approx_kl, [[-0.5, 1.0, 0.0]])
     assert not terms.approx_kl.requires_grad
 

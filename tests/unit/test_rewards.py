@@ -3,13 +3,13 @@ from fractions import Fraction
 import pytest
 
 from rlrunner.rewards import (
-    REWARD_FUNCTIONS,
+    BUILTIN_VERIFIERS,
     answers_match,
     arithmetic_reward,
     extract_answer,
-    get_reward_fn,
     math_reward,
 )
+from rlrunner.utils.registry import import_attr
 from rlrunner.rewards.math_verifier import (
     ground_truth_answer,
     normalize_answer,
@@ -213,13 +213,11 @@ def test_arithmetic_reward_malformed(response: str) -> None:
 # --- registry ---------------------------------------------------------------
 
 
-def test_get_reward_fn_returns_registered_functions() -> None:
-    assert get_reward_fn("math") is math_reward
-    assert get_reward_fn("arithmetic") is arithmetic_reward
-    assert sorted(REWARD_FUNCTIONS) == ["arithmetic", "math"]
-
-
-def test_get_reward_fn_unknown_name() -> None:
-    with pytest.raises(ValueError) as excinfo:
-        get_reward_fn("gsm8k")
-    assert str(excinfo.value) == "unknown reward verifier 'gsm8k'; choose one of: arithmetic, math"
+def test_builtin_verifiers_take_verls_signature() -> None:
+    """Each built-in is called the way a user's reward function is (keywords, the ground truth as the file has it)."""
+    assert sorted(BUILTIN_VERIFIERS) == ["arithmetic", "math"]
+    arithmetic, math = (import_attr(BUILTIN_VERIFIERS[name]) for name in ("arithmetic", "math"))
+    assert arithmetic(data_source="arithmetic", solution_str="7", ground_truth="7", extra_info={}) == 1.0
+    assert arithmetic(data_source="arithmetic", solution_str="17", ground_truth=7, extra_info={}) == arithmetic_reward("17", "7")
+    assert math(data_source="gsm8k", solution_str=r"so \boxed{72}", ground_truth=72, extra_info=None) == 1.0
+    assert math(data_source="gsm8k", solution_str=r"so \boxed{71}", ground_truth="#### 72", extra_info=None) == 0.0

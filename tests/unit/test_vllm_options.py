@@ -18,7 +18,7 @@ from rlrunner.rollout.vllm_engine import check_options, check_support
         ("rollout.vllm.kv_cache_gb=-1", r"rollout.vllm.kv_cache_gb must be positive or null, got -1.0"),
         ("rollout.vllm.dtype=int8", r"rollout.vllm.dtype must be float32, bfloat16, float16 or null \(model.dtype\), got 'int8'"),
         ("rollout.vllm.max_model_len=100", r"rollout.vllm.max_model_len \(100\) is shorter than a prompt plus its response "
-                                           r"\(data.max_prompt_length 512 \+ rollout.max_new_tokens 4 = 516\)"),
+                                           r"\(data.max_prompt_length 512 \+ the longest of rollout.max_new_tokens and rollout.val.max_new_tokens, 4, = 516\)"),
     ],
 )
 def test_out_of_range_options_are_named(tmp_path, override, message):
