@@ -55,7 +55,7 @@ def run(args: argparse.Namespace, workers: int, reward_file: Path, output_dir: P
     cfg = load_config([
         f"runner.output_dir={output_dir}", f"runner.experiment_name=reward-workers-{workers}",
         f"runner.max_steps={total}", f"runner.save_interval={total + 1000}", "runner.logger.progress_bar=false",
-        "runner.logger.backends=[]", "runner.val_interval=0", f"reward.function={reward_file}",
+        "runner.logger.backends=[]", "data.synthetic.val_size=0", f"reward.function={reward_file}",
         f"reward.num_workers={workers}", *args.override,
     ])
     started = time.perf_counter()

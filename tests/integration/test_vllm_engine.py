@@ -116,7 +116,7 @@ def test_weights_pushed_into_vllm_give_the_hf_engines_greedy_output(ray_session,
     also after an update (so vLLM's loader took the new weights and no KV state of the old ones was reused: the long
     prompt fills several KV blocks that its prefix cache would otherwise serve again)."""
     cfg = run_config(tmp_path, "actor.num_workers=1", "actor.optim.lr=0.05", "rollout.temperature=0",
-                     "rollout.max_new_tokens=6", *VLLM, *HEAD_32)
+                     "rollout.max_new_tokens=6", "rollout.val.max_new_tokens=2", *VLLM, *HEAD_32)
     actor_kwargs = actor_worker_kwargs(cfg)
     groups = []
     try:
@@ -151,6 +151,13 @@ def test_weights_pushed_into_vllm_give_the_hf_engines_greedy_output(ray_session,
 
         first = generate()
         assert first["vllm"] == first["hf"], first
+        # the validation's sampling (rollout.val.*: greedy, 2 new tokens) through each engine, then vLLM's prefix
+        # cache dropped: the same greedy prefixes of the same output, and training's generation unchanged after it
+        validated = {name: [s["response_ids"] for s in group.call_rank(0, "generate", 1, [records], 0, True)]
+                     for name, group in rollouts.items()}
+        assert validated["vllm"] == validated["hf"] == [ids[:2] for ids in first["hf"]], validated
+        assert {name: [s["response_ids"] for s in group.call_rank(0, "generate", 1, [records])]
+                for name, group in rollouts.items()} == first
         # an update that changes the greedy output, then the same prompts again
         samples = rollouts["hf"].call_rank(0, "generate", 1, [records * 2])
         advantages = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2, True)
