@@ -68,9 +68,21 @@ class RolloutWorker(Worker):
         samples: list[dict[str, Any]] = []
         batches = []
         for chunk, completions in zip(rows, self.engine.iter_generate(requests, self.sampling[mode])):
-            chunk_samples = [self._sample(record, j, completion) for (record, j), completion in zip(chunk, completions)]
-            batches.append(self.scorer.submit([self._score_request(s) for s in chunk_samples]))
-            samples.extend(chunk_samples)
+            scoring = []
+            for (record, j), completion in zip(chunk, completions):
+                response = list(completion.token_ids)
+                samples.append({
+                    "index": record["index"],
+                    "sample": j,
+                    "prompt_ids": record["prompt_ids"],
+                    "response_ids": response,
+                    "logprobs": list(completion.logprobs),
+                    "finished": bool(response) and response[-1] in self.token_ids.eos,
+                    "data_source": record["data_source"],
+                })
+                text = self.tokenizer.decode(response, skip_special_tokens=True)
+                scoring.append(ScoreRequest(record["data_source"], text, record["answer"], record["extra_info"]))
+            batches.append(self.scorer.submit(scoring))  # scored while the engine generates the next chunk
         if validation:
             self.engine.reset_cache()
         try:
@@ -87,27 +99,7 @@ class RolloutWorker(Worker):
             sample["reward"] = score.value if score.error is None else 0.0
             sample["reward_error"] = score.error is not None
             sample["reward_extras"] = score.extras
-            del sample["text"]
         return samples
-
-    def _sample(self, record: dict[str, Any], j: int, completion) -> dict[str, Any]:
-        response = list(completion.token_ids)
-        return {
-            "index": record["index"],
-            "sample": j,
-            "prompt_ids": record["prompt_ids"],
-            "response_ids": response,
-            "logprobs": list(completion.logprobs),
-            "finished": bool(response) and response[-1] in self.token_ids.eos,
-            "data_source": record["data_source"],
-            "text": self.tokenizer.decode(response, skip_special_tokens=True),
-            "record": record,
-        }
-
-    @staticmethod
-    def _score_request(sample: dict[str, Any]) -> ScoreRequest:
-        record = sample.pop("record")
-        return ScoreRequest(record["data_source"], sample["text"], record["answer"], record["extra_info"])
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load full HF-layout weights passed in whole (the path before the collective weight sync; benchmarks)."""

@@ -106,7 +106,8 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 class Progress:
     """A tqdm bar on a terminal; otherwise a log line every ~5% of the run."""
 
-    _SHOWN = (("reward", "rollout/reward_mean"), ("acc", "rollout/accuracy"), ("loss", "actor/loss"), ("s/step", "time/step_s"))
+    _SHOWN = (("reward", "rollout/reward_mean"), ("acc", "rollout/accuracy"), ("loss", "actor/loss"),
+              ("val_acc", "val/accuracy"), ("s/step", "time/step_s"))
 
     def __init__(self, total_steps: int, start_step: int, enabled: bool):
         self.total_steps = total_steps

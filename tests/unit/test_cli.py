@@ -28,6 +28,12 @@ def test_print_config_writes_nothing(tmp_path, monkeypatch, capsys):
         (["data.batch_size=16", "actor.mini_batch_size=5"], "data.batch_size (16) must be a multiple of actor.mini_batch_size (5)"),
         (["algorithm.group_size=1"], "algorithm.group_size must be at least 2"),
         (["reward.verifier=nope"], "reward.verifier must be one of arithmetic, math or null, got 'nope'"),
+        (["reward.on_error=skip"], "reward.on_error must be 'raise' or 'zero', got 'skip'"),
+        (["reward.function=my reward"], "reward.function must be 'path/to/file.py:name' or 'package.module:name'"),
+        (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator must be one of grpo, rloo, reinforce_plus_plus_baseline, got 'ppo'"),
+        (["algorithm.loss_agg_mode=mean"], "algorithm.loss_agg_mode must be one of token-mean, seq-mean-token-sum"),
+        (["runner.logger.backends=[neptune]"], "runner.logger.backends: unknown tracker 'neptune' (choose from tensorboard, wandb, mlflow)"),
+        (["rollout.val.num_samples=0"], "rollout.val.num_samples must be >= 1, got 0"),
         (["actor.fsdp_unit=layer"], "actor.fsdp_unit must be one of decoder_layer, linear, got 'layer'"),
         (["model.path=/nonexistent/model"], "model.path does not exist: /nonexistent/model"),
         (["--config-name", "nope"], "config 'nope' not found"),
@@ -68,3 +74,16 @@ def test_bad_resume_dir_is_reported_before_ray_starts(tmp_path, capsys):
     assert not ray.is_initialized(), "the error must come before Ray's start-up"
 
 
+
+
+def test_a_reward_function_that_cannot_load_is_refused_before_ray_starts(tmp_path, capsys):
+    """Loaded once in a scoring process of the driver's: the file, and what is wrong with it, in one line."""
+    import ray
+
+    missing = tmp_path / "my_reward.py"
+    assert main([f"reward.function={missing}:compute_score", "runner.logger.backends=[]"]) == 2
+    assert error_line(capsys) == f"rlrunner: error: reward.function: file not found: {missing}"
+    missing.write_text("def score(data_source, solution_str, ground_truth, extra_info):\n    return 1.0\n")
+    assert main([f"reward.function={missing}", "runner.logger.backends=[]"]) == 2
+    assert error_line(capsys) == f"rlrunner: error: reward.function: {missing} has no 'compute_score'"
+    assert not ray.is_initialized()
