@@ -209,7 +209,7 @@ def run_one(args: argparse.Namespace, workdir: Path, backend: str, layout: Layou
     cfg = load_config([
         f"runner.output_dir={workdir / name}", "runner.experiment_name=memory", f"runner.max_steps={args.steps}",
         f"runner.save_interval={args.steps}", "runner.async_save=false", "runner.logger.progress_bar=false",
-        "runner.logger.backends=[]", f"runner.snapshot.enabled={str(args.snapshots).lower()}",
+        "runner.logger.backends=[]", "data.synthetic.val_size=0", f"runner.snapshot.enabled={str(args.snapshots).lower()}",
         f"actor.training_backend={backend}", f"actor.num_workers={layout.ranks}",
         f"actor.tensor_model_parallel_size={layout.tp}", f"actor.fsdp_unit={args.fsdp_unit}",
         f"actor.gradient_checkpointing={str(not args.no_recompute).lower()}", "data.batch_size=4", "algorithm.group_size=4",

@@ -195,6 +195,7 @@ def build_config(output_dir: Path, steps: int, args: argparse.Namespace, *extra:
             f"runner.save_interval={args.save_interval}",
             "runner.logger.progress_bar=false",
             "runner.logger.backends=[]",
+            "data.synthetic.val_size=0",
             f"runner.recovery.max_restarts={args.max_restarts}",
             *args.overrides,
             *extra,

@@ -96,6 +96,7 @@ def run_overrides(args: argparse.Namespace, backend: str, output_dir: Path) -> l
         f"runner.save_interval={total + 1000}",  # no periodic save: only the last step's, after its timing
         "runner.logger.progress_bar=false",
         "runner.logger.backends=[]",
+        "data.synthetic.val_size=0",  # no validation: the figures time training alone
         f"runner.seed={args.seed}",
         f"actor.num_workers={args.tp * args.dp}",
         f"cluster.cpus_per_actor_worker={args.cpus_per_actor_worker}",

@@ -193,7 +193,7 @@ def test_a_broken_fsdp_checkpoint_is_refused_in_one_line(reference, tmp_path, ca
     breakage(broken)
     code = main([f"runner.output_dir={tmp_path / 'out'}", "runner.experiment_name=test", *RUN, f"runner.resume_dir={broken}",
                  "data.batch_size=4", "algorithm.group_size=4", "actor.micro_batch_size=4", "runner.logger.progress_bar=false",
-                 *TINY_MODEL])
+                 *TINY_MODEL, "data.synthetic.val_size=0"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert f"rlrunner: error: runner.resume_dir {broken} fails verification: {expected}" in err
@@ -290,7 +290,7 @@ def test_a_save_killed_halfway_is_skipped_by_auto(ray_session, tmp_path, subproc
     base = [f"runner.output_dir={tmp_path}", "runner.experiment_name=test", "runner.logger.progress_bar=false",
             "data.batch_size=4", "algorithm.group_size=4", "actor.micro_batch_size=4",
             f"cluster.ray_address={ray_session.get_runtime_context().gcs_address}",
-            *TINY_MODEL]
+            *TINY_MODEL, "data.synthetic.val_size=0"]
     driver = subprocess.Popen([sys.executable, "-m", "rlrunner.main_grpo", *base, *overrides],
                               env=subprocess_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     root = tmp_path / "test" / "checkpoints"

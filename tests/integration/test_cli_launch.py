@@ -31,7 +31,7 @@ def test_more_workers_than_the_cluster_can_place(ray_session, tmp_path, capsys):
             "cluster.cpus_per_actor_worker=4",
             "cluster.placement_timeout_s=2",
             "runner.logger.backends=[]",
-            *TINY_MODEL,
+            *TINY_MODEL, "data.synthetic.val_size=0",
         ]
     )
     assert code == 1

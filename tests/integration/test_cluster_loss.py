@@ -118,7 +118,7 @@ def test_a_joined_cluster_whose_head_is_gone_ends_the_driver_for_a_relaunch(tmp_
         overrides = [f"runner.output_dir={tmp_path}", "runner.experiment_name=test", "runner.logger.progress_bar=false",
                      "data.batch_size=4", "algorithm.group_size=4", "actor.micro_batch_size=4",
                      f"cluster.ray_address=127.0.0.1:{port}", "runner.max_steps=200", "runner.save_interval=2",
-                     "data.synthetic.num_problems=26", "rollout.max_new_tokens=2", *TINY_MODEL]
+                     "data.synthetic.num_problems=26", "rollout.max_new_tokens=2", *TINY_MODEL, "data.synthetic.val_size=0"]
         deadline = time.monotonic() + 60
         while driver is None:
             probe = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address='127.0.0.1:{port}', logging_level='ERROR')"],

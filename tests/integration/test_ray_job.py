@@ -154,7 +154,7 @@ def test_ray_job_submit_runs_the_launch_script(repo_root: Path, tmp_path: Path):
                                  capture_output=True, text=True, timeout=left(deadline))
         assert refused.returncode != 0 and "Unauthorized" in refused.stdout + refused.stderr, refused.stdout + refused.stderr
 
-        overrides = [*TINY_MODEL, "runner.max_steps=2", "data.batch_size=4", "algorithm.group_size=4", "actor.micro_batch_size=4",
+        overrides = [*TINY_MODEL, "data.synthetic.val_size=0", "runner.max_steps=2", "data.batch_size=4", "algorithm.group_size=4", "actor.micro_batch_size=4",
                      f"runner.output_dir={tmp_path}", "runner.logger.progress_bar=false"]
         runtime_env = {"env_vars": {"PYTHON": sys.executable, "RLRUNNER_MAX_RESTARTS": "0"}}
         command = [str(ray), "job", "submit", "--address", dashboard, "--submission-id", submission_id,

@@ -410,7 +410,7 @@ def test_node_lost_and_replaced(cluster, reference, tmp_path, strategy):
 def driver_command(cluster, output_dir: Path, *overrides: str) -> list[str]:
     base = [f"runner.output_dir={output_dir}", "runner.experiment_name=test", "runner.logger.progress_bar=false",
             "data.batch_size=4", "algorithm.group_size=4", "actor.micro_batch_size=4",
-            f"cluster.ray_address={cluster.address}", *TINY_MODEL]
+            f"cluster.ray_address={cluster.address}", *TINY_MODEL, "data.synthetic.val_size=0"]
     return [*base, *RUN, *overrides]
 
 

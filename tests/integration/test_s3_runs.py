@@ -136,7 +136,7 @@ def test_a_save_killed_halfway_on_s3_is_skipped_by_auto(ray_session, local_refer
     storage = open_storage(url, options)
     overrides = [*RUN, *s3_overrides(url, options, tmp_path / "cache"), "runner.save_interval=1", "runner.async_save=false",
                  "runner.logger.progress_bar=false", "runner.experiment_name=test", "data.batch_size=4", "algorithm.group_size=4",
-                 "actor.micro_batch_size=4", f"cluster.ray_address={ray_session.get_runtime_context().gcs_address}", *TINY_MODEL]
+                 "actor.micro_batch_size=4", f"cluster.ray_address={ray_session.get_runtime_context().gcs_address}", *TINY_MODEL, "data.synthetic.val_size=0"]
     driver = subprocess.Popen([sys.executable, "-m", "rlrunner.main_grpo", *overrides], env=subprocess_env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     root = f"{url}/test/checkpoints"

@@ -233,7 +233,7 @@ def test_the_default_task_is_learnt_with_vllm(ray_session, tmp_path):
     from rlrunner.config import load_config
 
     cfg = load_config([f"runner.output_dir={tmp_path}", "runner.experiment_name=test", "runner.max_steps=60",
-                       "runner.save_interval=60", "runner.logger.progress_bar=false", *VLLM])
+                       "runner.save_interval=60", "runner.logger.progress_bar=false", "data.synthetic.val_size=0", *VLLM])
     Supervisor(cfg).run()
     rewards = [m["rollout/reward_mean"] for m in read_metrics(tmp_path / "test" / "metrics.jsonl")]
     first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
