@@ -396,44 +396,15 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"cluster.placement_strategy must be one of {', '.join(strategies)}, got '{cfg.cluster.placement_strategy}'")
     if set(cfg.data.synthetic.operations) - set("+-*") or not cfg.data.synthetic.operations:
         raise ConfigError(f"data.synthetic.operations must be made of + - *, got '{cfg.data.synthetic.operations}'")
-    _validate_reward(cfg)
-    _validate_algorithm(cfg)
+    from rlrunner.algorithms.registry import check_algorithm
+    from rlrunner.rewards.function import check_reward_config
+
+    check_reward_config(cfg.reward)
+    check_algorithm(cfg.algorithm)
     _validate_validation(cfg)
     if cfg.data.synthetic.max_operand < 1:
         raise ConfigError(f"data.synthetic.max_operand must be >= 1, got {cfg.data.synthetic.max_operand}")
     _validate_batch_divisibility(cfg)
-
-
-def _validate_reward(cfg: DictConfig) -> None:
-    from rlrunner.rewards import BUILTIN_VERIFIERS
-    from rlrunner.rewards.function import parse_spec
-
-    reward = cfg.reward
-    if reward.verifier is not None and reward.verifier not in BUILTIN_VERIFIERS:
-        raise ConfigError(f"reward.verifier must be one of {', '.join(sorted(BUILTIN_VERIFIERS))} or null, got '{reward.verifier}'")
-    if reward.function is not None:
-        parse_spec(reward.function, os.getcwd())  # the form only: the function is loaded by the driver's checks
-    if reward.num_workers < 1:
-        raise ConfigError(f"reward.num_workers must be >= 1, got {reward.num_workers}")
-    if reward.timeout_s <= 0:
-        raise ConfigError(f"reward.timeout_s must be positive, got {reward.timeout_s}")
-    if reward.on_error not in ("raise", "zero"):
-        raise ConfigError(f"reward.on_error must be 'raise' or 'zero', got '{reward.on_error}'")
-
-
-def _validate_algorithm(cfg: DictConfig) -> None:
-    from rlrunner.algorithms.registry import ADV_ESTIMATORS, POLICY_LOSSES, check_loss_agg_mode
-    from rlrunner.utils.registry import check_name
-
-    algorithm = cfg.algorithm
-    check_name(ADV_ESTIMATORS, algorithm.adv_estimator, "algorithm.adv_estimator")
-    check_name(POLICY_LOSSES, algorithm.policy_loss, "algorithm.policy_loss")
-    check_loss_agg_mode(algorithm.loss_agg_mode)
-    if algorithm.loss_scale_factor <= 0:
-        raise ConfigError(f"algorithm.loss_scale_factor must be positive, got {algorithm.loss_scale_factor}")
-    cap = algorithm.rollout_correction.tis_cap
-    if cap is not None and cap <= 0:
-        raise ConfigError(f"algorithm.rollout_correction.tis_cap must be positive or null, got {cap}")
 
 
 def _validate_validation(cfg: DictConfig) -> None:

@@ -5,8 +5,9 @@ Importing this module imports no torch (config checks use it); an entry's module
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
+from rlrunner.errors import ConfigError
 from rlrunner.utils.registry import check_name, load_entry
 
 ADV_ESTIMATORS = {
@@ -37,3 +38,16 @@ def get_policy_loss(name: str) -> Callable:
 def check_loss_agg_mode(name: str) -> None:
     """ConfigError naming `algorithm.loss_agg_mode` and the choices unless `name` is one of LOSS_AGG_MODES."""
     check_name(dict.fromkeys(LOSS_AGG_MODES), name, "algorithm.loss_agg_mode")
+
+
+def check_algorithm(algorithm: Any) -> None:
+    """ConfigError naming the first `algorithm.*` key of the seam whose value cannot work (names, the correction's
+    cap, the normaliser)."""
+    check_name(ADV_ESTIMATORS, algorithm.adv_estimator, "algorithm.adv_estimator")
+    check_name(POLICY_LOSSES, algorithm.policy_loss, "algorithm.policy_loss")
+    check_loss_agg_mode(algorithm.loss_agg_mode)
+    if algorithm.loss_scale_factor <= 0:
+        raise ConfigError(f"algorithm.loss_scale_factor must be positive, got {algorithm.loss_scale_factor}")
+    cap = algorithm.rollout_correction.tis_cap
+    if cap is not None and cap <= 0:
+        raise ConfigError(f"algorithm.rollout_correction.tis_cap must be positive or null, got {cap}")

@@ -50,6 +50,23 @@ def parse_spec(text: str, base_dir: str) -> RewardFunctionSpec:
     return RewardFunctionSpec(text, name, module=target, search_path=os.path.abspath(base_dir))
 
 
+def check_reward_config(reward: Any) -> None:
+    """ConfigError naming the first `reward.*` key whose value cannot work (the function's form only: it is loaded by
+    the driver's start-up checks)."""
+    from rlrunner.rewards import BUILTIN_VERIFIERS
+
+    if reward.verifier is not None and reward.verifier not in BUILTIN_VERIFIERS:
+        raise ConfigError(f"reward.verifier must be one of {', '.join(sorted(BUILTIN_VERIFIERS))} or null, got '{reward.verifier}'")
+    if reward.function is not None:
+        parse_spec(reward.function, os.getcwd())
+    if reward.num_workers < 1:
+        raise ConfigError(f"reward.num_workers must be >= 1, got {reward.num_workers}")
+    if reward.timeout_s <= 0:
+        raise ConfigError(f"reward.timeout_s must be positive, got {reward.timeout_s}")
+    if reward.on_error not in ("raise", "zero"):
+        raise ConfigError(f"reward.on_error must be 'raise' or 'zero', got '{reward.on_error}'")
+
+
 def builtin_spec(entry: str, label: str) -> RewardFunctionSpec:
     """A built-in verifier's "module:function" entry as a spec (named `label` in messages)."""
     module, _, name = entry.partition(":")

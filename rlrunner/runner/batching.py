@@ -25,6 +25,24 @@ def split_evenly(items: Sequence[T], parts: int) -> list[list[T]]:
     return pieces
 
 
+def generation_chunking(cfg: Any, validation: bool) -> tuple[int, int]:
+    """(samples per prompt, prompts per chunk) of a generation: `algorithm.group_size` and
+    `rollout.generation_batch_size` in training; a validation chunk holds as many rows as a training one."""
+    rollout, group = cfg.rollout, cfg.algorithm.group_size
+    if not validation:
+        return group, rollout.generation_batch_size
+    per_prompt = rollout.val.num_samples
+    return per_prompt, max(1, rollout.generation_batch_size * group // per_prompt)
+
+
+def first_samples(assignment: Sequence[Sequence[Sequence[Any]]], per_prompt: int) -> list[int]:
+    """The position in the step's samples of each worker's first sample, for its chunks of prompts."""
+    starts = [0]
+    for part in assignment[:-1]:
+        starts.append(starts[-1] + sum(len(c) for c in part) * per_prompt)
+    return starts
+
+
 def build_actor_batch(samples: Sequence[dict[str, Any]], advantages: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded prompt+response rows with a mask over the response's target positions.
 

@@ -26,7 +26,8 @@ from rlrunner.checkpoint.handler import Checkpoint, PendingSave
 from rlrunner.cluster.shared_storage import check_shared_folder
 from rlrunner.cluster.worker_group import CallAbandoned, WorkerGroup
 from rlrunner.errors import CheckpointError, ExperimentLockedError, RewardFunctionError, StoppedEarly, exception_chain
-from rlrunner.runner.batching import build_actor_batch, chunk, shard_actor_batch, split_evenly
+from rlrunner.runner.batching import (build_actor_batch, chunk, first_samples, generation_chunking, shard_actor_batch,
+                                      split_evenly)
 from rlrunner.runner.context import RunContext
 from rlrunner.runner.metrics import Progress, actor_metrics, rollout_metrics, validation_metrics
 from rlrunner.runner.placement import START_TIMEOUT_S, group_specs, spare_pools
@@ -186,13 +187,11 @@ class Trainer:
         count, and after a lost rollout worker is replaced the generation is redone with the same result. A stop
         request abandons a training generation in flight (CallAbandoned): nothing has changed yet. A validation
         (`validation`: the `rollout.val.*` sampling) is never abandoned: it belongs to a step whose update is done."""
-        per_prompt, chunk_prompts = self._chunking(validation)
+        per_prompt, chunk_prompts = generation_chunking(self.cfg, validation)
         chunks = chunk(prompts, chunk_prompts)
         while True:
             assignment = split_evenly(chunks, self.rollout_group.num_workers)
-            starts = [0]
-            for part in assignment[:-1]:
-                starts.append(starts[-1] + sum(len(c) for c in part) * per_prompt)
+            starts = first_samples(assignment, per_prompt)
             refs = self.rollout_group.call_each_async(
                 "generate", [(step, part, first, validation) for part, first in zip(assignment, starts)])
             try:
@@ -206,14 +205,6 @@ class Trainer:
                 self.repair_rollout(exc, step, "validation" if validation else "generation")
                 continue
             return [sample for part in results for sample in part]
-
-    def _chunking(self, validation: bool) -> tuple[int, int]:
-        """(samples per prompt, prompts per chunk): a validation chunk holds as many rows as a training one."""
-        rollout, group = self.cfg.rollout, self.cfg.algorithm.group_size
-        if not validation:
-            return group, rollout.generation_batch_size
-        per_prompt = rollout.val.num_samples
-        return per_prompt, max(1, rollout.generation_batch_size * group // per_prompt)
 
     def validate(self, step: int) -> dict[str, Any]:
         """The validation set generated with the current weights (those after `step`) and scored: `val/*` metrics."""

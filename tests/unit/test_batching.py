@@ -169,3 +169,18 @@ def test_rank_map_scatters_by_data_parallel_rank_and_collects_once_per_rank() ->
         ranks.scatter(["a", "b", "c"])
     with pytest.raises(ValueError, match="5 results for 6 actor ranks"):
         ranks.collect([0, 1, 2, 3, 4])
+
+
+def test_validation_chunks_hold_as_many_rows_as_training_ones_and_name_their_first_samples():
+    from omegaconf import OmegaConf
+
+    from rlrunner.runner.batching import first_samples, generation_chunking
+
+    cfg = OmegaConf.create({"algorithm": {"group_size": 16},
+                            "rollout": {"generation_batch_size": 8, "val": {"num_samples": 4}}})
+    assert generation_chunking(cfg, validation=False) == (16, 8)  # 128 rows a chunk
+    assert generation_chunking(cfg, validation=True) == (4, 32)  # 32 prompts x 4 samples: 128 rows too
+    cfg.rollout.val.num_samples = 1000
+    assert generation_chunking(cfg, validation=True) == (1000, 1)  # never an empty chunk
+    # three workers' chunks of 2, 1 and 0+1 prompts, 4 samples each
+    assert first_samples([[["a", "b"], ["c"]], [["d"]], [[], ["e"]]], 4) == [0, 12, 16]
