@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -66,15 +65,9 @@ def folder_bytes(path: Path) -> int:
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The records of a JSON-lines log ([] when it does not exist); stops at a line still being written."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return records
+    from rlrunner.runner.metrics import read_records
+
+    return read_records(path)
 
 
 # -- the machine -------------------------------------------------------------------------------------------
