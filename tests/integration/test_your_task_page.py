@@ -52,8 +52,15 @@ def last_step(log_dir: Path) -> int:
 
 
 def drivers(script: subprocess.Popen) -> list[psutil.Process]:
-    """The launch script's driver processes (one, or none between a driver's death and its relaunch)."""
-    return [p for p in psutil.Process(script.pid).children() if "rlrunner.main_grpo" in " ".join(p.cmdline())]
+    """The launch script's live driver processes (one, or none between a driver's death and its relaunch)."""
+    found = []
+    for child in psutil.Process(script.pid).children():
+        try:  # a killed driver the script has not reaped yet is a zombie: not a driver any more
+            if child.status() != psutil.STATUS_ZOMBIE and "rlrunner.main_grpo" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.NoSuchProcess:  # ZombieProcess included
+            pass
+    return found
 
 
 def untimed(metrics: dict) -> dict:
