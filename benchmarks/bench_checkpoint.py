@@ -28,7 +28,7 @@ Then, unless `--megatron-tp 0`, the FSDP group is shut down and a Megatron-backe
 `--megatron-tp` ranks (tp=K, dp=1; MegatronActorWorker) is built on the SAME model (the shape is chosen so
 that heads, KV heads and MLP width divide by K), gets its own optimizer update, and is measured the same way
 (same repeats, medians, page-cache drops), in Megatron-LM's layout (iter_0000001/mp_rank_XX/
-model_optim_rng.pt, distrib_optim_dp_000.pt + latest_checkpointed_iteration.txt), rows labelled "megatron layout (tp=K)":
+model_optim_rng.pt, distrib_optim.pt + latest_checkpointed_iteration.txt), rows labelled "megatron layout (tp=K)":
 
   save  CheckpointHandler.save with MegatronCheckpointManager, and the manager alone (start_save + finish_save,
         background=False); ratio against the raw write measured above

@@ -12,7 +12,7 @@ resident set (VmHWM in /proc/<pid>/status: the machine is the only node) is read
             (interpreter, torch, transformers, Ray, the framework), measured in the same invocation
   layout's  what a rank of the layout holds by design: the share for FSDP and for Megatron's default (weights,
             gradients and moments sharded over data parallelism, ZeRO-3); with `--megatron-whole-weights`
-            (actor.shard_weights=false, Megatron-LM's distributed optimizer with sharded gradients) the whole fp32
+            (actor.megatron.shard_weights=false, Megatron-LM's distributed optimizer with sharded gradients) the whole fp32
             weights of the tensor-parallel shard plus its slice of the gradients and moments (more than the share
             when dp > 1)
 
@@ -115,12 +115,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--snapshots", action="store_true",
                         help="keep the in-memory snapshots on (off by default: a rank's serialized copy of its state on "
                              "the way to its holder is measured apart)")
-    from rlrunner.config import FSDP_UNITS
+    from rlrunner.config_checks import FSDP_UNITS
 
     parser.add_argument("--fsdp-unit", default=FSDP_UNITS[0], choices=FSDP_UNITS,
-                        help="actor.fsdp_unit of the fsdp runs")
+                        help="actor.fsdp.unit of the fsdp runs")
     parser.add_argument("--megatron-whole-weights", action="store_true",
-                        help="actor.shard_weights=false for the megatron runs (every data-parallel replica keeps its "
+                        help="actor.megatron.shard_weights=false for the megatron runs (every data-parallel replica keeps its "
                              "tensor-parallel shard's weights whole: ZeRO-2)")
     parser.add_argument("--no-recompute", action="store_true",
                         help="actor.gradient_checkpointing=false (both backends; the default recomputes)")
@@ -211,9 +211,9 @@ def run_one(args: argparse.Namespace, workdir: Path, backend: str, layout: Layou
         f"runner.save_interval={args.steps}", "runner.async_save=false", "runner.logger.progress_bar=false",
         "runner.logger.backends=[]", "data.synthetic.val_size=0", f"runner.snapshot.enabled={str(args.snapshots).lower()}",
         f"actor.training_backend={backend}", f"actor.num_workers={layout.ranks}",
-        f"actor.tensor_model_parallel_size={layout.tp}", f"actor.fsdp_unit={args.fsdp_unit}",
+        f"actor.tensor_model_parallel_size={layout.tp}", f"actor.fsdp.unit={args.fsdp_unit}",
         f"actor.gradient_checkpointing={str(not args.no_recompute).lower()}", "data.batch_size=4", "algorithm.group_size=4",
-        *([f"actor.shard_weights={str(not args.megatron_whole_weights).lower()}"] if backend == "megatron" else []),
+        *([f"actor.megatron.shard_weights={str(not args.megatron_whole_weights).lower()}"] if backend == "megatron" else []),
         "actor.micro_batch_size=4", "rollout.max_new_tokens=4", "rollout.generation_batch_size=4",
         f"cluster.cpus_per_actor_worker={CPUS_PER_WORKER}", f"cluster.cpus_per_rollout_worker={CPUS_PER_WORKER}",
         *overrides_for(size),

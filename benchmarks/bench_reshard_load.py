@@ -55,7 +55,8 @@ def write_checkpoint(folder: Path, size: str, tp: int) -> int:
     parameter count."""
     import torch
 
-    from rlrunner.backends.megatron.files import megatron_args, megatron_rng_entry, rank_file, rank_state, write_tracker
+    from rlrunner.backends.megatron.file_writes import write_tracker
+    from rlrunner.backends.megatron.files import megatron_args, megatron_rng_entry, rank_file, rank_state
     from rlrunner.backends.megatron.layout import iter_hf_to_megatron_rank
     from rlrunner.backends.megatron.moment_files import moment_file, moment_slice_state
     from rlrunner.backends.megatron.rank_state import MegatronRankState
@@ -98,7 +99,8 @@ def child(mode: str, folder: str, size: str, tp: int) -> dict[str, float]:
 
     from rlrunner.backends.megatron.files import rank_dirs, read_rank, read_tracker
     from rlrunner.backends.megatron.moment_files import read_moments
-    from rlrunner.backends.megatron.layout import DEFAULT_VOCAB_DIVISIBLE_BY, hf_to_megatron_rank, megatron_to_hf
+    from rlrunner.backends.megatron.layout import DEFAULT_VOCAB_DIVISIBLE_BY, hf_to_megatron_rank
+    from rlrunner.backends.megatron.to_hf import megatron_to_hf
     from rlrunner.backends.megatron.rank_state import _tensors, load_rank
     from rlrunner.storage import open_storage
 

@@ -23,7 +23,7 @@ Run from the repository root:
     .venv/bin/python benchmarks/bench_step_time.py --hidden 512 --layers 4        # a bigger model
     .venv/bin/python benchmarks/bench_step_time.py --steps 10 --warmup 2 --tp 2 --dp 2
     .venv/bin/python benchmarks/bench_step_time.py --first megatron                # the other order
-    .venv/bin/python benchmarks/bench_step_time.py --tp 2 --dp 2 --megatron-override actor.shard_weights=false
+    .venv/bin/python benchmarks/bench_step_time.py --tp 2 --dp 2 --megatron-override actor.megatron.shard_weights=false
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="an extra config override for both runs (repeatable), e.g. --override data.batch_size=8")
     parser.add_argument("--megatron-override", action="append", default=[], metavar="KEY=VALUE",
-                        help="an extra override of the megatron run only, e.g. --megatron-override actor.shard_weights=false")
+                        help="an extra override of the megatron run only, e.g. --megatron-override actor.megatron.shard_weights=false")
     parser.add_argument("--dir", type=Path, default=None, help="folder for the runs' output (a fresh subfolder is made)")
     args = parser.parse_args(argv)
     for name in ("steps", "tp", "dp"):

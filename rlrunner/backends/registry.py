@@ -1,31 +1,38 @@
-"""The training backends by name (`actor.training_backend`): a new backend is one package and one line here."""
+"""The training backends by name (`actor.training_backend`): a new backend is one package and one line here.
+
+Each entry is "module:class" (`rlrunner/utils/registry.py`), the `TrainingBackend` subclass, imported and made once
+when first asked for; a backend's class imports its heavy parts (worker, model, files) only inside the methods that
+need them.
+"""
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from rlrunner.backends.base import TrainingBackend
-from rlrunner.backends.fsdp import FSDPBackend
-from rlrunner.backends.megatron import MegatronBackend
-from rlrunner.errors import ConfigError
-from rlrunner.models.hf_tensors import HFTensors
 from rlrunner.storage import Storage, open_storage
+from rlrunner.utils.registry import load_entry
 
-BACKENDS: dict[str, TrainingBackend] = {backend.name: backend for backend in (FSDPBackend(), MegatronBackend())}
+if TYPE_CHECKING:  # a type only: checking a config imports no torch
+    from rlrunner.models.hf_tensors import HFTensors
+
+BACKENDS: dict[str, str] = {
+    "fsdp": "rlrunner.backends.fsdp:FSDPBackend",
+    "megatron": "rlrunner.backends.megatron:MegatronBackend",
+}
 
 
+@functools.cache
 def get_backend(name: str) -> TrainingBackend:
-    """The backend called `name`, or a ConfigError naming the choices."""
-    backend = BACKENDS.get(name)
-    if backend is None:
-        raise ConfigError(f"actor.training_backend must be one of {', '.join(BACKENDS)}, got '{name}'")
-    return backend
+    """The backend called `name` (one instance per process), or a ConfigError naming `actor.training_backend`'s
+    choices."""
+    return load_entry(BACKENDS, name, "actor.training_backend")()
 
 
 def find_checkpoint(storage: Storage, url: str) -> tuple[TrainingBackend, str] | None:
     """(the backend that wrote it, the folder of its actor files) for a checkpoint at `url`, or None."""
-    for backend in BACKENDS.values():
+    for backend in map(get_backend, BACKENDS):
         root = backend.find_checkpoint(storage, url)
         if root is not None:
             return backend, root

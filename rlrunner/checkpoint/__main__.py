@@ -1,8 +1,8 @@
-"""`python -m rlrunner.checkpoint list|verify ...`: the checkpoint inspector (rlrunner.tools.inspect)."""
+"""`python -m rlrunner.checkpoint list|verify ...`: the checkpoint inspector (inspect.py)."""
 
 import sys
 
-from rlrunner.tools.inspect import main
+from rlrunner.checkpoint.inspect import main
 
 if __name__ == "__main__":
     sys.exit(main())

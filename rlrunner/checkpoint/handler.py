@@ -1,6 +1,7 @@
-"""The CheckpointHandler: decides when and where to save, commits, discovers, verifies and retains.
+"""The CheckpointHandler: decides when and where to save, commits, retains, cleans up and starts branches.
 
-Commit protocol of `global_step_N` (a killed save never becomes a checkpoint):
+Finding the checkpoint to resume from (verified, its config checked) and loading it is its base class's,
+`CheckpointReader` (resume.py). Commit protocol of `global_step_N` (a killed save never becomes a checkpoint):
   1. the backend's manager writes its shards under `<save folder>/actor/`, each file durable
      (fsync'd locally, a whole object on a store), possibly in the background (`begin_save`, then
      `finish_save` when every rank's write has finished); the handler writes `data/data.pt` and any
@@ -33,16 +34,18 @@ from typing import Any, Callable, Iterator
 import torch
 
 from rlrunner.checkpoint import layout
-from rlrunner.checkpoint.manager import CheckpointManager
 from rlrunner.checkpoint.diagnostics import FULL_NOTE, free_space, root_cause
+from rlrunner.checkpoint.manager import CheckpointManager
 from rlrunner.checkpoint.manifest import build_manifest, relative_files, write_manifest
-from rlrunner.checkpoint.policy import fingerprint_differences, should_save, steps_to_delete
-from rlrunner.checkpoint.status import COMPLETE, CORRUPT, INCOMPLETE, CheckpointStatus, inspect_checkpoint, scan_checkpoints
-from rlrunner.errors import CheckpointError, CheckpointSaveError, is_storage_full_or_forbidden
-from rlrunner.storage import Storage, basename, is_url, open_storage
+from rlrunner.checkpoint.policy import should_save, steps_to_delete
+from rlrunner.checkpoint.resume import Checkpoint, CheckpointReader
+from rlrunner.checkpoint.status import COMPLETE, scan_checkpoints
+from rlrunner.errors import CheckpointSaveError, is_storage_full_or_forbidden
+from rlrunner.storage import Storage, basename
 from rlrunner.utils.fs import fsync_dir
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass
 class PendingSave:
@@ -56,22 +59,9 @@ class PendingSave:
     extra_manifest: dict[str, Any]
 
 
-@dataclass(frozen=True)
-class Checkpoint:
-    """A verified checkpoint to resume from."""
+class CheckpointHandler(CheckpointReader):
+    """An experiment's checkpoints, written: saved on schedule, committed, retained, leftovers removed, branches."""
 
-    url: str
-    step: int
-    world_size: int
-    manifest: dict[str, Any]
-    storage: Storage
-
-    @property
-    def name(self) -> str:
-        return basename(self.url)
-
-
-class CheckpointHandler:
     def __init__(
         self,
         storage: Storage,
@@ -81,13 +71,9 @@ class CheckpointHandler:
         fingerprint: dict[str, Any],
         verify_checksums: bool = True,
     ):
-        self.storage = storage
-        self.experiment = experiment
-        self.root = layout.checkpoints_root(experiment)
+        super().__init__(storage, experiment, fingerprint, verify_checksums)
         self.save_interval = save_interval
         self.max_keep = max_keep
-        self.fingerprint = fingerprint
-        self.verify_checksums = verify_checksums
 
     @property
     def stages_locally(self) -> bool:
@@ -239,13 +225,7 @@ class CheckpointHandler:
         else:
             storage.rename_dir(staging, final)
 
-    # -- discover and retain -------------------------------------------------------------------
-
-    def newest_complete(self) -> str | None:
-        for status in scan_checkpoints(self.storage, self.root):
-            if status.status == COMPLETE:
-                return status.url
-        return None
+    # -- retain, clean up, branch --------------------------------------------------------------
 
     def apply_retention(self, keep: str | None = None) -> None:
         """Delete the oldest complete checkpoints beyond `max_keep`; never `keep` (the one just committed)."""
@@ -327,89 +307,6 @@ class CheckpointHandler:
             checkpoint.name, checkpoint.step, ", ".join(moved), destination,
         )
         return moved
-
-    # -- resume --------------------------------------------------------------------------------
-
-    def find_resume(self, resume_dir: str | None) -> Checkpoint | None:
-        """The checkpoint to resume from for `runner.resume_dir` (None: fresh start), or a CheckpointError."""
-        if resume_dir is None:
-            newest = self.newest_complete()
-            if newest is not None:
-                raise CheckpointError(
-                    f"{self.experiment} already has checkpoints (newest {basename(newest)}) and runner.resume_dir is null: "
-                    "set runner.resume_dir=auto to continue, or choose another runner.experiment_name"
-                )
-            return None
-        if resume_dir == "auto":
-            return self._find_auto()
-        return self._check_explicit(resume_dir)
-
-    def _find_auto(self) -> Checkpoint | None:
-        for status in scan_checkpoints(self.storage, self.root):
-            if status.status == COMPLETE and self.verify_checksums:
-                status = inspect_checkpoint(self.storage, status.url, checksums=True)
-            if status.status == COMPLETE:
-                logger.info("resuming from %s (step %d), the newest complete checkpoint", status.url, status.step)
-                return self._accept(self.storage, status)
-            logger.warning("skipping %s: %s (%s)", status.name, status.status, "; ".join(status.reasons))
-        logger.info("runner.resume_dir=auto: no complete checkpoint in %s, starting fresh", self.root)
-        return None
-
-    def _check_explicit(self, resume_dir: str) -> Checkpoint:
-        storage, url = self._resume_location(resume_dir)
-        if not storage.exists(url):
-            raise CheckpointError(f"runner.resume_dir does not exist: {resume_dir}")
-        if not storage.is_dir(url):
-            raise CheckpointError(f"runner.resume_dir is not a directory: {resume_dir}")
-        status = inspect_checkpoint(storage, url, checksums=self.verify_checksums)
-        if status.status == INCOMPLETE:
-            hint = ""
-            if layout.step_dirs(storage, url) or layout.step_dirs(storage, storage.join(url, layout.CHECKPOINTS_DIR)):
-                hint = " (it holds global_step_* folders: name one of them, or use runner.resume_dir=auto)"
-            raise CheckpointError(f"runner.resume_dir {resume_dir} is not a complete checkpoint: {status.reasons[0]}{hint}")
-        if status.status == CORRUPT:
-            raise CheckpointError(f"runner.resume_dir {resume_dir} fails verification: {'; '.join(status.reasons)}")
-        logger.info("resuming from %s (step %d)", url, status.step)
-        return self._accept(storage, status)
-
-    def _resume_location(self, resume_dir: str) -> tuple[Storage, str]:
-        """The storage and URL of an explicit resume_dir: a local path (symlinks resolved) or a URL on any store."""
-        if is_url(resume_dir):
-            same_store = resume_dir.split("://", 1)[0].lower() == self.storage.protocol
-            storage = self.storage if same_store else open_storage(resume_dir, self.storage.storage_options)
-            return storage, resume_dir.rstrip("/")
-        storage = self.storage if self.storage.is_local else open_storage(resume_dir)
-        return storage, os.path.realpath(os.path.expanduser(resume_dir.removeprefix("file://")))
-
-    def _accept(self, storage: Storage, status: CheckpointStatus) -> Checkpoint:
-        manifest = status.manifest
-        differences = fingerprint_differences(manifest["fingerprint"], self.fingerprint)
-        if differences:
-            raise CheckpointError(
-                f"checkpoint {status.url} was saved with a different model/optimizer config: {', '.join(differences)}"
-            )
-        return Checkpoint(status.url, int(manifest["step"]), int(manifest["world_size"]), manifest, storage)
-
-    def load(self, checkpoint: Checkpoint, manager: CheckpointManager) -> dict[str, Any]:
-        """Load the backend's shards into the workers; returns the driver's data state (`data/data.pt`)."""
-        if checkpoint.manifest["backend"] != manager.backend:
-            raise CheckpointError(
-                f"checkpoint {checkpoint.url} was written by the {checkpoint.manifest['backend']} backend, this run uses {manager.backend}"
-            )
-        if checkpoint.world_size != manager.world_size:
-            logger.warning(
-                "resharding %s from %d to %d actor ranks: model and optimizer are resharded, per-rank RNG states are not restored",
-                checkpoint.name, checkpoint.world_size, manager.world_size,
-            )
-        storage = checkpoint.storage
-        try:
-            manager.load(storage.join(checkpoint.url, layout.ACTOR_DIR))
-            data = storage.read_bytes(storage.join(checkpoint.url, layout.DATA_FILE))
-            return torch.load(io.BytesIO(data), weights_only=True)
-        except BaseException as exc:  # DCP raises CheckpointException, a BaseException
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            raise CheckpointError(f"loading checkpoint {checkpoint.url} failed: {root_cause(exc)}") from exc
 
 
 def _same_location_key(storage: Storage, url: str) -> str:

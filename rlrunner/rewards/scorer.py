@@ -15,6 +15,7 @@ process scores a request never changes its result: results are kept by position.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -57,7 +58,7 @@ class RewardSettings:
 def check_reward_function(settings: RewardSettings) -> None:
     """Load the function once in a scoring process of its own: RewardLoadError (one line naming it) when its file is
     missing, does not import, or lacks the name. The driver calls it before any worker starts."""
-    scorer = RewardScorer(settings.spec, settings.kwargs, 1, settings.timeout_s)
+    scorer = dataclasses.replace(settings, num_workers=1).scorer()
     try:
         scorer.ready()
     finally:
@@ -118,7 +119,7 @@ class _Process:
 
     def send(self, chunk: list[tuple[Batch, int, ScoreRequest]], timeout_s: float) -> None:
         self.work = list(chunk)
-        items = [(i, r.data_source, r.solution_str, r.ground_truth, r.extra_info) for i, (_, _, r) in enumerate(chunk)]
+        items = [(r.data_source, r.solution_str, r.ground_truth, r.extra_info) for _, _, r in chunk]
         self.deadline = time.monotonic() + timeout_s
         self.outbox.send(("score", items))
 
@@ -258,7 +259,7 @@ class RewardScorer:
                 self._processes.remove(process)
                 return
             elif kind == "result":
-                _, _, value, extras, error = message
+                _, value, extras, error = message
                 # results come back in order, one per call: the first unanswered request is the one answered
                 batch, index, _ = process.work.pop(0)
                 batch.put(index, Score(value, extras or {}, error))

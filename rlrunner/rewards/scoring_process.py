@@ -3,9 +3,9 @@
     python -m rlrunner.rewards.scoring_process FD_IN FD_OUT
 
 Messages are pickled tuples over two pipes (`multiprocessing.connection.Connection`):
-    parent -> child: ("load", spec, kwargs) first, then ("score", [(position, data_source, solution_str,
-                     ground_truth, extra_info), ...]) any number of times, ("exit",) at the end
-    child -> parent: ("ready",) or ("load_error", line); then per call ("result", position, score, extras, error)
+    parent -> child: ("load", spec, kwargs) first, then ("score", [(data_source, solution_str, ground_truth,
+                     extra_info), ...]) any number of times, ("exit",) at the end
+    child -> parent: ("ready",) or ("load_error", line); then per call, in order, ("result", score, extras, error)
 A result is sent as soon as its call returns, so that the parent can tell how long the current call has run. The
 process ends with its parent (PR_SET_PDEATHSIG on Linux) even when a call never returns. It imports neither torch
 nor the rest of rlrunner, only what the reward function needs.
@@ -34,15 +34,15 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _call(function, kwargs: dict, item: tuple) -> tuple:
-    position, data_source, solution_str, ground_truth, extra_info = item
+    data_source, solution_str, ground_truth, extra_info = item
     try:
         value = function(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
                          extra_info=extra_info, **kwargs)
         score, extras = read_result(value)
-        return ("result", position, score, extras, None)
+        return ("result", score, extras, None)
     except Exception as exc:  # noqa: BLE001 - the user's function may raise anything; it is reported, not fatal
         line = next((part.strip() for part in str(exc).splitlines() if part.strip()), "")
-        return ("result", position, None, None, f"{type(exc).__name__}: {line}" if line else type(exc).__name__)
+        return ("result", None, None, f"{type(exc).__name__}: {line}" if line else type(exc).__name__)
 
 
 def main(fd_in: int, fd_out: int, parent: int) -> None:

@@ -20,7 +20,8 @@ from rlrunner.checkpoint.handler import CheckpointHandler
 from rlrunner.checkpoint.manager import CheckpointManager
 from rlrunner.checkpoint.policy import flatten
 from rlrunner.algorithms.objective import PolicyObjective
-from rlrunner.config import mini_batch_prompts
+from rlrunner.algorithms.registry import get_adv_estimator
+from rlrunner.config_checks import mini_batch_prompts
 from rlrunner.data.datasets import build_dataset, build_val_dataset
 from rlrunner.data.loader import PromptLoader
 from rlrunner.experiment.lock import ExperimentLock
@@ -72,6 +73,7 @@ class RunContext:
         self.dataset = build_dataset(cfg.data, self.tokenizer, cfg.runner.seed)
         self.val_dataset = build_val_dataset(cfg.data, self.tokenizer, cfg.runner.seed)
         self.reward = reward_settings(cfg)
+        self.advantages = get_adv_estimator(cfg.algorithm.adv_estimator)  # the driver's part of the algorithm
         self.objective = PolicyObjective(OmegaConf.to_container(cfg.algorithm, resolve=True))  # its metrics
         self.total_steps = min(cfg.runner.max_steps, cfg.runner.max_epochs * self.new_loader().steps_per_epoch)
         self.num_minibatches = cfg.data.batch_size // mini_batch_prompts(cfg)

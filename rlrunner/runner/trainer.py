@@ -21,25 +21,25 @@ from typing import Any
 
 import torch
 
-from rlrunner.algorithms.registry import get_adv_estimator
-from rlrunner.checkpoint.handler import Checkpoint, PendingSave
+from rlrunner.checkpoint.handler import PendingSave
+from rlrunner.checkpoint.resume import Checkpoint
 from rlrunner.cluster.shared_storage import check_shared_folder
 from rlrunner.cluster.worker_group import CallAbandoned, WorkerGroup
-from rlrunner.errors import CheckpointError, ExperimentLockedError, RewardFunctionError, StoppedEarly, exception_chain
+from rlrunner.errors import ExperimentLockedError, RewardFunctionError, StoppedEarly, exception_chain
 from rlrunner.runner.batching import (build_actor_batch, chunk, first_samples, generation_chunking, shard_actor_batch,
                                       split_evenly)
 from rlrunner.runner.context import RunContext
 from rlrunner.runner.metrics import Progress, actor_metrics, rollout_metrics, validation_metrics
 from rlrunner.runner.placement import START_TIMEOUT_S, group_specs, spare_pools
 from rlrunner.runner.recovery import rollout_loss
+from rlrunner.runner.attempt_state import AttemptState
 from rlrunner.runner.snapshots import Snapshot
-from rlrunner.storage import basename
 from rlrunner.weight_sync.driver import DEFAULT_BUCKET_BYTES, connect_weight_sync, sync_weights
 
 logger = logging.getLogger(__name__)
 
 
-class Trainer:
+class Trainer(AttemptState):
     def __init__(self, ctx: RunContext):
         self.ctx = ctx
         self.cfg = ctx.cfg
@@ -273,8 +273,7 @@ class Trainer:
 
         rewards = torch.tensor([s["reward"] for s in samples], dtype=torch.float32)
         lengths = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.long)
-        estimator = get_adv_estimator(cfg.algorithm.adv_estimator)
-        advantages = estimator(rewards, cfg.algorithm.group_size, lengths, cfg.algorithm.norm_adv_by_std)
+        advantages = ctx.advantages(rewards, cfg.algorithm.group_size, lengths, cfg.algorithm.norm_adv_by_std)
         batch = build_actor_batch(samples, advantages, ctx.token_ids.pad)
         shards = shard_actor_batch(batch, ctx.rank_map.dp, ctx.num_minibatches)
         per_rank = self.actor_group.call_each("update", [(shard,) for shard in ctx.rank_map.scatter(shards)])
@@ -371,73 +370,6 @@ class Trainer:
             raise StoppedEarly(f"{self.ctx.stop.reason} at step {self.global_step}; {self.emergency_save()}; "
                                "resume with runner.resume_dir=auto")
         return last
-
-    def emergency_save(self) -> str:
-        """Save the last completed step unless it is saved (committed before returning); what was done, for a
-        message."""
-        step = self.global_step
-        if step == 0:
-            return "no step had finished, so there is nothing to save"
-        if self.last_saved_step == step:
-            return f"global_step_{step} is already saved"
-        self.save_checkpoint(step)
-        return f"saved {basename(self.commit_pending_save(wait=True))}"
-
-    # -- checkpoints ---------------------------------------------------------------------------
-
-    def data_state(self, step: int) -> dict[str, Any]:
-        """The driver's state after `step`: the data position and the step (a checkpoint's data/data.pt)."""
-        return {
-            "dataloader": self.loader.state_dict(),
-            "runner": {"global_step": step, "epoch": self.loader.epoch, "total_steps": self.ctx.total_steps},
-        }
-
-    def save_checkpoint(self, step: int) -> None:
-        """Save `step`: committed before returning, or (`runner.async_save`) written in the background and
-        committed by `commit_pending_save` once every rank's write has finished. One save in flight at a time."""
-        self.commit_pending_save(wait=True)
-        data_state = self.data_state(step)
-        self.pending_save = self.ctx.handler.begin_save(
-            step,
-            self.ctx.checkpoint_manager(self.actor_group),
-            data_state,
-            write_extra=self.ctx.write_hf_files,
-            extra_manifest={"epoch": self.loader.epoch, "experiment_name": self.cfg.runner.experiment_name},
-        )
-        if not self.cfg.runner.async_save:
-            self.commit_pending_save(wait=True)
-
-    def commit_pending_save(self, wait: bool) -> str | None:
-        """Commit the save in flight once its writes are done (waiting for them with `wait`); its URL, or None.
-
-        Only a committed checkpoint counts: `last_saved_step` moves here, never when a save begins.
-        """
-        if self.pending_save is None:
-            return None
-        self._raise_if_lock_lost(f"committing global_step_{self.pending_save.step}")
-        path = self.ctx.handler.finish_save(self.pending_save, wait)
-        if path is not None:
-            self.last_saved_step = self.pending_save.step
-            self.pending_save = None
-        return path
-
-    def restore(self, checkpoint: Checkpoint) -> None:
-        data_state = self.ctx.handler.load(checkpoint, self.ctx.checkpoint_manager(self.actor_group))
-        try:
-            self.loader.load_state_dict(data_state["dataloader"])
-        except ValueError as exc:
-            raise CheckpointError(f"checkpoint {checkpoint.url} does not fit this run's data: {exc}") from None
-        self.global_step = int(data_state["runner"]["global_step"])
-        self.last_saved_step = self.global_step
-
-    def restore_snapshot(self, snapshot: Snapshot, last_saved_step: int | None) -> None:
-        """Load an in-memory snapshot into the actor group (`last_saved_step`: the newest committed checkpoint's). A part
-        lost since it was chosen fails the attempt (the ranks may hold half of it): the next attempt finds the snapshot
-        incomplete and loads the checkpoint."""
-        data_state = self.ctx.snapshots.load(snapshot, self.actor_group, self.cfg.runner.recovery.step_timeout_s)
-        self.loader.load_state_dict(data_state["dataloader"])
-        self.global_step = int(data_state["runner"]["global_step"])
-        self.last_saved_step = last_saved_step
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
         """The actor's full weights (HF key names), gathered from the ranks."""

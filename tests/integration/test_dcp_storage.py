@@ -22,10 +22,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import S3_BUCKET, TINY_MODEL_CFG, load_toolkit
+from conftest import S3_BUCKET, TINY_MODEL_CFG, assert_bit_equal, load_toolkit
 from rlrunner.tools.convert import load_model_weights
 from rlrunner.backends.fsdp.dcp_state import checksumming_writer
-from rlrunner.checkpoint.handler import root_cause
+from rlrunner.checkpoint.diagnostics import root_cause
 from rlrunner.backends.fsdp.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeMetadataError, read_metadata
 from rlrunner.storage import FileRecord, join, open_storage
 
@@ -157,12 +157,6 @@ def two_ranks(moto_endpoint, tmp_path_factory):
     assert not errors, errors
     assert not alive, "a rank hung"
     return url, options, [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
-
-
-def assert_bit_equal(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == expected.keys()
-    for key in expected:
-        assert got[key].dtype == expected[key].dtype and torch.equal(got[key], expected[key]), key
 
 
 # -- the two ranks' checkpoints ---------------------------------------------------------------------

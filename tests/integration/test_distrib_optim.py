@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import assert_bit_equal
 from rlrunner.backends.megatron.distrib_optim import DistributedAdamW
 from rlrunner.backends.megatron.moment_files import SlicedMoments, moment_slice_state
 
@@ -132,29 +133,23 @@ def _assert_gradients_sharded(rank: Rank, params, opt: DistributedAdamW) -> None
     """After backward a rank holds the gradient of its own slice only: above DP size 1 no parameter keeps a `.grad`
     (each was reduced onto its owners and dropped) and the gradient buffer is the slice, 1/dp of the shard. With
     whole gradients (or at DP size 1) every `.grad` is a view of the whole buffer."""
-    if opt.dp_size == 1 or not rank.shard_gradients:
+    if opt.space.dp_size == 1 or not rank.shard_gradients:
         assert all(p.grad is not None and p.grad.data_ptr() == view.data_ptr()
-                   for p, view in zip(params.values(), opt._views(opt.grad_buffer)))
-        assert opt.grad_buffer.numel() >= opt.numel
+                   for p, view in zip(params.values(), opt.space.views(opt.grads.buffer)))
+        assert opt.grads.buffer.numel() >= opt.space.numel
         return
     assert all(p.grad is None for p in params.values())
-    assert opt.grad_buffer.numel() == -(-opt.numel // rank.dp) < opt.numel
+    assert opt.grads.buffer.numel() == -(-opt.space.numel // rank.dp) < opt.space.numel
 
 
 def _snapshot(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in params.items()}
 
 
-def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), (name, (a[name] - b[name]).abs().max())
-
-
 def _assert_states_equal(a: dict, b: dict) -> None:
     assert a["step"] == b["step"] and type(a["step"]) is int
     for key in ("exp_avg", "exp_avg_sq"):
-        _assert_equal(a[key], b[key])
+        assert_bit_equal(a[key], b[key])
 
 
 def _assert_dp_identical(rank: Rank, tensors: dict[str, torch.Tensor]) -> None:
@@ -215,9 +210,9 @@ def _check_training(rank: Rank) -> None:
     # ranks, in order, tile the whole state
     slices = _gathered_slices(rank, opt)
     names = [name for name, _ in opt.layout()]
-    assert names == list(params) and slices[0]["start"] == 0 and slices[-1]["stop"] == opt.numel
+    assert names == list(params) and slices[0]["start"] == 0 and slices[-1]["stop"] == opt.space.numel
     assert all(a["stop"] == b["start"] for a, b in zip(slices, slices[1:]))
-    assert all(s["stop"] - s["start"] == -(-opt.numel // rank.dp) for s in slices[:-1])  # the padding is not saved
+    assert all(s["stop"] - s["start"] == -(-opt.space.numel // rank.dp) for s in slices[:-1])  # the padding is not saved
     for key in ("exp_avg", "exp_avg_sq"):
         flat = torch.cat([s[key] for s in slices])
         assert torch.equal(flat, torch.cat([state[key][name].reshape(-1) for name in names]))
@@ -225,7 +220,7 @@ def _check_training(rank: Rank) -> None:
     # run after run: the same bits
     again = rank.params()
     assert _train(rank, again, rank.optimizer(again), range(3)) == norms
-    _assert_equal(_snapshot(again), _snapshot(params))
+    assert_bit_equal(_snapshot(again), _snapshot(params))
 
     # resume: state saved after two steps, loaded into a fresh optimizer, takes the third step bit for bit
     resumed = rank.params()
@@ -247,15 +242,15 @@ def _check_training(rank: Rank) -> None:
     scheduler.load_state_dict(lr_state)
     fresh.optimizer.param_groups[0]["lr"] = scheduler.get_last_lr()[0]  # a LambdaLR's load leaves the LR alone
     _train(rank, resumed, fresh, range(2, 3), scheduler)
-    _assert_equal(_snapshot(resumed), _snapshot(params))
+    assert_bit_equal(_snapshot(resumed), _snapshot(params))
     _assert_states_equal(fresh.full_state(), state)
 
     # an in-memory snapshot has no gradients: loading one clears what an interrupted step left behind
     rank.backward(params, 0)
-    assert opt.grad_buffer.any()
+    assert opt.grads.buffer.any()
     opt.load_local_state({key: value.clone() if torch.is_tensor(value) else value
                           for key, value in opt.local_state().items()})
-    assert not opt.grad_buffer.any() and all(p.grad is None or not p.grad.any() for p in params.values())
+    assert not opt.grads.buffer.any() and all(p.grad is None or not p.grad.any() for p in params.values())
     _assert_states_equal(opt.full_state(), state)
 
 
@@ -277,7 +272,7 @@ def _check_non_finite(rank: Rank) -> None:
         opt.reduce_gradients()
         norm = opt.clip_and_step(MAX_NORM)
         assert (norm == float("inf")) if bad == float("inf") else (norm != norm), (name, norm)
-        _assert_equal(_snapshot(params), before)
+        assert_bit_equal(_snapshot(params), before)
         _assert_states_equal(opt.full_state(), state)
     # the next finite step is taken
     opt.zero_grad()
@@ -316,13 +311,13 @@ def _check_dp_resharding(rank: Rank) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(single.optimizer, _lambda)
     scheduler.step()  # the second step's LR, as the DP size 2 run had
     single.clip_and_step(MAX_NORM)
-    _assert_equal(_snapshot(alone), _snapshot(params))
+    assert_bit_equal(_snapshot(alone), _snapshot(params))
     _assert_states_equal(single.full_state(), expected)
     # a synchronous save writes the live moments (no copy), a background one a copy of its own
     live_moments = single.moments
     for copy in (False, True):
         own = single.own_slice(copy=copy)
-        assert (own["start"], own["stop"], own["step"]) == (0, single.numel, 2)
+        assert (own["start"], own["stop"], own["step"]) == (0, single.space.numel, 2)
         for key in ("exp_avg", "exp_avg_sq"):
             shares = own[key].untyped_storage().data_ptr() == live_moments[key].untyped_storage().data_ptr()
             assert shares == (not copy), (key, copy)
@@ -415,7 +410,7 @@ def test_dp2_state_reshards_to_dp1_bitwise_and_bad_state_is_named() -> None:
 
 
 def test_the_gradient_norm_s_squares_are_summed_a_chunk_at_a_time_in_fp64() -> None:
-    from rlrunner.backends.megatron.distrib_optim import _square_sum
+    from rlrunner.backends.megatron.grad_reducer import _square_sum
 
     values = torch.arange(1, 1001, dtype=torch.float32).reshape(10, 100)
     whole = values.double().square().sum()

@@ -13,10 +13,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from rlrunner.backends.megatron.distrib_optim import DistributedAdamW, UnitCursor
+from rlrunner.backends.megatron.distrib_optim import DistributedAdamW
+from rlrunner.backends.megatron.weight_units import UnitCursor
 from rlrunner.backends.megatron.layout import hf_to_megatron_rank
 from rlrunner.backends.megatron.model import TPQwen2ForCausalLM
 from rlrunner.backends.megatron.worker import parallel_groups, replicated_names
+from conftest import assert_bit_equal
 from megatron_models import SHAPES, build_test_model, free_port
 
 DP, TP = 2, 2
@@ -34,7 +36,7 @@ def _build(config, tp_group, dp_group, shard, tp_rank: int, shard_weights: bool)
                                  shard_weights=shard_weights, units=model.weight_unit_names(), device="cpu")
     assert optimizer.shard_weights == shard_weights
     if shard_weights:
-        model.weight_units = optimizer
+        model.weight_units = optimizer.units
     model.load_megatron_shard(shard, optimizer.load_weight)
     model.to("cpu")
     return model.train(), optimizer
@@ -68,16 +70,15 @@ def _check(rank: int, shape: str, recompute: bool, bf16: bool) -> None:
     for model in (whole, sharded):
         model.gradient_checkpointing = recompute
     # the rank keeps its slice only: no unit's storage outside a gather, and the slice is 1/DP of the TP shard
-    assert all(b.untyped_storage().nbytes() == 0 for b in sharded_opt.unit_buffers)
+    assert all(b.untyped_storage().nbytes() == 0 for b in sharded_opt.units.buffers)
     assert sharded_opt.owned_params.numel() == -(-sum(p.numel() for p in whole.parameters()) // DP)
-    assert _whole(sharded, sharded_opt).keys() == dict(whole.named_parameters()).keys()
-    assert all(torch.equal(a, whole.state_dict()[k]) for k, a in _whole(sharded, sharded_opt).items())
+    assert_bit_equal(_whole(sharded, sharded_opt), whole.state_dict())
 
     ids = IDS[dp_rank * 2 : (dp_rank + 1) * 2]  # each DP rank its own rows
     for step in range(3):
         with torch.no_grad():  # a forward without backward (the log-probs' pass) gathers and releases in forward
             assert torch.equal(whole(ids), sharded(ids))
-        assert all(b.untyped_storage().nbytes() == 0 for b in sharded_opt.unit_buffers)
+        assert all(b.untyped_storage().nbytes() == 0 for b in sharded_opt.units.buffers)
         norms = []
         for model, optimizer in ((whole, whole_opt), (sharded, sharded_opt)):
             optimizer.zero_grad()
@@ -89,16 +90,15 @@ def _check(rank: int, shape: str, recompute: bool, bf16: bool) -> None:
                 loss.backward()
             norms.append(optimizer.clip_and_step(max_norm=1.0))
         assert norms[0] == norms[1], norms
-        assert all(b.untyped_storage().nbytes() == 0 for b in sharded_opt.unit_buffers)
-        now = _whole(sharded, sharded_opt)
-        assert all(torch.equal(now[k], v) for k, v in whole.state_dict().items()), f"step {step}: weights differ"
+        assert all(b.untyped_storage().nbytes() == 0 for b in sharded_opt.units.buffers)
+        assert_bit_equal(_whole(sharded, sharded_opt), whole.state_dict())  # after each step
 
     # a rank's own state (an in-memory snapshot's) carries its slice of the weights and puts it back
     state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sharded_opt.local_state().items()}
     assert torch.equal(state["weights"], sharded_opt.owned_params)
     sharded_opt.owned_params.zero_()
     sharded_opt.load_local_state(state)
-    assert all(torch.equal(_whole(sharded, sharded_opt)[k], v) for k, v in whole.state_dict().items())
+    assert_bit_equal(_whole(sharded, sharded_opt), whole.state_dict())
     with pytest.raises(ValueError, match="weights has shape nothing"):
         sharded_opt.load_local_state({k: v for k, v in state.items() if k != "weights"})
 
@@ -109,7 +109,7 @@ def test_sharded_weights_train_bitwise_like_whole_ones(shape: str, recompute: bo
 
 
 def test_units_must_be_consecutive_runs_covering_every_parameter() -> None:
-    from rlrunner.backends.megatron.distrib_optim import _unit_ranges
+    from rlrunner.backends.megatron.weight_units import _unit_ranges
 
     names = ["a", "b", "c"]
     offsets = [0, 2, 5, 9]

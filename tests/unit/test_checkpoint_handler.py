@@ -13,8 +13,8 @@ import torch
 
 from checkpoint_fakes import FINGERPRINT, FileBackend, make_handler, save_steps
 from rlrunner.checkpoint import layout
-from rlrunner.checkpoint.handler import COMPLETE, CORRUPT, INCOMPLETE, scan_checkpoints
 from rlrunner.checkpoint.manifest import file_record, read_manifest
+from rlrunner.checkpoint.status import COMPLETE, CORRUPT, INCOMPLETE, scan_checkpoints
 from rlrunner.errors import CheckpointError, CheckpointSaveError
 
 def test_save_commits_the_layout_with_manifest_written_last(store):
@@ -118,7 +118,7 @@ def test_auto_takes_the_newest_complete_and_logs_each_skip(store, caplog):
     store.delete(store.url(handler, "global_step_8", "data", "data.pt"))
     store.delete(store.url(handler, "global_step_6", "manifest.json"))
     store.partial_folder(store.url(handler, "global_step_10"))  # a save killed halfway
-    with caplog.at_level(logging.INFO, logger="rlrunner.checkpoint.handler"):
+    with caplog.at_level(logging.INFO, logger="rlrunner.checkpoint"):
         checkpoint = handler.find_resume("auto")
     assert checkpoint.step == 4 and checkpoint.url == store.url(handler, "global_step_4")
     assert "skipping global_step_10: incomplete" in caplog.text
@@ -130,7 +130,7 @@ def test_auto_takes_the_newest_complete_and_logs_each_skip(store, caplog):
 def test_auto_with_nothing_usable_starts_fresh_and_says_so(store, caplog):
     handler = store.handler()
     store.partial_folder(store.url(handler, "global_step_2"))
-    with caplog.at_level(logging.INFO, logger="rlrunner.checkpoint.handler"):
+    with caplog.at_level(logging.INFO, logger="rlrunner.checkpoint"):
         assert handler.find_resume("auto") is None
     assert "no complete checkpoint" in caplog.text and "starting fresh" in caplog.text
 

@@ -14,8 +14,8 @@ import torch
 
 from checkpoint_fakes import BackgroundBackend, Store, make_handler, save_steps, steps_of
 from rlrunner.checkpoint import layout
-from rlrunner.checkpoint.handler import COMPLETE, INCOMPLETE, scan_checkpoints
 from rlrunner.checkpoint.manifest import read_manifest
+from rlrunner.checkpoint.status import COMPLETE, INCOMPLETE, scan_checkpoints
 from rlrunner.errors import CheckpointSaveError
 from rlrunner.storage import open_storage
 
@@ -76,7 +76,7 @@ def test_an_explicit_resume_from_an_older_checkpoint_starts_a_new_branch(store, 
     save_steps(handler, [2, 4, 6])
     store.partial_folder(store.url(handler, "global_step_5"))  # an unfinished save of the old branch goes too
     checkpoint = handler.find_resume(store.url(handler, "global_step_2"))
-    with caplog.at_level(logging.WARNING, logger="rlrunner.checkpoint.handler"):
+    with caplog.at_level(logging.WARNING, logger="rlrunner.checkpoint"):
         assert handler.start_branch(checkpoint) == ["global_step_4", "global_step_5", "global_step_6"]
     [stamp] = store.storage.list(store.url(handler, layout.ABANDONED_DIR))
     moved_to = store.url(handler, layout.ABANDONED_DIR, stamp)
@@ -137,7 +137,7 @@ def test_schedule_description_mentions_disabled_periodic_saves(tmp_path):
 def test_the_inspector_lists_and_verifies_checkpoints_on_a_store(s3_store, capsys):
     import json
 
-    from rlrunner.tools.inspect import main as checkpoint_cli
+    from rlrunner.checkpoint.inspect import main as checkpoint_cli
 
     url, options = s3_store
     store = Store(open_storage(url, options), url + "/exp")

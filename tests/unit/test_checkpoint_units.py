@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from rlrunner.tools.inspect import main as checkpoint_cli
-from rlrunner.checkpoint.handler import COMPLETE, INCOMPLETE, root_cause, scan_checkpoints
+from rlrunner.checkpoint.diagnostics import root_cause
+from rlrunner.checkpoint.inspect import main as checkpoint_cli
 from rlrunner.checkpoint.manifest import ManifestError, build_manifest, file_record, read_manifest, verify_files, write_manifest
 from rlrunner.checkpoint.policy import fingerprint_differences, flatten, should_save, steps_to_delete
+from rlrunner.checkpoint.status import COMPLETE, INCOMPLETE, scan_checkpoints
 from rlrunner.backends.fsdp.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeMetadataError, read_metadata
 from conftest import LOCAL
 from checkpoint_fakes import make_handler, save_steps  # a real CheckpointHandler with a small file backend

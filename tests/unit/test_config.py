@@ -1,4 +1,4 @@
-"""One source of truth for config defaults: the schema (rlrunner/config.py).
+"""One source of truth for config defaults: the schema (rlrunner/schema.py).
 
 configs/grpo.yaml only selects the schema, and the configuration tables (the README's, docs/configuration.md's)
 must show the schema's values.
@@ -15,7 +15,9 @@ import yaml
 from omegaconf import OmegaConf
 
 from rlrunner.checkpoint.policy import flatten
-from rlrunner.config import GRPOConfig, load_config
+from rlrunner.config import load_config
+from rlrunner.errors import ConfigError
+from rlrunner.schema import GRPOConfig
 
 _MISSING = "<absent>"
 # A default cell part that is one plain literal: null, true, 16, 3e-4, {}, grpo-arith, ${a.b}/${c}.
@@ -120,3 +122,23 @@ def test_the_configuration_tables_show_the_schema_defaults(repo_root: Path, page
                 wrong.append(f"{key}: {page} {value!r}, schema {lookup(schema, key)!r}")
     assert wrong == []
     assert len(set(checked)) >= at_least, sorted(checked)
+
+
+def test_checking_a_config_imports_no_torch(repo_root: Path):
+    """The registries keep each backend's and engine's heavy parts lazy: `--cfg` and the driver's checks load no torch."""
+    import subprocess
+    import sys
+
+    code = "import sys; from rlrunner.config import load_config; load_config(); print(sorted(m for m in sys.modules if m == 'torch'))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_a_config_file_with_a_moved_key_is_refused_with_its_new_name(tmp_path: Path):
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - grpo_schema\n  - _self_\nactor:\n  shard_weights: false\n")
+    with pytest.raises(ConfigError, match=r"^config key 'actor.shard_weights' is now 'actor.megatron.shard_weights'"):
+        load_config(config_name="mine", config_dir=tmp_path)
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - grpo_schema\n  - _self_\nactor:\n  megatron:\n    shard_weights: false\n")
+    assert load_config(["actor.training_backend=megatron"], config_name="mine", config_dir=tmp_path).actor.megatron == {
+        "shard_gradients": True, "shard_weights": False}

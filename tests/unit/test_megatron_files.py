@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import load_toolkit
+from conftest import assert_bit_equal, load_toolkit
 from megatron_models import GQA, TIED, save_hf_folder
+from rlrunner.backends.megatron import file_writes as mfw
 from rlrunner.backends.megatron import files as mf
 from rlrunner.backends.megatron.layout import hf_to_megatron
 from rlrunner.storage import open_storage
@@ -55,7 +56,7 @@ def _rank_file_round_trip(storage, root, model) -> None:
     torch.manual_seed(7)
     rng = [mf.megatron_rng_entry(capture_rng())]
     draws = (random.random(), np.random.rand(), torch.rand(1))
-    records = mf.write_rank_file(storage, root, 50, 1, shards[1], args, optimizer.state_dict(), scheduler, rng)
+    records = mfw.write_rank_file(storage, root, 50, 1, shards[1], args, optimizer.state_dict(), scheduler, rng)
     name = "iter_0000050/mp_rank_01/model_optim_rng.pt"
     assert list(records) == [name]
     assert records[name] == storage.checksum(storage.join(root, name))  # size and CRC-32 computed while writing
@@ -65,7 +66,9 @@ def _rank_file_round_trip(storage, root, model) -> None:
         assert (state["checkpoint_version"], state["iteration"], state["opt_param_scheduler"]) == (3.0, 50, scheduler)
         assert state["args"] == args
         assert list(state["model"]) == list(shards[1])
-        assert all(torch.equal(state["model"][k], v) for k, v in shards[1].items() if v is not None)
+        assert [k for k, v in state["model"].items() if v is None] == [k for k, v in shards[1].items() if v is None]
+        assert_bit_equal({k: v for k, v in state["model"].items() if v is not None},
+                         {k: v for k, v in shards[1].items() if v is not None})
         assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
         assert isinstance(state["rng_state"], list) and len(state["rng_state"]) == 1
         assert set(state["rng_state"][0]) >= {"random_rng_state", "np_rng_state", "torch_rng_state", "rng_tracker_states"}
@@ -120,9 +123,9 @@ def test_save_refuses_what_the_reader_would_refuse(tmp_path, megatron_models) ->
     storage = open_storage(str(tmp_path))
     args = mf.megatron_args(megatron_models["gqa"].config, tp=1)
     with pytest.raises(TypeError, match=r"\['opt_param_scheduler'\]\['ratio'\] holds a fractions.Fraction"):
-        mf.write_rank_file(storage, storage.url, 1, 0, {}, args, opt_param_scheduler={"ratio": Fraction(1, 2)})
+        mfw.write_rank_file(storage, storage.url, 1, 0, {}, args, opt_param_scheduler={"ratio": Fraction(1, 2)})
     with pytest.raises(ValueError, match="tensor-parallel rank 1 is outside 0..0"):
-        mf.write_rank_file(storage, storage.url, 1, 1, {}, args)
+        mfw.write_rank_file(storage, storage.url, 1, 1, {}, args)
     assert storage.walk(storage.url) == {}
 
 
@@ -130,7 +133,7 @@ def test_reading_checks_tracker_ranks_and_iteration(tmp_path, megatron_models) -
     model = megatron_models["gqa"]
     storage = open_storage(str(tmp_path))
     root = storage.url
-    records = mf.write_model_checkpoint(storage, root, model.state_dict(), model.config, tp=2, iteration=3)
+    records = mfw.write_model_checkpoint(storage, root, model.state_dict(), model.config, tp=2, iteration=3)
     assert sorted(records) == ["iter_0000003/mp_rank_00/model_optim_rng.pt", "iter_0000003/mp_rank_01/model_optim_rng.pt",
                                "latest_checkpointed_iteration.txt"]
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "3"
@@ -184,10 +187,11 @@ def test_a_file_written_a_tensor_at_a_time_is_torch_save_s_own(tmp_path) -> None
         return buffer
 
     deferred = {id(t): (lambda key=key: value(key)) for key, t in stand_ins.items()}
-    mf.write_state_file(storage, str(tmp_path), "streamed.pt", state, deferred)
+    mfw.write_state_file(storage, str(tmp_path), "streamed.pt", state, deferred)
     assert asked == list(real)
     loaded = mf.load_file(str(tmp_path / "streamed.pt"), mmap=True)
-    assert all(torch.equal(loaded["model"][key], t) for key, t in real.items()) and loaded["model"]["a._extra_state"] is None
+    assert list(loaded["model"]) == list(state["model"]) and loaded["model"]["a._extra_state"] is None
+    assert_bit_equal({k: v for k, v in loaded["model"].items() if v is not None}, real)
     assert torch.equal(loaded["rng_state"][0]["torch_rng_state"], rng[0]["torch_rng_state"])
     assert loaded["iteration"] == 7 and loaded["args"].hidden_size == 9 and loaded["opt_param_scheduler"] == {"num_steps": 7}
     plain = io.BytesIO()  # torch.save into a stream, as the streamed save's (the records' folder is then "archive")
@@ -197,8 +201,39 @@ def test_a_file_written_a_tensor_at_a_time_is_torch_save_s_own(tmp_path) -> None
     # a value that does not fit its stand-in is refused, naming it
     bad = {id(stand_ins["b.bias"]): lambda: torch.zeros(34)}
     with pytest.raises(ValueError, match=r"\(34,\) given for a stand-in of torch.float32 \(33,\)"):
-        mf.write_state_file(storage, str(tmp_path), "bad.pt", mf.rank_state(7, stand_ins, argparse.Namespace()), bad)
+        mfw.write_state_file(storage, str(tmp_path), "bad.pt", mf.rank_state(7, stand_ins, argparse.Namespace()), bad)
     assert not (tmp_path / "bad.pt").exists()
+
+
+def test_a_tensor_written_a_part_at_a_time_is_torch_save_s_own(tmp_path) -> None:
+    """A stand-in's values may come as an iterable of flat parts (a tensor-parallel rank's moments, received from its
+    data-parallel ranks a chunk at a time), each written before the next is asked for; the parts must fill it exactly,
+    in its dtype."""
+    storage = open_storage(str(tmp_path))
+    real = {"exp_avg": torch.randn(1000), "exp_avg_sq": torch.randn(37)}
+    stand_ins = {key: torch.empty(t.shape, dtype=t.dtype) for key, t in real.items()}
+    state = {"format": "x", "step": 3, **stand_ins}
+    asked: list[tuple[str, int]] = []
+
+    def parts(key: str, size: int):
+        for index, part in enumerate(real[key].split(size)):
+            asked.append((key, index))
+            yield part.clone()
+
+    deferred = {id(stand_ins["exp_avg"]): lambda: parts("exp_avg", 300), id(stand_ins["exp_avg_sq"]): lambda: parts("exp_avg_sq", 5)}
+    mfw.write_state_file(storage, str(tmp_path), "parts.pt", state, deferred)
+    assert asked == [("exp_avg", i) for i in range(4)] + [("exp_avg_sq", i) for i in range(8)]
+    loaded = mf.load_file(str(tmp_path / "parts.pt"))
+    assert_bit_equal({key: loaded[key] for key in real}, real) and loaded["step"] == 3
+    plain = io.BytesIO()
+    torch.save({"format": "x", "step": 3, **real}, plain)
+    assert (tmp_path / "parts.pt").stat().st_size == len(plain.getvalue())
+    for given, message in ((lambda: iter([torch.zeros(1000), torch.zeros(1)]), "more than the 4000 bytes"),
+                           (lambda: iter([torch.zeros(999)]), "3996 bytes for a record of 4000"),
+                           (lambda: iter([torch.zeros(1000, dtype=torch.float64)]), "a part of torch.float64 given")):
+        with pytest.raises(ValueError, match=message):
+            mfw.write_state_file(storage, str(tmp_path), "bad.pt", state, {id(stand_ins["exp_avg"]): given})
+        assert not (tmp_path / "bad.pt").exists()
 
 
 def test_streamed_safetensors_file_is_what_safetensors_reads(tmp_path) -> None:
@@ -211,7 +246,7 @@ def test_streamed_safetensors_file_is_what_safetensors_reads(tmp_path) -> None:
     record = tool.write_safetensors(open_storage(str(tmp_path)), str(tmp_path / "w.safetensors"), list(state.items()))
     assert record == open_storage(str(tmp_path)).checksum(str(tmp_path / "w.safetensors"))
     loaded = load_file(str(tmp_path / "w.safetensors"))
-    assert set(loaded) == set(state) and all(loaded[k].dtype == v.dtype and torch.equal(loaded[k], v) for k, v in state.items())
+    assert_bit_equal(dict(sorted(loaded.items())), dict(sorted(state.items())))  # safetensors stores the names sorted
     with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as reader:
         assert reader.metadata() == {"format": "pt"}  # what transformers checks before loading
     with pytest.raises(ValueError, match="x has dtype torch.complex64, which this writer does not store"):
@@ -229,7 +264,7 @@ def _assert_same_model(folder: Path, model) -> None:
 
     weights = load_file(str(folder / "model.safetensors"))
     expected = {k: v for k, v in model.state_dict().items() if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
-    assert set(weights) == set(expected) and all(torch.equal(weights[k], v) for k, v in expected.items())
+    assert_bit_equal(dict(sorted(weights.items())), dict(sorted(expected.items())))  # safetensors stores the names sorted
     reloaded = AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa").eval()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     ids = torch.tensor([tokenizer("12+30=42\n", add_special_tokens=False)["input_ids"]])

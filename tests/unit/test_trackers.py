@@ -16,7 +16,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from rlrunner.config import LoggerConfig
+from rlrunner.schema import LoggerConfig
 from rlrunner.errors import ConfigError
 from rlrunner.trackers.base import REDACTED, redact
 from rlrunner.trackers.registry import check_backends, missing_package

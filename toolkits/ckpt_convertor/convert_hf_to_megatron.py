@@ -26,7 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from rlrunner.checkpoint.layout import HF_DIR  # noqa: E402
-from rlrunner.backends.megatron.files import TRACKER_FILE, write_model_checkpoint  # noqa: E402
+from rlrunner.backends.megatron.file_writes import write_model_checkpoint  # noqa: E402
+from rlrunner.backends.megatron.files import TRACKER_FILE  # noqa: E402
 from rlrunner.errors import ConfigError  # noqa: E402
 from rlrunner.models.loading import check_model_folder  # noqa: E402
 from rlrunner.backends.megatron.layout import DEFAULT_VOCAB_DIVISIBLE_BY, Qwen2Dims, check_splittable  # noqa: E402

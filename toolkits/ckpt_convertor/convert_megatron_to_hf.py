@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 from rlrunner.checkpoint.layout import HF_DIR  # noqa: E402
 from rlrunner.backends.megatron.files import find_root, read_rank_states  # noqa: E402
 from rlrunner.errors import ConfigError  # noqa: E402
-from rlrunner.backends.megatron.layout import iter_megatron_to_hf  # noqa: E402
+from rlrunner.backends.megatron.to_hf import iter_megatron_to_hf  # noqa: E402
 from rlrunner.storage import FileRecord, Storage, add_storage_options_argument, is_url, open_storage  # noqa: E402
 
 WEIGHTS_FILE = "model.safetensors"

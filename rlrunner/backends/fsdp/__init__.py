@@ -26,11 +26,11 @@ class FSDPBackend(TrainingBackend):
             raise ConfigError(
                 f"actor.tensor_model_parallel_size={tp} needs actor.training_backend=megatron (fsdp shards, it does not split layers)"
             )
-        if not cfg.actor.shard_gradients:
-            raise ConfigError("actor.shard_gradients=false needs actor.training_backend=megatron (fsdp always "
+        if not cfg.actor.megatron.shard_gradients:
+            raise ConfigError("actor.megatron.shard_gradients=false needs actor.training_backend=megatron (fsdp always "
                               "reduce-scatters its gradients to the ranks' shards)")
-        if not cfg.actor.shard_weights:
-            raise ConfigError("actor.shard_weights=false needs actor.training_backend=megatron (fsdp always shards "
+        if not cfg.actor.megatron.shard_weights:
+            raise ConfigError("actor.megatron.shard_weights=false needs actor.training_backend=megatron (fsdp always shards "
                               "its weights and all-gathers them a unit at a time)")
 
     def checkpoint_manager(self, actor_group: Any, rank_map: RankMap, timeout_s: float | None, background: bool,

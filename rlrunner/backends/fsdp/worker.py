@@ -105,7 +105,7 @@ class FSDPActorWorker(ActorWorker):
         model = meta_model(config, self.model_cfg["attn_implementation"], torch.float32)
         tensors = initial_tensors(self.model_cfg, config, self.init_seed, model, self.read_weights)
         shard_model(model, self.actor_cfg["param_dtype"], self.actor_cfg["reduce_dtype"], trainable,
-                    self.actor_cfg["fsdp_unit"])
+                    self.actor_cfg["fsdp"]["unit"])
         model.to_empty(device=self.device)
         fill_own_rows(model, tensors)
         restore_buffers(model, config, self.device)

@@ -1,6 +1,6 @@
 """The Megatron backend: the policy split Megatron-LM's way with tensor parallelism (tensor-parallel groups inside
 data-parallel replicas), AdamW sharded over the data-parallel ranks, and checkpoints in Megatron-LM's legacy layout
-(`iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt`, `distrib_optim_dp_DDD.pt`, `latest_checkpointed_iteration.txt`)."""
+(`iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt`, `distrib_optim.pt`, `latest_checkpointed_iteration.txt`)."""
 
 from __future__ import annotations
 
@@ -27,9 +27,11 @@ class MegatronBackend(TrainingBackend):
                 "actor.reduce_dtype must be float32 with actor.training_backend=megatron (gradients are reduced in "
                 f"float32), got '{cfg.actor.reduce_dtype}'"
             )
-        if cfg.actor.shard_weights and not cfg.actor.shard_gradients:
-            raise ConfigError("actor.shard_weights=true needs actor.shard_gradients=true (whole gradients would outweigh "
-                              "sharded weights); set actor.shard_weights=false for Megatron-LM's own layout")
+        options = cfg.actor.megatron
+        if options.shard_weights and not options.shard_gradients:
+            raise ConfigError("actor.megatron.shard_weights=true needs actor.megatron.shard_gradients=true (whole "
+                              "gradients would outweigh sharded weights); set actor.megatron.shard_weights=false for "
+                              "Megatron-LM's own layout")
 
     def check_model(self, hf_config: Any, actor_cfg: Mapping[str, Any]) -> None:
         from rlrunner.backends.megatron.layout import Qwen2Dims, check_splittable

@@ -6,17 +6,18 @@ import logging
 from typing import Any
 
 from rlrunner.backends.checkpoints import ActorCheckpointManager
-from rlrunner.backends.megatron.files import rank_dirs, read_tracker, write_tracker
+from rlrunner.backends.megatron.file_writes import write_tracker
+from rlrunner.backends.megatron.files import rank_dirs, read_tracker
 from rlrunner.storage import open_storage
 
 logger = logging.getLogger(__name__)
 
 
 class MegatronCheckpointManager(ActorCheckpointManager):
-    """`iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt`, written by data-parallel rank 0 of each tensor-parallel rank, and
-    `distrib_optim_dp_DDD.pt`, one per data-parallel rank, straight to the store; the driver writes `latest_checkpointed_iteration.txt` once every
-    rank's files are written, so the tracker never names a partial iteration (and the manifest, written after it,
-    commits the whole)."""
+    """`iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt` and `distrib_optim.pt`, written by data-parallel rank 0 of each
+    tensor-parallel rank (the other data-parallel ranks stream it their slices of the moments), straight to the store;
+    the driver writes `latest_checkpointed_iteration.txt` once every rank's files are written, so the tracker never
+    names a partial iteration (and the manifest, written after it, commits the whole)."""
 
     def __init__(self, actor_group: Any, backend: str, tensor_parallel_size: int, **options: Any):
         super().__init__(actor_group, backend, **options)

@@ -1,9 +1,11 @@
-"""Megatron-LM's legacy per-rank checkpoint files, written and read through the Storage interface.
+"""Megatron-LM's legacy per-rank checkpoint files: their names, what each holds, and reading them through Storage.
 
     <root>/                                   a local folder or any store's URL (s3://...)
       iter_0000050/
         mp_rank_00/model_optim_rng.pt         one file per tensor-parallel rank (no pipeline part in the name)
+        mp_rank_00/distrib_optim.pt           its Adam moments (rlrunner.backends.megatron.moment_files)
         mp_rank_01/model_optim_rng.pt
+        mp_rank_01/distrib_optim.pt
       latest_checkpointed_iteration.txt       "50", written last
       huggingface/                            the HF config and tokenizer (what the converters need)
 
@@ -21,8 +23,8 @@ accepts it as it is).
 
 Files are read with `torch.load(weights_only=True)` allowing exactly `argparse.Namespace` besides
 what weights_only always allows (tensors, containers, numbers, strings, torch dtypes); a file holding
-any other class is refused. Writes stream through `Storage.open_write`, which computes each file's size
-and CRC-32 as the bytes pass.
+any other class is refused (`check_loadable` finds such a value before a save). Writing the files is
+rlrunner.backends.megatron.file_writes.
 """
 
 from __future__ import annotations
@@ -32,10 +34,8 @@ import collections
 import contextlib
 import os
 import re
-import struct
 import tempfile
-import zipfile
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -44,12 +44,10 @@ from rlrunner.backends.megatron.layout import (
     DEFAULT_VOCAB_DIVISIBLE_BY,
     Qwen2Dims,
     check_splittable,
-    MegatronShards,
-    hf_to_megatron_rank,
-    megatron_to_hf,
     padded_vocab_size,
 )
-from rlrunner.storage import FileRecord, Storage
+from rlrunner.backends.megatron.to_hf import MegatronShards, megatron_to_hf
+from rlrunner.storage import Storage
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
@@ -173,7 +171,7 @@ def rng_from_megatron_entry(entry: Mapping[str, Any]) -> dict[str, Any]:
     return state
 
 
-# -- writing -----------------------------------------------------------------------------------------
+# -- what a file holds -------------------------------------------------------------------------------
 
 
 def check_loadable(obj: Any, where: str = "checkpoint") -> None:
@@ -216,171 +214,6 @@ def rank_state(
     return state
 
 
-def write_rank_file(
-    storage: Storage,
-    root: str,
-    iteration: int,
-    tp_rank: int,
-    model: Mapping[str, Any],
-    args: argparse.Namespace,
-    optimizer: Any = None,
-    opt_param_scheduler: Any = None,
-    rng_state: Sequence[Mapping[str, Any]] | None = None,
-) -> dict[str, FileRecord]:
-    """Write tensor-parallel rank `tp_rank`'s `model_optim_rng.pt` under `root`; {relative name: size and CRC-32}."""
-    if not 0 <= tp_rank < args.tensor_model_parallel_size:
-        raise ValueError(f"tensor-parallel rank {tp_rank} is outside 0..{args.tensor_model_parallel_size - 1}")
-    state = rank_state(iteration, model, args, optimizer, opt_param_scheduler, rng_state)
-    return write_state_file(storage, root, rank_file(iteration, tp_rank), state)
-
-
-def write_state_file(
-    storage: Storage,
-    root: str,
-    name: str,
-    state: Mapping[str, Any],
-    deferred: Mapping[int, Callable[[], torch.Tensor]] | None = None,
-) -> dict[str, FileRecord]:
-    """torch.save `state` to `root`/`name` (checked loadable with weights_only first); {name: size and CRC-32}.
-
-    `deferred` maps `id(tensor)` of tensors in `state` that only stand for their values (their dtype and shape count,
-    e.g. an untouched `torch.empty`) to a function giving the values, called once each, in the order the file holds
-    them (the order `state` lists them), when its bytes are written: a file larger than memory is written one tensor
-    at a time. The file is torch.save's own, byte for byte (`_write_streamed`)."""
-    check_loadable(state, name)
-    with storage.open_write(storage.join(root, name)) as writer:
-        tensors = _tensors_in_save_order(state, []) if deferred else []
-        if any(id(tensor) in deferred for tensor in tensors):
-            _write_streamed(dict(state), tensors, deferred, writer)
-        else:
-            torch.save(dict(state), writer)
-    return {name: writer.record()}
-
-
-def _tensors_in_save_order(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors under `obj` in the order torch.save's pickler meets them (dicts in order, keys before values;
-    lists and tuples in order): its storages' record names are their positions in this order."""
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, argparse.Namespace):
-        _tensors_in_save_order(vars(obj), out)
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            _tensors_in_save_order(key, out)
-            _tensors_in_save_order(value, out)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            _tensors_in_save_order(value, out)
-    return out
-
-
-def _storage_records(skeleton: Any) -> list[tuple[int, int, int]]:
-    """(storage index, data offset, size) of every `<archive>/data/<index>` record of a torch.save zip file, by
-    offset. The offset is read from the record's local header (torch pads its extra field to align the data)."""
-    records = []
-    for info in zipfile.ZipFile(skeleton).infolist():
-        folder, _, index = info.filename.rpartition("/")
-        if not folder.endswith("/data") or not index.isdigit():
-            continue
-        skeleton.seek(info.header_offset)
-        header = skeleton.read(30)
-        if header[:4] != b"PK\x03\x04":
-            raise ValueError(f"{info.filename}: no zip local header at {info.header_offset}")
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        records.append((int(index), info.header_offset + 30 + name_len + extra_len, info.file_size))
-    return sorted(records, key=lambda record: record[1])
-
-
-BOUNCE_BYTES = 4 << 20  # a streamed save's copy buffer
-
-
-def _write_streamed(
-    state: dict[str, Any], tensors: list[torch.Tensor], deferred: Mapping[int, Callable[[], torch.Tensor]], writer: Any
-) -> None:
-    """torch.save `state` into `writer`, asking `deferred` for the values of its stand-in tensors as their bytes are
-    due. torch.save under `torch.serialization.skip_data` writes the file with room left for every tensor's bytes
-    (into a sparse temporary file: no bytes written there), and the file is then copied through, each tensor's bytes
-    put in its room; torch.load checks no CRC of skipped records (the zip's is left 0). `tensors`: the state's, in
-    save order (`_tensors_in_save_order`)."""
-    stored = [t for t in tensors if t.untyped_storage().nbytes()]
-    if len({t.untyped_storage().data_ptr() for t in stored}) != len(stored):
-        raise ValueError("a streamed save needs every tensor in its own storage")
-    with tempfile.TemporaryFile() as skeleton:
-        with torch.serialization.skip_data():
-            torch.save(state, skeleton)
-        records = _storage_records(skeleton)
-        if sorted(index for index, _, _ in records) != list(range(len(tensors))):
-            raise ValueError(f"torch.save wrote {len(records)} storages for the {len(tensors)} tensors of the state")
-        skeleton.seek(0)
-        position = 0
-        # bytes go out through a buffer of their own: handing a tensor's own memory to the writer (numpy) would make
-        # its storage fixed, and a gathered unit's storage is freed (resized) after it is written
-        bounce = torch.empty(BOUNCE_BYTES, dtype=torch.uint8)
-        for index, offset, size in records:
-            _copy(skeleton, writer, offset - position)
-            stand_in = tensors[index]
-            produce = deferred.get(id(stand_in))
-            if produce is None:  # a tensor of its own: torch.save writes its whole storage
-                data = torch.empty(0, dtype=torch.uint8).set_(stand_in.detach().cpu().untyped_storage())
-            else:
-                tensor = produce()
-                if tensor.dtype != stand_in.dtype or tuple(tensor.shape) != tuple(stand_in.shape):
-                    raise ValueError(f"storage {index}: {tensor.dtype} {tuple(tensor.shape)} given for a stand-in of "
-                                     f"{stand_in.dtype} {tuple(stand_in.shape)}")
-                data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                del tensor
-            if data.numel() != size:
-                raise ValueError(f"storage {index}: {data.numel()} bytes for a record of {size}")
-            for part in data.split(BOUNCE_BYTES):
-                bounce[: part.numel()].copy_(part)
-                writer.write(bounce[: part.numel()].numpy())
-            del data
-            skeleton.seek(offset + size)
-            position = offset + size
-        _copy(skeleton, writer, None)
-
-
-def _copy(source: Any, target: Any, count: int | None, chunk: int = 1 << 20) -> None:
-    """Copy `count` bytes (None: the rest) of `source` into `target`."""
-    while count is None or count > 0:
-        data = source.read(chunk if count is None else min(chunk, count))
-        if not data:
-            if count:
-                raise ValueError(f"the skeleton file ended {count} bytes early")
-            return
-        target.write(data)
-        if count is not None:
-            count -= len(data)
-
-
-def write_tracker(storage: Storage, root: str, iteration: int) -> dict[str, FileRecord]:
-    """Write `latest_checkpointed_iteration.txt` (after every rank file: it must never name a partial iteration)."""
-    iteration_dir(iteration)  # validates
-    return {TRACKER_FILE: storage.write_bytes(storage.join(root, TRACKER_FILE), str(int(iteration)).encode())}
-
-
-def write_model_checkpoint(
-    storage: Storage,
-    root: str,
-    state: Mapping[str, torch.Tensor],
-    config: Any,
-    tp: int,
-    iteration: int = 0,
-    divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
-) -> dict[str, FileRecord]:
-    """A model-only Megatron checkpoint of an HF Qwen2 state dict, split `tp` ways: each rank's file, then the
-    tracker. One rank's shard is in memory at a time besides `state`."""
-    dtype = state["model.embed_tokens.weight"].dtype
-    args = megatron_args(config, tp, divisible_by=divisible_by, dtype=dtype)
-    records: dict[str, FileRecord] = {}
-    for tp_rank in range(tp):
-        shard = hf_to_megatron_rank(state, config, tp, tp_rank, divisible_by)
-        records.update(write_rank_file(storage, root, iteration, tp_rank, shard, args))
-        del shard
-    records.update(write_tracker(storage, root, iteration))
-    return records
-
-
 # -- reading -----------------------------------------------------------------------------------------
 
 
@@ -411,12 +244,18 @@ def _local_copy(storage: Storage, url: str) -> Iterator[str]:
 
 
 def read_torch_file(storage: Storage, url: str, mmap: bool) -> Any:
-    """`load_file` of `url`: memory-mapped from a local path (a remote file downloaded first) with `mmap`, else read."""
-    if mmap:
-        with _local_copy(storage, url) as path:
-            return load_file(path, mmap=True)
-    with storage.open_read(url) as handle:
-        return load_file(handle)
+    """`load_file` of `url`: memory-mapped from a local path (a remote file downloaded first) with `mmap`, else read.
+
+    A file torch.load cannot open (truncated, not a torch.save zip) is a ValueError naming it, in one line."""
+    try:
+        if mmap:
+            with _local_copy(storage, url) as path:
+                return load_file(path, mmap=True)
+        with storage.open_read(url) as handle:
+            return load_file(handle)
+    except (RuntimeError, EOFError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"{url} cannot be read (truncated or corrupt?): {reason}") from exc
 
 
 def read_rank_file(storage: Storage, url: str, mmap: bool = False) -> dict[str, Any]:

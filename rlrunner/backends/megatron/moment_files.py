@@ -1,27 +1,30 @@
-"""The Adam moments of the Megatron backend's checkpoints: one file per data-parallel rank, written with no gather.
+"""The Adam moments of the Megatron backend's checkpoints: one `distrib_optim.pt` per tensor-parallel rank, as in
+Megatron-LM's legacy layout, written with no gather.
 
-    <actor folder>/iter_0000050/mp_rank_01/distrib_optim_dp_000.pt    data-parallel rank 0's slice of TP rank 1's moments
-    <actor folder>/iter_0000050/mp_rank_01/distrib_optim_dp_001.pt    data-parallel rank 1's slice
+    <actor folder>/iter_0000050/mp_rank_01/model_optim_rng.pt    TP rank 1's weights, optimizer settings, RNG
+    <actor folder>/iter_0000050/mp_rank_01/distrib_optim.pt      TP rank 1's Adam moments, whole
 
 The distributed optimizer (`DistributedAdamW`, ZeRO-2) keeps each tensor-parallel rank's moments as one flat
 vector (its parameters flattened and concatenated in order), split into equal slices over the data-parallel ranks.
-Each data-parallel rank writes its own slice, so a save gathers nothing and the ranks write in parallel. A file
-(format `rlrunner.distrib_optim/2`) holds:
+Data-parallel rank 0 writes the file, and the other data-parallel ranks send it their slices a chunk at a time as
+it writes them (`moment_save`): no rank holds more than its own slice and a chunk. The file (format
+`rlrunner.distrib_optim/3`; Megatron-LM's own bucket layout is not used yet) holds:
 
-    format, iteration, tensor_model_parallel_size, data_parallel_size, data_parallel_rank, step
+    format, iteration, tensor_model_parallel_size, step
     params      [[megatron-core name, shape], ...]: the flat order, every parameter of the tensor-parallel rank
-    start, stop elements [start, stop) of the flat vector held here (the slices tile it in rank order)
-    exp_avg, exp_avg_sq    1-D float32 tensors of stop - start elements
+    exp_avg, exp_avg_sq    1-D float32 tensors of the flat vector, without padding (sum of the params' sizes)
 
-`SavedMoments` reads one saved tensor-parallel rank's files back (memory-mapped, each file opened when a range it
-holds is first read): a range of the flat vector (what a data-parallel rank of the same tensor-parallel layout loads,
-at any data-parallel size: only the files holding its own slice are read, or downloaded from an object store), or a
+It does not depend on the data-parallel size it was written at. `SavedMoments` reads one saved tensor-parallel rank's
+moments back (memory-mapped: only what is looked up is read from disk): a range of the flat vector (what a
+data-parallel rank of the same tensor-parallel layout loads, at any data-parallel size: its own slice), or a
 parameter's whole moment shaped like the parameter (what a load that reshards over tensor-parallel sizes slices, one
 tensor at a time).
 
-Checkpoints written before this layout hold one `distrib_optim.pt` per tensor-parallel rank (format
-`rlrunner.distrib_optim/1`, every data-parallel slice gathered onto data-parallel rank 0, one whole tensor per
-parameter): they are still read.
+Older checkpoints are still read:
+- format `rlrunner.distrib_optim/2`: one file per data-parallel rank, `distrib_optim_dp_DDD.pt` (`moment_file`),
+  holding that rank's slice (`moment_slice_state`: also the data-parallel size and rank, and the slice's `start`
+  and `stop`); each file is opened when a range it holds is first read (`SlicedMoments`);
+- format `rlrunner.distrib_optim/1`: `distrib_optim.pt` with one whole tensor per parameter (`WholeMoments`).
 """
 
 from __future__ import annotations
@@ -32,34 +35,57 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from rlrunner.backends.megatron.distrib_optim import MOMENTS, flat_offsets
+from rlrunner.backends.megatron.distrib_optim import MOMENTS
+from rlrunner.backends.megatron.flat_space import flat_offsets
 from rlrunner.backends.megatron.files import iteration_dir, rank_dir, read_torch_file
+from rlrunner.backends.megatron.remote_records import open_remote_file
 from rlrunner.storage import Storage
 
-SLICE_FORMAT = "rlrunner.distrib_optim/2"
-LEGACY_FORMAT = "rlrunner.distrib_optim/1"
-LEGACY_FILE = "distrib_optim.pt"
+FLAT_FORMAT = "rlrunner.distrib_optim/3"  # what a save writes
+SLICE_FORMAT = "rlrunner.distrib_optim/2"  # per data-parallel rank files (read only)
+LEGACY_FORMAT = "rlrunner.distrib_optim/1"  # per parameter tensors (read only)
+OPTIMIZER_FILE = "distrib_optim.pt"
 
 Layout = list[tuple[str, tuple[int, ...]]]  # (parameter name, shape), in the flat order
 
 
+def optimizer_file(iteration: int, tp_rank: int) -> str:
+    """`iter_0000050/mp_rank_01/distrib_optim.pt`, relative to the checkpoint root: tensor-parallel rank 1's moments."""
+    return f"{iteration_dir(iteration)}/{rank_dir(tp_rank)}/{OPTIMIZER_FILE}"
+
+
+def flat_moments_state(
+    iteration: int, tp: int, step: int, layout: Layout, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+) -> dict[str, Any]:
+    """What a `distrib_optim.pt` holds (see the module docstring); the tensors may be stand-ins whose values are
+    written as they arrive (`moment_save`)."""
+    numel = sum(math.prod(shape) for _, shape in layout)
+    for name, tensor in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if tuple(tensor.shape) != (numel,) or tensor.dtype != torch.float32:
+            raise ValueError(f"{name} is {tensor.dtype} {tuple(tensor.shape)}, not float32 ({numel},)")
+    return {
+        "format": FLAT_FORMAT,
+        "iteration": int(iteration),
+        "tensor_model_parallel_size": int(tp),
+        "step": int(step),
+        "params": [[name, list(shape)] for name, shape in layout],
+        "exp_avg": exp_avg,
+        "exp_avg_sq": exp_avg_sq,
+    }
+
+
 def moment_file(iteration: int, tp_rank: int, dp_rank: int) -> str:
-    """`iter_0000050/mp_rank_01/distrib_optim_dp_000.pt`, relative to the checkpoint root."""
+    """`iter_0000050/mp_rank_01/distrib_optim_dp_000.pt`: data-parallel rank 0's slice file of format 2 (read only)."""
     if dp_rank < 0:
         raise ValueError(f"a data-parallel rank is a non-negative integer, got {dp_rank}")
     return f"{iteration_dir(iteration)}/{rank_dir(tp_rank)}/distrib_optim_dp_{dp_rank:03d}.pt"
-
-
-def legacy_moment_file(iteration: int, tp_rank: int) -> str:
-    """`iter_0000050/mp_rank_01/distrib_optim.pt`: the one file per tensor-parallel rank of the earlier layout."""
-    return f"{iteration_dir(iteration)}/{rank_dir(tp_rank)}/{LEGACY_FILE}"
 
 
 def moment_slice_state(
     iteration: int, tp: int, dp: int, dp_rank: int, step: int, layout: Layout, start: int, stop: int,
     exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
 ) -> dict[str, Any]:
-    """What data-parallel rank `dp_rank`'s file holds (see the module docstring)."""
+    """What data-parallel rank `dp_rank`'s file of format 2 held (older checkpoints; see the module docstring)."""
     for name, tensor in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if tuple(tensor.shape) != (stop - start,):
             raise ValueError(f"{name} has shape {tuple(tensor.shape)} for elements {start}:{stop}")
@@ -178,6 +204,27 @@ class SlicedMoments(SavedMoments):
         return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32)
 
 
+class FlatMoments(SavedMoments):
+    """One `distrib_optim.pt` of format 3: both moments' flat vectors whole, a range of them a view of the (mapped)
+    file; or, for a file on an object store, read from it by a ranged read (`read`: `remote_records`)."""
+
+    def __init__(self, state: Mapping[str, Any], where: str,
+                 read: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None):
+        layout = [(str(name), tuple(int(d) for d in shape)) for name, shape in state["params"]]
+        super().__init__(int(state["step"]), layout)
+        for key in MOMENTS:
+            tensor = state[key]
+            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != (self.numel,) or tensor.dtype != torch.float32:
+                found = f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                raise ValueError(f"{where}: {key} is {found}, not the float32 ({self.numel},) of its parameters")
+        self.state, self.where, self.read = state, where, read
+
+    def flat(self, key: str, start: int, stop: int) -> torch.Tensor:
+        if not 0 <= start <= stop <= self.numel:
+            raise ValueError(f"{self.where}: elements {start}:{stop} are outside the {self.numel} saved")
+        return self.state[key][start:stop] if self.read is None else self.read(self.state[key], start, stop)
+
+
 class WholeMoments(SavedMoments):
     """One `distrib_optim.pt` of the earlier layout (format 1): every parameter's moment whole."""
 
@@ -202,28 +249,35 @@ class WholeMoments(SavedMoments):
         return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32)
 
 
-def _checked(state: Any, url: str, fmt: str) -> dict[str, Any]:
-    if not isinstance(state, dict) or state.get("format") != fmt:
+def _checked(state: Any, url: str, *formats: str) -> dict[str, Any]:
+    if not isinstance(state, dict) or state.get("format") not in formats:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"{url} is not a distributed-optimizer file of format {fmt} (found {found!r})")
+        raise ValueError(f"{url} is not a distributed-optimizer file of format {' or '.join(formats)} (found {found!r})")
     return state
 
 
 def read_moments(storage: Storage, root: str, iteration: int, tp_rank: int, mmap: bool = True,
                  dp_rank: int = 0) -> SavedMoments:
     """Tensor-parallel rank `tp_rank`'s moments of `iteration` under `root` (memory-mapped with `mmap`: only what is
-    looked up is read): its data-parallel slice files, opened as they are needed, or the earlier layout's single
-    file. The slice file of `dp_rank` is opened first, where there is one (the caller passes its own rank when the
-    data-parallel size is unchanged, so that file holds its whole slice and no other is read)."""
+    looked up is read; from an object store, a `distrib_optim.pt` of format 3 is read by ranged reads of what is looked
+    up): its `distrib_optim.pt` (format 3, or 1 in older checkpoints), or the data-parallel slice files of format 2,
+    opened as they are needed. Of those, the file of `dp_rank` is opened first, where there is one (the
+    caller passes its own rank when the data-parallel size is unchanged, so that file holds its whole slice and no
+    other is read)."""
+    whole = storage.join(root, optimizer_file(iteration, tp_rank))
+    if storage.exists(whole):
+        if mmap and not storage.is_local:  # on a store: its structure now, the elements looked up when they are
+            state, read = open_remote_file(storage, whole)
+            if isinstance(state, dict) and state.get("format") == FLAT_FORMAT:
+                return FlatMoments(state, whole, read)
+        state = _checked(read_torch_file(storage, whole, mmap), whole, FLAT_FORMAT, LEGACY_FORMAT)
+        return FlatMoments(state, whole) if state["format"] == FLAT_FORMAT else WholeMoments(state)
     first_rank = dp_rank
     first = storage.join(root, moment_file(iteration, tp_rank, dp_rank))
     if dp_rank != 0 and not storage.exists(first):
         first_rank, first = 0, storage.join(root, moment_file(iteration, tp_rank, 0))
     if not storage.exists(first):
-        legacy = storage.join(root, legacy_moment_file(iteration, tp_rank))
-        if storage.exists(legacy):
-            return WholeMoments(_checked(read_torch_file(storage, legacy, mmap), legacy, LEGACY_FORMAT))
-        raise FileNotFoundError(f"{first} is missing (the optimizer moments of tensor-parallel rank {tp_rank})")
+        raise FileNotFoundError(f"{whole} is missing (the optimizer moments of tensor-parallel rank {tp_rank})")
     state = _checked(read_torch_file(storage, first, mmap), first, SLICE_FORMAT)
 
     def open_slice(dp_rank: int) -> dict[str, Any]:

@@ -1,19 +1,20 @@
 """Rank-side save and load of the Megatron (tensor-parallel) backend's training state, in Megatron-LM's layout.
 
-    <actor folder>/iter_0000050/mp_rank_XX/model_optim_rng.pt         model shard, optimizer settings, LR schedule, RNG
-    <actor folder>/iter_0000050/mp_rank_XX/distrib_optim_dp_DDD.pt    data-parallel rank DDD's slice of the Adam moments
-    <actor folder>/latest_checkpointed_iteration.txt                  written by the driver once every file is written
+    <actor folder>/iter_0000050/mp_rank_XX/model_optim_rng.pt    model shard, optimizer settings, LR schedule, RNG
+    <actor folder>/iter_0000050/mp_rank_XX/distrib_optim.pt      the Adam moments of tensor-parallel rank XX
+    <actor folder>/latest_checkpointed_iteration.txt             written by the driver once every file is written
 
-Every data-parallel rank writes its own slice of its tensor-parallel rank's moments (`moment_files`): nothing is
-gathered. Data-parallel rank 0 also writes the `model_optim_rng.pt` (the weights are the same on every replica);
-its `rng_state` holds one entry per data-parallel rank (Megatron's list-of-dicts), gathered before the write. A
-background save copies the state off the training tensors on the training thread (`MegatronRankState`) and writes,
-or uploads, the files in a thread (the worker's `BackgroundSave`), so it blocks training only for the copy; a
-synchronous save writes the live tensors, with no copy, before training goes on.
+Data-parallel rank 0 of each tensor-parallel rank writes both files: the `model_optim_rng.pt` (the weights are the
+same on every replica; its `rng_state` holds one entry per data-parallel rank, Megatron's list-of-dicts, gathered
+before the write), and the `distrib_optim.pt`, into which the other data-parallel ranks stream their slices of the
+moments a chunk at a time as it is written (`moment_save`): nothing is gathered. A background save copies the state
+off the training tensors on the training thread (`MegatronRankState`) and writes, or uploads, the files in a thread
+(the worker's `BackgroundSave`), so it blocks training only for the copy; a synchronous save writes the live tensors,
+with no copy, before training goes on.
 
 A load reads this rank's files when the tensor-parallel size is the saved one: the weights from its
-`model_optim_rng.pt`, and only its own slice of the moments, from the slice files that hold it (at any data-parallel
-size). With another tensor-parallel size it reads every saved rank's files and assembles this rank's tensors, one at
+`model_optim_rng.pt`, and only its own slice of the moments (at any data-parallel size; older checkpoints' per
+data-parallel rank slice files too). With another tensor-parallel size it reads every saved rank's files and assembles this rank's tensors, one at
 a time, from the slices of the saved ones they cover, through the HF layout (`MegatronShards`, read by the start-up's
 `iter_hf_to_megatron_rank`), so tp=2 resumes at tp=1 and back. The files are memory-mapped, so a rank reads only
 what its part covers. RNG states are restored only when both sizes match.
@@ -27,8 +28,10 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from rlrunner.backends.megatron.distrib_optim import MOMENTS, DistributedAdamW
-from rlrunner.backends.megatron.files import rank_dirs, rank_file, read_rank, read_tracker, write_state_file
-from rlrunner.backends.megatron.layout import EXTRA_STATE, MegatronShards, iter_hf_to_megatron_rank
+from rlrunner.backends.megatron.file_writes import write_state_file
+from rlrunner.backends.megatron.files import rank_dirs, rank_file, read_rank, read_tracker
+from rlrunner.backends.megatron.layout import EXTRA_STATE, iter_hf_to_megatron_rank
+from rlrunner.backends.megatron.to_hf import MegatronShards
 from rlrunner.backends.megatron.moment_files import SavedMoments, read_moments
 from rlrunner.storage import FileRecord, open_storage
 
@@ -40,10 +43,11 @@ class MegatronRankState:
     written before the next step)."""
 
     files: dict[str, dict[str, Any]]
-    # stand-in tensors whose values are read as the file is written (sharded weights: `write_state_file`), and what
-    # to run once the files are written, or failed (the walk over the weight units every DP rank makes, finished)
+    # stand-in tensors whose values are read as the file is written (sharded weights, the moments received from the
+    # other DP ranks: `write_state_file`), and what to run, in order, once the files are written, or failed (the walk
+    # over the weight units every DP rank makes, finished; then the moments' transfers, completed)
     deferred: dict[int, Callable[[], Any]] = field(default_factory=dict)
-    after: Callable[[], None] | None = None
+    after: tuple[Callable[[], None], ...] = ()
 
     def write(self, url: str, storage_options: Mapping[str, Any] | None) -> dict[str, FileRecord]:
         """Write every file under `url` (the checkpoint's actor folder); {relative name: size and CRC-32}."""
@@ -54,8 +58,19 @@ class MegatronRankState:
                 records.update(write_state_file(storage, url, name, state, self.deferred))
             return records
         finally:
-            if self.after is not None:
-                self.after()
+            _run_all(self.after)
+
+
+def _run_all(steps: tuple[Callable[[], None], ...]) -> None:
+    """Run every step, each one even when one before it failed (the peers wait on each); then raise the first error."""
+    error: BaseException | None = None
+    for step in steps:
+        try:
+            step()
+        except BaseException as exc:  # noqa: BLE001 (raised below)
+            error = error or exc
+    if error is not None:
+        raise error
 
 
 # -- loading -----------------------------------------------------------------------------------------

@@ -11,15 +11,16 @@ from typing import Any, Mapping
 
 import torch
 
-from rlrunner.backends.megatron.distrib_optim import UnitCursor
-from rlrunner.backends.megatron.layout import HFBlock, Qwen2Dims, rank_blocks
+from rlrunner.backends.megatron.weight_units import UnitCursor
+from rlrunner.backends.megatron.layout import Qwen2Dims
+from rlrunner.backends.megatron.to_hf import HFBlock, rank_blocks
 from rlrunner.weight_sync.endpoints import Block, WeightSource
 
 
 def hf_blocks(shard: Mapping[str, torch.Tensor], config: Any, tp: int, rank: int) -> list[tuple[str, tuple[int, ...], int, int, int, torch.Tensor]]:
     """What tensor-parallel rank `rank`'s megatron-core dict holds of each HF tensor, without gathering anything:
     (HF key, full HF shape, dim, start, stop, block) with the block = rows [start, stop) of the HF tensor along
-    `dim` (`layout.rank_blocks`). Assembling every rank's blocks gives `megatron_to_hf` of the shards, exactly."""
+    `dim` (`to_hf.rank_blocks`). Assembling every rank's blocks gives `megatron_to_hf` of the shards, exactly."""
     rows = shard["embedding.word_embeddings.weight"].shape[0]
     return [
         (block.name, block.shape, block.dim, block.start, block.stop, block.take(shard[block.key]))

@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 
 from rlrunner.backends.actor import ActorWorker
-from rlrunner.backends.megatron.distrib_optim import DistributedAdamW, UnitCursor, bind_to_buffer
+from rlrunner.backends.megatron.distrib_optim import DistributedAdamW
+from rlrunner.backends.megatron.flat_space import bind_to_buffer
+from rlrunner.backends.megatron.weight_units import UnitCursor
 from rlrunner.backends.megatron.files import (
     megatron_args,
     megatron_rng_entry,
@@ -34,10 +36,10 @@ from rlrunner.backends.megatron.layout import (
     Qwen2Dims,
     expected_megatron_keys,
     iter_hf_to_megatron_rank,
-    megatron_to_hf,
 )
+from rlrunner.backends.megatron.to_hf import megatron_to_hf
 from rlrunner.backends.megatron.model import TPQwen2ForCausalLM
-from rlrunner.backends.megatron.moment_files import moment_file, moment_slice_state
+from rlrunner.backends.megatron.moment_save import MomentSave, save_group
 from rlrunner.backends.megatron.rank_state import MegatronRankState, load_rank
 from rlrunner.backends.optim import apply_schedule, build_schedule
 from rlrunner.models.loading import build_hf_config, build_tokenizer, initial_tensors, meta_model, torch_dtype
@@ -76,6 +78,9 @@ class MegatronActorWorker(ActorWorker):
             raise ValueError(f"{self.world_size} actor ranks do not split into tensor-parallel groups of {self.tp}")
         self.tp_rank, self.dp_rank = self.rank % self.tp, self.rank // self.tp
         self.tp_group, self.dp_group = parallel_groups(self.world_size, self.tp, self.rank, self.dist_timeout)
+        # a checkpoint's moments travel to data-parallel rank 0 over a group of their own (gloo), never the training's:
+        # a background save's thread must not interleave with the training thread on one group
+        self.save_group = save_group(self.world_size, self.tp, self.rank, self.dist_timeout)
         self.divisible_by = DEFAULT_VOCAB_DIVISIBLE_BY
         tokenizer = build_tokenizer(self.model_cfg)
         self.hf_config = build_hf_config(self.model_cfg, tokenizer)
@@ -87,11 +92,11 @@ class MegatronActorWorker(ActorWorker):
         self.optimizer = DistributedAdamW(
             list(self.model.named_parameters()), self.dp_group, self.tp_group, replicated_names(self.model),
             lr=optim["lr"], betas=tuple(optim["betas"]), weight_decay=optim["weight_decay"], device=self.device,
-            shard_gradients=bool(self.actor_cfg["shard_gradients"]),
-            shard_weights=bool(self.actor_cfg["shard_weights"]), units=self.model.weight_unit_names(),
+            shard_gradients=bool(self.actor_cfg["megatron"]["shard_gradients"]),
+            shard_weights=bool(self.actor_cfg["megatron"]["shard_weights"]), units=self.model.weight_unit_names(),
         )
         if self.optimizer.shard_weights:  # ZeRO-3: the model gathers each unit around its use
-            self.model.weight_units = self.optimizer
+            self.model.weight_units = self.optimizer.units
         self._load_initial_weights(self.model, self.optimizer.load_weight)
         self.model.gradient_checkpointing = bool(self.actor_cfg["gradient_checkpointing"])
         self.model.train()
@@ -136,17 +141,14 @@ class MegatronActorWorker(ActorWorker):
     # -- checkpoints ---------------------------------------------------------------------------
 
     def start_checkpoint(self, url: str, step: int, background: bool, storage_options: dict[str, Any] | None) -> None:
-        """Collective: every rank writes its data-parallel slice of its tensor-parallel rank's moments, and data-parallel
-        rank 0 that rank's `model_optim_rng.pt`, under `url` (the checkpoint's actor folder): a copy of its state, in
-        a thread, with `background`; the live tensors, before returning, without. Nothing but the RNG states is
-        gathered."""
+        """Collective: data-parallel rank 0 of each tensor-parallel rank writes that rank's `model_optim_rng.pt` and its
+        `distrib_optim.pt`, into which the other data-parallel ranks send their slices of the moments a chunk at a time
+        (`moment_save`), under `url` (the checkpoint's actor folder): a copy of the state, in a thread, with
+        `background`; the live tensors, before returning, without. Nothing but the RNG states is gathered."""
         own = self.optimizer.own_slice(copy=background)
         rng = [None] * self.data_parallel_size
         dist.all_gather_object(rng, megatron_rng_entry(capture_rng()), group=self.dp_group)
-        files = {moment_file(step, self.tp_rank, self.dp_rank): moment_slice_state(
-            step, self.tp, self.data_parallel_size, self.dp_rank, own["step"], self.optimizer.layout(), own["start"],
-            own["stop"], own["exp_avg"], own["exp_avg_sq"],
-        )}
+        moments = MomentSave(step, self.tp, self.tp_rank, self.optimizer.layout(), own, self.save_group)
         # sharded weights are walked a unit at a time by every DP rank (`UnitCursor`); a synchronous save writes each
         # unit while it is gathered (a stand-in now, the values when they are due), a background one copies it now
         streamed = self.optimizer.shard_weights and not background
@@ -162,6 +164,7 @@ class MegatronActorWorker(ActorWorker):
                     weights[key] = cursor.tensor(key).detach().to("cpu", copy=background)
         if not deferred:
             cursor.finish()  # the writer's walk ends in `write`
+        files = {}
         if self.dp_rank == 0:
             args = megatron_args(
                 self.hf_config, self.tp, self.data_parallel_size, self.divisible_by, torch.float32,
@@ -170,11 +173,16 @@ class MegatronActorWorker(ActorWorker):
             )
             model = {**weights, **{k: None for k in _extra_state_keys(self)}}
             optimizer = {**self.optimizer.param_groups_state(), "distributed_optimizer": True,
-                         "state_files": "distrib_optim_dp_*.pt"}
+                         "state_files": "distrib_optim.pt"}
             files[rank_file(step, self.tp_rank)] = rank_state(
                 step, model, args, optimizer, self.scheduler.state_dict(), rng,
             )
-        state = MegatronRankState(files, deferred, cursor.finish if deferred else None)
+        # every DP rank: the units' walk first (DP rank 0 writes model_optim_rng.pt), then the moments' transfers
+        moment_files, moment_parts = moments.files()
+        files.update(moment_files)
+        deferred.update(moment_parts)
+        after = (cursor.finish, moments.finish) if streamed else (moments.finish,)
+        state = MegatronRankState(files, deferred, after)
         self.saver.run(lambda: state.write(url, storage_options), background)
 
     def load_checkpoint(self, url: str, storage_options: dict[str, Any] | None) -> bool:

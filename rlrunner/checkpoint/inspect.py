@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from rlrunner.checkpoint import layout
-from rlrunner.checkpoint.handler import COMPLETE, inspect_checkpoint, scan_checkpoints
+from rlrunner.checkpoint.status import COMPLETE, inspect_checkpoint, scan_checkpoints
 from rlrunner.experiment.lock import describe_holder
 from rlrunner.errors import ConfigError
 from rlrunner.storage import Storage, add_storage_options_argument, open_storage

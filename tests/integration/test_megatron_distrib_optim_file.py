@@ -1,0 +1,148 @@
+"""The Megatron backend's `mp_rank_XX/distrib_optim.pt`, one per tensor-parallel rank at every data-parallel size,
+saved by real `MegatronActorWorker`s over real gloo groups (spawned processes, no Ray): data-parallel rank 0 writes it
+while the other ranks stream their slices of the moments into it (`moment_save`), and it alone records it. A
+synchronous save with sharded weights (the units walked while model_optim_rng.pt is written, then the transfers) and a
+background one (the transfers in the saver's thread while the training thread runs collectives) give the same files,
+and a load at another data-parallel size gets the moments bit for bit; so does an older checkpoint's per
+data-parallel rank slice files (format 2)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import actor_worker_kwargs, assert_bit_equal, run_config
+from megatron_models import free_port
+from rlrunner.backends.megatron import moment_save
+from rlrunner.backends.megatron.file_writes import write_state_file, write_tracker
+from rlrunner.backends.megatron.files import load_file, rank_file
+from rlrunner.backends.megatron.moment_files import MOMENTS, moment_file, moment_slice_state, optimizer_file
+from rlrunner.storage import open_storage
+
+STEP = 4
+CHUNK = 777  # elements: a slice of the tiny model's moments is many chunks
+
+
+def _kwargs(tmp_path: Path, tp: int, world: int, *overrides: str) -> dict:
+    cfg = run_config(tmp_path, "actor.training_backend=megatron", "model.override_config.num_key_value_heads=2",
+                     f"actor.tensor_model_parallel_size={tp}", f"actor.num_workers={world}", *overrides)
+    return actor_worker_kwargs(cfg)
+
+
+def _expected(tp_rank: int, numel: int) -> dict[str, torch.Tensor]:
+    """The flat moments of tensor-parallel rank `tp_rank` the saving run holds (random, distinct per moment and rank)."""
+    return {key: torch.randn(numel, generator=torch.Generator().manual_seed(100 * tp_rank + index))
+            for index, key in enumerate(MOMENTS)}
+
+
+def _run(rank: int, world: int, port: int, kwargs: dict, job) -> None:
+    warnings.simplefilter("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from rlrunner.backends.megatron.worker import MegatronActorWorker
+
+        moment_save.CHUNK_ELEMENTS = CHUNK
+        worker = MegatronActorWorker(rank, world, **kwargs)
+        worker.dist_timeout = timedelta(seconds=60)
+        worker.setup()
+        job[0](worker, *job[1:])
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, kwargs: dict, *job) -> None:
+    mp.spawn(_run, args=(world, free_port(), kwargs, job), nprocs=world)  # raises with the rank's traceback
+
+
+def _save(worker, folders: dict[str, str]) -> None:
+    """Give the moments known values, then save them to each folder ({"sync"|"background": url})."""
+    opt = worker.optimizer
+    start, stop = opt._own_range()
+    for key, flat in _expected(worker.tp_rank, opt.space.numel).items():
+        opt.moments[key][: stop - start].copy_(flat[start:stop])
+    opt._set_chunk_state(STEP)
+    for mode, url in folders.items():
+        background = mode == "background"
+        worker.start_checkpoint(url, STEP, background, None)
+        if background:  # training's collectives go on in this thread while the moments travel in the saver's
+            for _ in range(30):
+                dist.all_reduce(torch.ones(4096), group=worker.dp_group)
+                dist.all_reduce(torch.ones(4096), group=worker.tp_group)
+        files = worker.finish_checkpoint()["files"]
+        names = {rank_file(STEP, worker.tp_rank), optimizer_file(STEP, worker.tp_rank)}
+        assert set(files) == (names if worker.dp_rank == 0 else set()), (mode, worker.rank, files)  # recorded once
+        dist.barrier()
+        if worker.rank == 0:
+            write_tracker(open_storage(url), url, STEP)
+        dist.barrier()
+
+
+def _load(worker, folders: list[str]) -> None:
+    """Each folder's moments, loaded at this data-parallel size, are the saved ones bit for bit."""
+    opt = worker.optimizer
+    expected = {key: dict(zip(opt.names, opt.space.views(flat))) for key, flat in
+                _expected(worker.tp_rank, opt.space.numel).items()}
+    for url in folders:
+        opt.moments["exp_avg"].zero_()
+        opt.moments["exp_avg_sq"].zero_()
+        worker.load_checkpoint(url, None)
+        state = opt.full_state()
+        assert state["step"] == STEP, url
+        for key in MOMENTS:
+            assert_bit_equal(state[key], expected[key])
+
+
+def _check_layout(root: Path, tp: int, dp: int) -> None:
+    for tp_rank in range(tp):
+        folder = root / "iter_0000004" / f"mp_rank_{tp_rank:02d}"
+        assert sorted(p.name for p in folder.iterdir()) == ["distrib_optim.pt", "model_optim_rng.pt"]
+        state = load_file(str(folder / "distrib_optim.pt"))  # torch.load(weights_only=True)
+        numel = state["exp_avg"].numel()
+        assert_bit_equal({key: state[key] for key in MOMENTS}, _expected(tp_rank, numel))
+        assert state["step"] == STEP and state["tensor_model_parallel_size"] == tp
+        assert load_file(str(folder / "model_optim_rng.pt"))["args"].data_parallel_size == dp
+
+
+def _as_slice_files(source: Path, target: Path, tp: int, dp: int) -> None:
+    """An older checkpoint of the same state: each distrib_optim.pt as the per data-parallel rank slice files
+    (format 2) that `dp` ranks wrote before."""
+    shutil.copytree(source, target)
+    storage = open_storage(str(target))
+    for tp_rank in range(tp):
+        state = load_file(str(target / optimizer_file(STEP, tp_rank)))
+        (target / optimizer_file(STEP, tp_rank)).unlink()
+        layout = [(name, tuple(shape)) for name, shape in state["params"]]
+        numel = state["exp_avg"].numel()
+        size = -(-numel // dp)
+        for d in range(dp):
+            lo, hi = min(d * size, numel), min((d + 1) * size, numel)
+            piece = moment_slice_state(STEP, tp, dp, d, STEP, layout, lo, hi, state["exp_avg"][lo:hi].clone(),
+                                       state["exp_avg_sq"][lo:hi].clone())
+            write_state_file(storage, str(target), moment_file(STEP, tp_rank, d), piece)
+
+
+def test_dp2_tp1_saves_one_distrib_optim_file_and_loads_at_dp1_and_dp3(tmp_path) -> None:
+    folders = {mode: str(tmp_path / mode) for mode in ("sync", "background")}
+    _spawn(2, _kwargs(tmp_path, 1, 2), _save, folders)  # sharded weights (the default at dp 2)
+    for url in folders.values():
+        _check_layout(Path(url), 1, 2)
+    _as_slice_files(tmp_path / "sync", tmp_path / "old", 1, 2)
+    loads = [*folders.values(), str(tmp_path / "old")]
+    _spawn(1, _kwargs(tmp_path, 1, 1), _load, loads)
+    _spawn(3, _kwargs(tmp_path, 1, 3, "data.batch_size=3"), _load, loads)  # rows that split 3 ways
+
+
+def test_dp2_tp2_saves_one_distrib_optim_file_per_tensor_parallel_rank_and_loads_at_dp1(tmp_path) -> None:
+    folders = {mode: str(tmp_path / mode) for mode in ("sync", "background")}
+    _spawn(4, _kwargs(tmp_path, 2, 4, "actor.megatron.shard_weights=false"), _save, folders)
+    for url in folders.values():
+        _check_layout(Path(url), 2, 2)
+    _spawn(2, _kwargs(tmp_path, 2, 2), _load, list(folders.values()))
