@@ -11,6 +11,9 @@ overwritten but one's own object. The new holder deletes all but the last KEEP_G
 
 Stores without a conditional create: write, wait SETTLE_S, read back; best effort (two runs that start within
 the settle time of each other may both think they hold it), with a warning.
+
+All reading of the time and all waiting goes through a `Clock` (the real one unless a test passes its own), so
+that tests can let lease time pass without waiting for it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,28 @@ _GENERATION = re.compile(r"^(\d{12})\.json$")
 _warned_best_effort: set[str] = set()
 
 
+class Clock:
+    """Where the lease reads the time and waits: the real clock. Tests pass a subclass whose time passes at once.
+
+    `now` is wall-clock (Unix) time, what the lease writes into its objects; `monotonic` measures intervals;
+    `wait` is a `sleep` that ends early when `event` is set (the heartbeat thread's halt) and says whether it was."""
+
+    def now(self) -> float:
+        return time.time()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def wait(self, event: threading.Event, seconds: float) -> bool:
+        return event.wait(seconds)
+
+
+SYSTEM_CLOCK = Clock()
+
+
 class Current:
     """The highest generation of a lease folder: its number, URL and record (None when unreadable)."""
 
@@ -53,8 +78,11 @@ class Current:
 
 
 class Lease:
-    def __init__(self, storage: Storage, experiment_url: str, heartbeat_s: float, stale_after_s: float):
+    def __init__(
+        self, storage: Storage, experiment_url: str, heartbeat_s: float, stale_after_s: float, *, clock: Clock = SYSTEM_CLOCK
+    ):
         self.storage = storage
+        self.clock = clock
         self.experiment_url = experiment_url
         self.lock_dir = storage.join(experiment_url, LOCK_NAME)
         self.heartbeat_s = heartbeat_s
@@ -62,7 +90,7 @@ class Lease:
         self._record: dict[str, Any] | None = None  # ours, while held
         self._url = ""
         self._generation = 0
-        self._last_ok = 0.0  # time.monotonic() at the *start* of the last heartbeat that landed
+        self._last_ok = 0.0  # clock.monotonic() at the *start* of the last heartbeat that landed
         self._last_error: str | None = None
         self._lost: str | None = None
         self._state = threading.Lock()  # guards _lost
@@ -91,10 +119,10 @@ class Lease:
                     current.describe(age_text), lapse_in,
                 )
                 waited_for = current.generation
-            time.sleep(min(max(lapse_in, 0.2), 5.0))
+            self.clock.sleep(min(max(lapse_in, 0.2), 5.0))
         generation = current.generation + 1 if current else 1
         url = _generation_url(self.storage, self.lock_dir, generation)
-        now = time.time()
+        now = self.clock.now()
         record = {
             "owner": uuid.uuid4().hex,
             "host": socket.gethostname(),
@@ -106,7 +134,7 @@ class Lease:
             "stale_after_s": self.stale_after_s,
             "released": False,
         }
-        started = time.monotonic()
+        started = self.clock.monotonic()
         if not self._create(url, record):
             winner = current_lease(self.storage, self.lock_dir)
             raise ExperimentLockedError(self._held_message(winner, None) if winner else f"lost the race for {url}")
@@ -132,7 +160,7 @@ class Lease:
         if self.storage.exists(url):
             return False
         self.storage.write_bytes(url, _encode(record))
-        time.sleep(SETTLE_S)  # a racer's write that landed after ours replaced it: read back to see who is left
+        self.clock.sleep(SETTLE_S)  # a racer's write that landed after ours replaced it: read back to see who is left
         back = _read_record(self.storage, url)
         return back is not None and back.get("owner") == record["owner"]
 
@@ -143,7 +171,7 @@ class Lease:
         with self._write:  # waits for a heartbeat in flight
             if self.lost() is None:  # when lost, our object may no longer be ours to write (best-effort stores)
                 try:
-                    self.storage.write_bytes(self._url, _encode({**self._record, "released": True, "heartbeat_unix": time.time()}))
+                    self.storage.write_bytes(self._url, _encode({**self._record, "released": True, "heartbeat_unix": self.clock.now()}))
                 except Exception as exc:
                     logger.warning(
                         "could not mark the experiment lock %s released (%s: %s): the next run can take it over %.0f s "
@@ -155,7 +183,7 @@ class Lease:
 
     def lost(self) -> str | None:
         if self._lost is None and self._record is not None:
-            silent = time.monotonic() - self._last_ok
+            silent = self.clock.monotonic() - self._last_ok
             if silent > self.stale_after_s:
                 error = f"; last error: {self._last_error}" if self._last_error else ""
                 self._set_lost(
@@ -170,7 +198,7 @@ class Lease:
                 self._lost = reason
 
     def _beat_until(self, halt: threading.Event) -> None:
-        while not halt.wait(self.heartbeat_s):
+        while not self.clock.wait(halt, self.heartbeat_s):
             if not self._beat():
                 return
 
@@ -179,7 +207,7 @@ class Lease:
 
         A storage error only skips this beat; the lease is lost when no beat lands for stale_after_s.
         """
-        started, record = time.monotonic(), self._record
+        started, record = self.clock.monotonic(), self._record
         if record is None:  # released
             return False
         try:
@@ -203,13 +231,13 @@ class Lease:
             with self._write:
                 if self._halt.is_set():  # released (or, in tests, frozen) meanwhile
                     return False
-                record["heartbeat_unix"] = time.time()
+                record["heartbeat_unix"] = self.clock.now()
                 self.storage.write_bytes(self._url, _encode(record))
         except Exception as exc:  # a storage error: record it, try again next beat
             self._last_error = f"{type(exc).__name__}: {exc}"
             logger.warning("experiment lock heartbeat failed (%s); retrying in %.0f s", self._last_error, self.heartbeat_s)
             return self.lost() is None
-        if time.monotonic() - self._last_ok > self.stale_after_s:  # landed too late: another run may have taken over
+        if self.clock.monotonic() - self._last_ok > self.stale_after_s:  # landed too late: another run may have taken over
             return self.lost() is None
         self._last_ok, self._last_error = started, None
         return True
@@ -228,7 +256,7 @@ class Lease:
         if written is not None and (now := _store_now(self.storage, self.lock_dir)) is not None:
             age, clock, slack = now - written, "the store's clock", CLOCK_SLACK_S
         elif record is not None:  # a store that keeps no modification times: this host's clock against the holder's
-            age, clock, slack = time.time() - float(record.get("heartbeat_unix", 0)), "this host's clock", 0.0
+            age, clock, slack = self.clock.now() - float(record.get("heartbeat_unix", 0)), "this host's clock", 0.0
         else:
             return None, None, None
         text = f"{age:.0f} s ago by {clock}"

@@ -11,11 +11,10 @@ import fcntl
 import json
 import os
 import socket
-import time
 from typing import Any
 
 from rlrunner.errors import ExperimentLockedError
-from rlrunner.experiment.lease import CLOCK_SLACK_S, LOCK_NAME, Lease, clock, current_lease
+from rlrunner.experiment.lease import CLOCK_SLACK_S, LOCK_NAME, SYSTEM_CLOCK, Clock, Lease, clock, current_lease
 from rlrunner.storage import Storage
 from rlrunner.storage.local import local_path
 
@@ -24,10 +23,19 @@ class ExperimentLock:
     """Held by at most one run per experiment: `with ExperimentLock(storage, url): ...` or acquire()/release().
 
     While it is held, `lost()` says why this holder no longer owns it (None while it does): the runner should
-    check it before it commits anything to the experiment.
+    check it before it commits anything to the experiment. `clock` is where it reads the time and waits (tests
+    pass one whose time passes at once).
     """
 
-    def __init__(self, storage: Storage, experiment_url: str, heartbeat_s: float = 30.0, stale_after_s: float = 300.0):
+    def __init__(
+        self,
+        storage: Storage,
+        experiment_url: str,
+        heartbeat_s: float = 30.0,
+        stale_after_s: float = 300.0,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+    ):
         if heartbeat_s <= 0 or stale_after_s <= 2 * heartbeat_s:
             raise ValueError(
                 f"experiment lock: stale_after_s ({stale_after_s}) must be more than twice heartbeat_s ({heartbeat_s}) "
@@ -36,7 +44,9 @@ class ExperimentLock:
         self.storage = storage
         self.experiment_url = experiment_url
         self._impl: _Flock | Lease = (
-            _Flock(experiment_url) if storage.is_local else Lease(storage, experiment_url, heartbeat_s, stale_after_s)
+            _Flock(experiment_url, clock)
+            if storage.is_local
+            else Lease(storage, experiment_url, heartbeat_s, stale_after_s, clock=clock)
         )
 
     def acquire(self) -> None:
@@ -60,17 +70,17 @@ class ExperimentLock:
         self.release()
 
 
-def describe_holder(storage: Storage, experiment_url: str) -> str | None:
+def describe_holder(storage: Storage, experiment_url: str, *, clock: Clock = SYSTEM_CLOCK) -> str | None:
     """Who holds the experiment's lock ("pid 12 on host-a, since ..."), or None when no one does. Reads only."""
     if storage.is_local:
-        return _Flock(experiment_url).holder()
+        return _Flock(experiment_url, clock).holder()
     lock_dir = storage.join(experiment_url, LOCK_NAME)
     current = current_lease(storage, lock_dir)
     if current is None or (current.record or {}).get("released"):
         return None
     text = current.describe(age=None)
     if current.record is not None:  # no clock probe here (it would write): this host's clock, and said so
-        age = time.time() - float(current.record.get("heartbeat_unix", 0))
+        age = clock.now() - float(current.record.get("heartbeat_unix", 0))
         text += f", {age:.0f} s ago by this host's clock"
         if age > float(current.record.get("stale_after_s", 0)) + CLOCK_SLACK_S:
             text += " (looks stale: the next run will take it over)"
@@ -81,8 +91,9 @@ def describe_holder(storage: Storage, experiment_url: str) -> str | None:
 
 
 class _Flock:
-    def __init__(self, experiment_url: str):
+    def __init__(self, experiment_url: str, clock: Clock = SYSTEM_CLOCK):
         self.folder = local_path(experiment_url)
+        self.clock = clock
         self.path = os.path.join(self.folder, LOCK_NAME)
         self._fd: int | None = None
 
@@ -99,7 +110,7 @@ class _Flock:
                 "wait for it to end or choose another runner.experiment_name"
             ) from None
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since_unix": time.time()}).encode())
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since_unix": self.clock.now()}).encode())
         self._fd = fd
 
     def release(self) -> None:

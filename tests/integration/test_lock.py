@@ -15,18 +15,26 @@ import uuid
 import pytest
 
 from rlrunner.experiment import lease as lock_module
+from lease_fakes import FakeClock, StampedStorage
+from rlrunner.experiment.lease import Clock
 from rlrunner.experiment.lock import ExperimentLock, describe_holder
 from rlrunner.errors import ExperimentLockedError
 from rlrunner.storage import open_storage
 
 FAST = {"heartbeat_s": 0.25, "stale_after_s": 2.0}  # stale once the store's clock says > 3 s (1 s slack for whole seconds)
 PAST_STALE_S = 4.2  # long enough for a lease that stopped beating to look stale
-
-
 def remote(s3_store):
     url, options = s3_store
     storage = open_storage(url, options)
     return storage, storage.join(url, "exp")
+
+
+def faked(s3_store):
+    """(a fake clock, a storage whose clock it drives, the experiment URL, a function giving more such storages:
+    other connections to the same store, on the same clock)."""
+    storage, experiment = remote(s3_store)
+    clock, stamps = FakeClock(), {}
+    return clock, StampedStorage(storage, clock, stamps), experiment, lambda store: StampedStorage(store, clock, stamps)
 
 
 def generations(storage, experiment) -> dict[int, dict]:
@@ -40,17 +48,17 @@ def freeze(holder: ExperimentLock) -> None:
     holder._impl._thread.join()
 
 
-def acquire_when_free(lock: ExperimentLock, deadline_s: float = 15.0) -> tuple[float, int]:
-    """Keep trying; (seconds until it was taken, refusals before that)."""
-    start, refusals = time.monotonic(), 0
+def acquire_when_free(lock: ExperimentLock, clock: Clock, deadline_s: float = 15.0) -> tuple[float, int]:
+    """Keep trying; (seconds until it was taken, refusals before that), by `clock`."""
+    start, refusals = clock.monotonic(), 0
     while True:
         try:
             lock.acquire()
-            return time.monotonic() - start, refusals
+            return clock.monotonic() - start, refusals
         except ExperimentLockedError:
             refusals += 1
-            assert time.monotonic() - start < deadline_s, "the lease never became free"
-            time.sleep(0.2)
+            assert clock.monotonic() - start < deadline_s, "the lease never became free"
+            clock.sleep(0.2)
 
 
 def spawn_holder(storage, experiment, env):
@@ -112,35 +120,38 @@ def test_bad_timings_are_refused_in_one_line(tmp_path):
 
 
 def test_a_lease_is_taken_released_and_taken_again(s3_store):
-    storage, experiment = remote(s3_store)
-    assert describe_holder(storage, experiment) is None
-    first = ExperimentLock(storage, experiment, **FAST)
+    clock, storage, experiment, _ = faked(s3_store)
+    assert describe_holder(storage, experiment, clock=clock) is None
+    first = ExperimentLock(storage, experiment, **FAST, clock=clock)
     first.acquire()
+    clock.beating(first)
     assert first.lost() is None
     held = generations(storage, experiment)
     assert list(held) == [1] and held[1]["pid"] == os.getpid() and held[1]["released"] is False
-    assert describe_holder(storage, experiment).startswith(f"pid {os.getpid()} on {held[1]['host']}, since ")
-    time.sleep(0.7)  # a few heartbeats
-    assert generations(storage, experiment)[1]["heartbeat_unix"] > held[1]["heartbeat_unix"]
+    assert describe_holder(storage, experiment, clock=clock).startswith(f"pid {os.getpid()} on {held[1]['host']}, since ")
+    clock.sleep(0.7)  # a few heartbeats
+    assert generations(storage, experiment)[1]["heartbeat_unix"] == held[1]["heartbeat_unix"] + 0.5  # the beats at 0.25 s and 0.5 s
+    assert first.lost() is None
     first.release()
     assert generations(storage, experiment)[1]["released"] is True
-    assert describe_holder(storage, experiment) is None
+    assert describe_holder(storage, experiment, clock=clock) is None
 
-    with ExperimentLock(storage, experiment, **FAST) as second:  # the next generation, at once
+    with ExperimentLock(storage, experiment, **FAST, clock=clock) as second:  # the next generation, at once
         assert second.lost() is None
         assert sorted(generations(storage, experiment)) == [1, 2]
     for _ in range(3):  # the new holder keeps only the last KEEP_GENERATIONS generations
-        with ExperimentLock(storage, experiment, **FAST):
+        with ExperimentLock(storage, experiment, **FAST, clock=clock):
             pass
     assert sorted(generations(storage, experiment)) == [3, 4, 5]
 
 
 def test_a_second_holder_is_refused_while_the_first_beats(s3_store):
-    storage, experiment = remote(s3_store)
-    with ExperimentLock(storage, experiment, **FAST):
-        time.sleep(PAST_STALE_S)  # only the heartbeats keep the lease fresh
+    clock, storage, experiment, _ = faked(s3_store)
+    with ExperimentLock(storage, experiment, **FAST, clock=clock) as holder:
+        clock.beating(holder)
+        clock.sleep(PAST_STALE_S)  # only the heartbeats keep the lease fresh
         with pytest.raises(ExperimentLockedError) as error:
-            ExperimentLock(storage, experiment, **FAST).acquire()
+            ExperimentLock(storage, experiment, **FAST, clock=clock).acquire()
     message = str(error.value)
     assert message.startswith(f"experiment folder {experiment} is in use by another run (pid {os.getpid()} on {os.uname().nodename}, since ")
     assert "last heartbeat" in message and "by the store's clock" in message and "lease generation 1" in message
@@ -149,12 +160,12 @@ def test_a_second_holder_is_refused_while_the_first_beats(s3_store):
 
 
 def test_a_stale_lease_is_taken_over_and_the_old_holder_learns_it(s3_store):
-    storage, experiment = remote(s3_store)
-    frozen = ExperimentLock(storage, experiment, **FAST)
+    clock, storage, experiment, _ = faked(s3_store)
+    frozen = ExperimentLock(storage, experiment, **FAST, clock=clock)
     frozen.acquire()
     freeze(frozen)
-    newcomer = ExperimentLock(storage, experiment, **FAST)
-    waited, refusals = acquire_when_free(newcomer)
+    newcomer = ExperimentLock(storage, experiment, **FAST, clock=clock)
+    waited, refusals = acquire_when_free(newcomer, clock)
     assert refusals > 0 and waited >= FAST["stale_after_s"]  # refused while the lease was fresh, taken once stale
     assert sorted(generations(storage, experiment)) == [1, 2]
     assert generations(storage, experiment)[1]["released"] is False  # taken over, not released
@@ -171,34 +182,34 @@ def test_a_stale_lease_is_taken_over_and_the_old_holder_learns_it(s3_store):
 def test_a_lease_whose_holder_stopped_beating_is_waited_for_not_refused(s3_store, caplog):
     """A driver killed on another machine and relaunched here (a rescheduled pod): the new run waits for the dead
     holder's lease to lapse instead of failing with 'in use', which the launch script would not retry."""
-    storage, experiment = remote(s3_store)
-    frozen = ExperimentLock(storage, experiment, **FAST)
+    clock, storage, experiment, _ = faked(s3_store)
+    frozen = ExperimentLock(storage, experiment, **FAST, clock=clock)
     frozen.acquire()
     freeze(frozen)
-    time.sleep(2 * FAST["heartbeat_s"] + 2.2)  # two beats missed by the store's clock, not yet stale
-    newcomer = ExperimentLock(storage, experiment, **FAST)
-    started = time.monotonic()
+    clock.sleep(2 * FAST["heartbeat_s"] + 2.2)  # two beats missed by the store's clock, not yet stale
+    newcomer = ExperimentLock(storage, experiment, **FAST, clock=clock)
+    started = clock.monotonic()
     with caplog.at_level(logging.WARNING, logger="rlrunner.experiment.lock"):
         newcomer.acquire()  # one call: it waits, then takes the lease over
-    assert time.monotonic() - started > 0.1
+    assert clock.monotonic() - started > 0.1
     assert "has missed its heartbeats: waiting" in caplog.text
     assert sorted(generations(storage, experiment)) == [1, 2]
     newcomer.release()
 
 
 def test_exactly_one_of_two_racers_takes_over_a_stale_lease(s3_store):
-    storage, experiment = remote(s3_store)
-    frozen = ExperimentLock(storage, experiment, **FAST)
+    clock, storage, experiment, on_clock = faked(s3_store)
+    frozen = ExperimentLock(storage, experiment, **FAST, clock=clock)
     frozen.acquire()
     freeze(frozen)
-    stores = [open_storage(storage.url, storage.storage_options) for _ in range(2)]  # one connection per racer
+    stores = [on_clock(open_storage(storage.url, storage.storage_options)) for _ in range(2)]  # one connection per racer
     for store in stores:
         store.list(experiment)  # connected before the race, so that they start together
-    time.sleep(PAST_STALE_S)  # stale by the store's clock
+    clock.sleep(PAST_STALE_S)  # stale by the store's clock
     barrier, outcomes = threading.Barrier(2), []
 
     def race(store) -> None:
-        contender = ExperimentLock(store, experiment, **FAST)
+        contender = ExperimentLock(store, experiment, **FAST, clock=clock)
         barrier.wait()
         try:
             contender.acquire()
@@ -247,12 +258,12 @@ def test_racers_for_a_released_lease_get_it_once_each_round(s3_store):
 
 
 def test_a_released_lease_is_taken_without_waiting(s3_store):
-    storage, experiment = remote(s3_store)
+    clock, storage, experiment, _ = faked(s3_store)
     patient = {"heartbeat_s": 30.0, "stale_after_s": 300.0}
-    ExperimentLock(storage, experiment, **patient).__enter__().release()
-    start = time.monotonic()
-    with ExperimentLock(storage, experiment, **patient):
-        assert time.monotonic() - start < 5.0
+    ExperimentLock(storage, experiment, **patient, clock=clock).__enter__().release()
+    start = clock.monotonic()
+    with ExperimentLock(storage, experiment, **patient, clock=clock):
+        assert clock.monotonic() == start  # no sleep at all
 
 
 def test_a_holder_with_a_skewed_clock_keeps_its_lease(s3_store):
@@ -278,9 +289,10 @@ def test_a_killed_holder_on_this_machine_is_taken_over_at_once(s3_store, subproc
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
-    start = time.monotonic()
-    with ExperimentLock(storage, experiment, heartbeat_s=30.0, stale_after_s=300.0):
-        assert time.monotonic() - start < 5.0
+    clock = FakeClock()  # the holder above ran on the real clock, in its own process: this one only counts sleeps
+    start = clock.monotonic()
+    with ExperimentLock(storage, experiment, heartbeat_s=30.0, stale_after_s=300.0, clock=clock):
+        assert clock.monotonic() == start  # no sleep at all
         assert sorted(generations(storage, experiment)) == [1, 2]
 
 
@@ -299,36 +311,39 @@ def test_storage_errors_while_beating_lose_the_lease_only_after_stale_after_s(mo
             s3.delete_object(Bucket=bucket, Key=item["Key"])
         s3.delete_bucket(Bucket=bucket)
 
-    holder = ExperimentLock(storage, experiment, heartbeat_s=0.25, stale_after_s=2.5)
+    clock = FakeClock()  # lost() counts on the lease's monotonic clock: no store clock involved
+    holder = ExperimentLock(storage, experiment, heartbeat_s=0.25, stale_after_s=2.5, clock=clock)
     with caplog.at_level(logging.WARNING, logger="rlrunner.experiment.lock"):
         holder.acquire()
+        clock.beating(holder)
         drop_bucket()
-        time.sleep(1.0)
+        clock.sleep(1.0)
         assert "experiment lock heartbeat failed" in caplog.text
         assert holder.lost() is None  # errors for less than stale_after_s: still ours
         s3.create_bucket(Bucket=bucket)
-        time.sleep(1.0)
+        clock.sleep(1.0)
         assert holder.lost() is None
         assert list(generations(storage, experiment)) == [1]  # the next beat wrote it again
         drop_bucket()
-        time.sleep(3.5)
+        clock.sleep(3.5)
         reason = holder.lost()
         assert reason is not None and "no successful heartbeat" in reason and "last error" in reason
         holder.release()
 
 
 def test_a_store_without_conditional_create_gets_a_best_effort_lock(monkeypatch, caplog):
-    monkeypatch.setattr(lock_module, "SETTLE_S", 0.1)
+    monkeypatch.setattr(lock_module, "SETTLE_S", 0.1)  # shorter than a heartbeat, as it is against the default ones
     monkeypatch.setattr(lock_module, "_warned_best_effort", set())
-    storage = open_storage(f"memory://rlrunner-lock-{uuid.uuid4().hex[:8]}")
+    clock = FakeClock()  # the settle waits pass at once
+    storage = StampedStorage(open_storage(f"memory://rlrunner-lock-{uuid.uuid4().hex[:8]}"), clock, {})
     assert not storage.supports_exclusive_create and not storage.is_local
     experiment = storage.join(storage.url, "exp")
     with caplog.at_level(logging.WARNING, logger="rlrunner.experiment.lock"):
-        with ExperimentLock(storage, experiment, **FAST) as first:
+        with ExperimentLock(storage, experiment, **FAST, clock=clock) as first:
             with pytest.raises(ExperimentLockedError, match=f"pid {os.getpid()}"):
-                ExperimentLock(storage, experiment, **FAST).acquire()
+                ExperimentLock(storage, experiment, **FAST, clock=clock).acquire()
             assert first.lost() is None
-        with ExperimentLock(storage, experiment, **FAST):
+        with ExperimentLock(storage, experiment, **FAST, clock=clock):
             pass
     assert caplog.text.count("has no conditional create: the experiment lock is best effort") == 1
     assert sorted(generations(storage, experiment)) == [1, 2]
