@@ -5,8 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import TINY_MODEL, error_line
+import pytest
+
 from rlrunner.main_grpo import main
+
+from conftest import TINY_MODEL, error_line
+
+pytestmark = pytest.mark.slow
 
 
 def test_unknown_key_through_the_launch_script(repo_root, subprocess_env, tmp_path):

@@ -24,6 +24,8 @@ import pytest
 
 from conftest import TINY_MODEL, read_metrics
 
+pytestmark = pytest.mark.slow
+
 RUN = ["runner.logger.progress_bar=false", "runner.logger.backends=[]", "data.batch_size=4", "algorithm.group_size=4",
        "actor.micro_batch_size=4", "cluster.num_cpus=2", "rollout.max_new_tokens=2", "data.synthetic.num_problems=26",
        "runner.save_interval=1000", *TINY_MODEL, "data.synthetic.val_size=0"]

@@ -7,6 +7,8 @@ import subprocess
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("code, relaunched", [(4, False), (2, False), (3, False), (1, True), (137, True)])
 def test_the_launch_script_relaunches_only_what_a_relaunch_can_mend(repo_root, tmp_path, code, relaunched):

@@ -22,7 +22,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from conftest import TINY_MODEL
+
+pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 240  # the whole test, head start to job end (about 50 s on 2 cores)
 _MARKER = "RLRUNNER_TEST_RAY_HEAD"

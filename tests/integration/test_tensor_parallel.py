@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from rlrunner.backends.megatron.layout import hf_to_megatron_rank
 from rlrunner.backends.megatron.model import TPQwen2ForCausalLM
+from conftest import assert_bit_equal
 from megatron_models import SHAPES, build_test_model, free_port
 
 # left padding on the first row: its padding queries see no key at all (HF and we must agree there too)
@@ -85,7 +86,7 @@ def _check_rank(rank: int, world: int, shape: str) -> None:
     for hook in hooks:
         hook.remove()
     assert len(calls) == 2 * len(tp_model.decoder.layers)
-    assert all(torch.equal(p.grad, grads[name]) for name, p in tp_model.named_parameters())
+    assert_bit_equal({name: p.grad for name, p in tp_model.named_parameters()}, grads)
 
     # one SGD step on both: the shards stay the HF weights split by the layout, and the logits agree again
     for model in (hf, tp_model):

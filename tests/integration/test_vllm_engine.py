@@ -24,7 +24,7 @@ import torch
 from omegaconf import OmegaConf
 from ray import cloudpickle
 
-from conftest import Inspect, actor_worker_kwargs, read_metrics, run_config, without_time
+from conftest import Inspect, actor_worker_kwargs, assert_bit_equal, read_metrics, run_config, without_time
 from rlrunner.algorithms.grpo import group_advantages
 from rlrunner.backends.fsdp.worker import FSDPActorWorker
 from rlrunner.cluster.worker_group import WorkerGroup
@@ -36,6 +36,8 @@ from rlrunner.runner.batching import build_actor_batch, shard_actor_batch
 from rlrunner.runner.supervisor import Supervisor
 from rlrunner.tools.convert import load_model_weights
 from rlrunner.weight_sync.driver import connect_weight_sync, sync_weights
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 VLLM = ["rollout.engine=vllm", "rollout.vllm.kv_cache_gb=0.25"]
 # the tests' tiny model with heads of 32 (vLLM's CPU attention has no kernel for the tiny model's 16)
@@ -203,8 +205,7 @@ def test_runs_are_the_same_for_any_rollout_worker_count_after_a_killed_rollout_w
     assert without_time(read_metrics(out / "test" / "metrics.jsonl")) == expected
     weights = load_model_weights(out / "test" / "checkpoints" / "global_step_4")
     reference_weights = load_model_weights(reference / "checkpoints" / "global_step_4")
-    assert weights.keys() == reference_weights.keys()
-    assert all(torch.equal(weights[k], reference_weights[k]) for k in reference_weights)
+    assert_bit_equal(weights, reference_weights)
 
 
 def test_a_killed_engine_core_ends_its_rollout_worker_repaired_like_a_lost_one(reference, tmp_path):
@@ -225,7 +226,7 @@ def test_a_killed_engine_core_ends_its_rollout_worker_repaired_like_a_lost_one(r
     assert without_time(read_metrics(tmp_path / "test" / "metrics.jsonl")) == without_time(read_metrics(reference / "metrics.jsonl"))
     final, expected = load_model_weights(tmp_path / "test" / "checkpoints" / "global_step_4"), load_model_weights(
         reference / "checkpoints" / "global_step_4")
-    assert all(torch.equal(final[k], expected[k]) for k in expected)
+    assert_bit_equal(final, expected)
 
 
 def test_the_default_task_is_learnt_with_vllm(ray_session, tmp_path):

@@ -237,7 +237,7 @@ def test_ray_groups_sync_bit_exact_and_fail_fast(ray_session, tmp_path):
         before = rollout_states(group)[0]
         sync_weights(actors, group, bucket_bytes=64 << 10)
         after = rollout_states(group)
-        assert any(not torch.equal(before[n], after[0][n]) for n in before)
+        assert any(not torch.equal(before[n], after[0][n]) for n in before), "no rollout weight changed after the update"
         for state in after:
             assert_bit_equal(state, expected("bfloat16"))
 

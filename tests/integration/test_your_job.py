@@ -20,6 +20,8 @@ from conftest import metrics_lines, once, read_metrics, run_config, without_time
 from rlrunner.errors import RewardFunctionError
 from rlrunner.runner.supervisor import Supervisor
 
+pytestmark = pytest.mark.slow
+
 REWARD = '''
 """A verl-style reward file: one function, dispatching on the data source."""
 import os

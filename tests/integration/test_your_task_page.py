@@ -20,8 +20,11 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from conftest import read_metrics
+
+pytestmark = pytest.mark.slow
 
 SHORTER = ["runner.max_steps=12", "runner.save_interval=4", "runner.val_interval=4"]
 

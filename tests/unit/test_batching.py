@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import assert_bit_equal
 from rlrunner.backends.base import RankMap
 from rlrunner.runner.batching import build_actor_batch, chunk, shard_actor_batch, split_evenly
 
@@ -109,9 +110,9 @@ def test_shard_rows_per_rank_and_minibatch() -> None:
     assert shards[1]["input_ids"][:, 0].tolist() == [102, 103, 106, 107]
     assert shards[0]["advantages"].tolist() == [0.0, 1.0, 4.0, 5.0]
     assert shards[1]["advantages"].tolist() == [2.0, 3.0, 6.0, 7.0]
+    keys = ("input_ids", "loss_mask", "lengths", "advantages")  # the per-row tensors (a shard holds more)
     for shard, rows in zip(shards, ([0, 1, 4, 5], [2, 3, 6, 7])):
-        for key in ("input_ids", "loss_mask", "lengths", "advantages"):
-            assert torch.equal(shard[key], batch[key][rows])
+        assert_bit_equal({key: shard[key] for key in keys}, {key: batch[key][rows] for key in keys})
 
 
 def test_shard_token_counts_are_per_minibatch_totals_on_every_rank() -> None:

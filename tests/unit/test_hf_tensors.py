@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import assert_bit_equal
 from rlrunner.models import hf_tensors
 from rlrunner.models.hf_tensors import SafetensorsFolder, SeededInit, StateDict
 from rlrunner.models.loading import build_hf_config, build_model, build_tokenizer, meta_model
@@ -49,8 +50,7 @@ def test_seeded_init_depends_on_seed_and_name_only():
     before = torch.random.get_rng_state()
     model = build_model(TINY, build_tokenizer(TINY), seed=1)
     assert torch.equal(torch.random.get_rng_state(), before)
-    for key, tensor in model.state_dict().items():
-        assert torch.equal(tensor, a.read(key)), key
+    assert_bit_equal(model.state_dict(), {key: a.read(key) for key in model.state_dict()})
 
 
 def test_tied_output_layer_reads_the_embedding():

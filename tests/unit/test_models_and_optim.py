@@ -11,7 +11,7 @@ from rlrunner.errors import ConfigError
 from rlrunner.models.loading import TokenIds, build_model, build_tokenizer, check_model_folder, token_ids
 from rlrunner.models.tokenizer import build_char_tokenizer
 from rlrunner.backends.optim import LRSchedule
-from conftest import TINY_MODEL_CFG as TINY
+from conftest import TINY_MODEL_CFG as TINY, assert_bit_equal
 
 
 TEXT = "Hello, World! 12+3=15\n  {x: [1, 2]} ~`|\\"
@@ -129,10 +129,9 @@ def test_build_model_is_seeded(tokenizer) -> None:
     a = build_model(TINY, tokenizer, seed=3).state_dict()
     b = build_model(TINY, tokenizer, seed=3).state_dict()
     c = build_model(TINY, tokenizer, seed=4).state_dict()
-    assert a.keys() == b.keys() == c.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert not all(torch.equal(a[k], c[k]) for k in a)
-    assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+    assert_bit_equal(b, a)
+    assert c.keys() == a.keys()
+    assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"]), "seeds 3 and 4 built the same embedding"
 
 
 def test_build_model_applies_overrides_and_dtype(tokenizer) -> None:
@@ -149,8 +148,7 @@ def test_build_model_from_folder_loads_the_saved_weights(model_folder: Path, tok
     cfg = {"path": str(model_folder), "dtype": "float32", "attn_implementation": "sdpa", "override_config": {}}
     loaded = build_model(cfg, build_tokenizer(cfg), seed=123).state_dict()
     original = build_model(TINY, tokenizer, seed=0).state_dict()
-    assert loaded.keys() == original.keys()
-    assert all(torch.equal(loaded[k], original[k]) for k in original)
+    assert_bit_equal(loaded, original)
 
 
 def test_token_ids_char_tokenizer(tokenizer) -> None:

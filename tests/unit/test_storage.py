@@ -13,6 +13,7 @@ import zlib
 import pytest
 import torch
 
+from conftest import assert_bit_equal
 from rlrunner.errors import ConfigError
 from rlrunner.storage import ChecksumWriter, FileRecord, basename, is_url, join, open_storage, parent
 
@@ -327,4 +328,5 @@ def test_dcp_fsspec_writer_and_reader_on_s3(s3_store):
         assert sorted(storage.walk(actor)) == [".metadata", "__0_0.distcp"]
         loaded = {"w": torch.zeros(3, 4), "b": torch.zeros(5), "step": 0}
         dcp.load(loaded, storage_reader=FsspecReader(actor, **storage.storage_options), no_dist=True)
-    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"]) and loaded["step"] == 5
+    assert loaded.keys() == state.keys() and loaded["step"] == 5
+    assert_bit_equal({k: loaded[k] for k in ("w", "b")}, {k: state[k] for k in ("w", "b")})
