@@ -63,8 +63,15 @@ def qwen2_config(size: str):
     from transformers import Qwen2Config
 
     hidden, layers, mlp, heads, kv = SIZES[size]
-    return Qwen2Config(vocab_size=151936, hidden_size=hidden, num_hidden_layers=layers, intermediate_size=mlp,
-                       num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=size == "0.5b")
+    return Qwen2Config(
+        vocab_size=151936,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=mlp,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        tie_word_embeddings=size == "0.5b",
+    )
 
 
 def run(size: str, implementation: str, args: argparse.Namespace) -> dict:
@@ -82,8 +89,9 @@ def run(size: str, implementation: str, args: argparse.Namespace) -> dict:
         for param in model.parameters():
             local_shard(param).normal_(0.0, 0.02, generator=generator)
     params = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.999), weight_decay=0.01,
-                                  **{implementation: True})
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=1e-5, betas=(0.9, 0.999), weight_decay=0.01, **{implementation: True}
+    )
     ids_generator = torch.Generator(device="cuda").manual_seed(1)
     step_peaks, step_times, train_peaks = [], [], []
     for _ in range(args.steps):
@@ -103,12 +111,17 @@ def run(size: str, implementation: str, args: argparse.Namespace) -> dict:
         step_times.append(time.perf_counter() - start)
         step_peaks.append(torch.cuda.max_memory_allocated() - before)
         optimizer.zero_grad(set_to_none=True)
-    digest = torch.cat([local_shard(p).reshape(-1)[:: 997].float() for p in model.parameters()]).cpu()
+    digest = torch.cat([local_shard(p).reshape(-1)[::997].float() for p in model.parameters()]).cpu()
     dist.destroy_process_group()
     # the first step also allocates the moments (8 bytes per parameter): the temporaries are the later steps'
-    return {"params": params, "first_step": step_peaks[0], "step": max(step_peaks[1:] or step_peaks),
-            "train": max(train_peaks[1:] or train_peaks), "ms": 1000 * statistics.median(step_times[1:] or step_times),
-            "digest": digest.tolist()}
+    return {
+        "params": params,
+        "first_step": step_peaks[0],
+        "step": max(step_peaks[1:] or step_peaks),
+        "train": max(train_peaks[1:] or train_peaks),
+        "ms": 1000 * statistics.median(step_times[1:] or step_times),
+        "digest": digest.tolist(),
+    }
 
 
 def main(argv: list[str]) -> None:
@@ -125,29 +138,57 @@ def main(argv: list[str]) -> None:
     if args.one:
         print(json.dumps(run(*args.one, args)))
         return
-    print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}; build_optimizer on CUDA: "
-          f"{adamw_implementation(torch.device('cuda'))}; batch {args.batch} x {args.seq}, {args.param_dtype}, "
-          f"{args.steps} steps, each run in a process of its own")
-    print("| size | params | state GiB | AdamW | step's temporaries GiB | first step GiB | forward+backward peak GiB "
-          "| step ms |")
+    print(
+        f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}; build_optimizer on CUDA: "
+        f"{adamw_implementation(torch.device('cuda'))}; batch {args.batch} x {args.seq}, {args.param_dtype}, "
+        f"{args.steps} steps, each run in a process of its own"
+    )
+    print(
+        "| size | params | state GiB | AdamW | step's temporaries GiB | first step GiB | forward+backward peak GiB "
+        "| step ms |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for size in [s for s in args.sizes.split(",") if s]:
         results = {}
         for impl in ("foreach", "fused"):
-            out = subprocess.run([sys.executable, __file__, "--one", size, impl, "--steps", str(args.steps),
-                                  "--batch", str(args.batch), "--seq", str(args.seq), "--param-dtype", args.param_dtype],
-                                 check=True, capture_output=True, text=True).stdout
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    size,
+                    impl,
+                    "--steps",
+                    str(args.steps),
+                    "--batch",
+                    str(args.batch),
+                    "--seq",
+                    str(args.seq),
+                    "--param-dtype",
+                    args.param_dtype,
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
             results[impl] = json.loads(out.strip().splitlines()[-1])
         state = 16 * results["foreach"]["params"] / GiB
         for impl, r in results.items():
-            print(f"| {size} | {r['params'] / 1e9:.2f}B | {state:.1f} | {impl} | {r['step'] / GiB:.2f} "
-                  f"| {r['first_step'] / GiB:.2f} | {r['train'] / GiB:.2f} | {r['ms']:.1f} |")
+            print(
+                f"| {size} | {r['params'] / 1e9:.2f}B | {state:.1f} | {impl} | {r['step'] / GiB:.2f} "
+                f"| {r['first_step'] / GiB:.2f} | {r['train'] / GiB:.2f} | {r['ms']:.1f} |"
+            )
         a, b = results["foreach"], results["fused"]
-        print(f"| {size} | | | fused / foreach | {b['step'] / max(a['step'], 1):.3f} | {b['first_step'] / a['first_step']:.3f} "
-              f"| {b['train'] / a['train']:.3f} | {b['ms'] / a['ms']:.3f} |")
+        print(
+            f"| {size} | | | fused / foreach | {b['step'] / max(a['step'], 1):.3f} | "
+            f"{b['first_step'] / a['first_step']:.3f} "
+            f"| {b['train'] / a['train']:.3f} | {b['ms'] / a['ms']:.3f} |"
+        )
         diff = (torch.tensor(a["digest"]) - torch.tensor(b["digest"])).abs().max().item()
-        print(f"#   {size}: largest difference between the two runs' weights (every 997th element) after "
-              f"{args.steps} steps: {diff:.3g}")
+        print(
+            f"#   {size}: largest difference between the two runs' weights (every 997th element) after "
+            f"{args.steps} steps: {diff:.3g}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Checkpoint save/load throughput of rlrunner's actor checkpoints (FSDP2 + DCP, and the Megatron layout) against plain baselines.
+"""Checkpoint save/load throughput of rlrunner's actor checkpoints (FSDP2 + DCP, and the Megatron layout) against
+plain baselines.
 
 What it measures, all in one run, on one disk folder, for the actor state a checkpoint holds (model +
 AdamW optimizer + LR scheduler + per-rank RNG) of a Qwen2-architecture model of about `--params`
@@ -55,11 +56,11 @@ creates the bucket: the way to try it without a real store.
 
 Run from the repository root:
 
-    .venv/bin/python benchmarks/bench_checkpoint.py                       # ~100M params, 2 ranks, 3 repeats, + megatron tp=2
+    .venv/bin/python benchmarks/bench_checkpoint.py  # ~100M params, 2 ranks, 3 repeats, + megatron tp=2
     .venv/bin/python benchmarks/bench_checkpoint.py --params 5 --repeat 5  # small model: fixed costs dominate
     .venv/bin/python benchmarks/bench_checkpoint.py --params 20 --repeat 1 --dir /mnt/fast --megatron-tp 0  # FSDP only
     .venv/bin/python benchmarks/bench_checkpoint.py --output s3://bench/ckpt --moto   # a local S3 API
-    .venv/bin/python benchmarks/bench_checkpoint.py --output s3://my-bucket/bench      # a real store (AWS_* credentials)
+    .venv/bin/python benchmarks/bench_checkpoint.py --output s3://my-bucket/bench  # a real store (AWS_* credentials)
 """
 
 from __future__ import annotations
@@ -95,16 +96,24 @@ from benchlib.model import build_config, check_megatron_shape, choose_shape, exa
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from rlrunner.storage import add_storage_options_argument
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=float, default=100.0, help="target model size in millions of parameters")
     parser.add_argument("--workers", type=int, default=2, help="actor (FSDP) ranks")
-    parser.add_argument("--megatron-tp", type=int, default=2,
-                        help="also measure the Megatron layout with this many ranks (tp=K, dp=1) on the same model; 0: off")
+    parser.add_argument(
+        "--megatron-tp",
+        type=int,
+        default=2,
+        help="also measure the Megatron layout with this many ranks (tp=K, dp=1) on the same model; 0: off",
+    )
     parser.add_argument("--cpus-per-worker", type=float, default=0.5, help="Ray logical CPUs per actor rank")
     parser.add_argument("--repeat", type=int, default=3, help="repeats per measurement (the median is reported)")
     parser.add_argument("--dir", type=Path, default=None, help="disk folder to write in (a fresh subfolder is made)")
-    parser.add_argument("--output", default=None, help="measure this fsspec URL (s3://bucket/prefix) instead of the disk")
-    parser.add_argument("--moto", action="store_true", help="with --output s3://...: start a local moto S3 server first")
+    parser.add_argument(
+        "--output", default=None, help="measure this fsspec URL (s3://bucket/prefix) instead of the disk"
+    )
+    parser.add_argument(
+        "--moto", action="store_true", help="with --output s3://...: start a local moto S3 server first"
+    )
     add_storage_options_argument(parser, "--storage-options", "--storage_options")
     args = parser.parse_args(argv)
     if args.megatron_tp < 0:
@@ -137,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         stats = create_optimizer_state(groups)
         print(
             "optimizer state: created by one real FSDPActorWorker.update on a trainer-built batch "
-            f"(grad_norm {stats['grad_norm']:.3f}, {int(stats['optimizer_state_tensors_per_rank'])} AdamW state tensors on rank 0)",
+            f"(grad_norm {stats['grad_norm']:.3f}, "
+            f"{int(stats['optimizer_state_tensors_per_rank'])} AdamW state tensors on rank 0)",
             flush=True,
         )
         fingerprint = {"benchmark": "bench_checkpoint", "params": params}
@@ -156,13 +166,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_fsdp_local(groups: Groups, storage, work: Path, repeat: int, drop: bool, samples: Samples,
-                   fingerprint: dict[str, Any], started: float) -> None:
+def run_fsdp_local(
+    groups: Groups,
+    storage,
+    work: Path,
+    repeat: int,
+    drop: bool,
+    samples: Samples,
+    fingerprint: dict[str, Any],
+    started: float,
+) -> None:
     """Every FSDP/DCP and baseline measurement, `repeat` times; the FSDP actor group is torn down at the end."""
     from rlrunner.checkpoint.handler import CheckpointHandler
 
     full_state = gather_full_state(groups.actor)
-    handler = CheckpointHandler(storage, str(work / "experiment"), save_interval=1, max_keep=None, fingerprint=fingerprint)
+    handler = CheckpointHandler(
+        storage, str(work / "experiment"), save_interval=1, max_keep=None, fingerprint=fingerprint
+    )
     block = raw_block()
     for index in range(repeat):
         checkpoint = measure_saves(groups, handler, work, full_state, FSDP_ROWS, samples, block)
@@ -176,14 +196,25 @@ def run_fsdp_local(groups: Groups, storage, work: Path, repeat: int, drop: bool,
         (work / leftover).unlink(missing_ok=True)
 
 
-def run_megatron_local(cfg, tp: int, storage, work: Path, repeat: int, drop: bool, samples: Samples,
-                       fingerprint: dict[str, Any], started: float) -> None:
+def run_megatron_local(
+    cfg,
+    tp: int,
+    storage,
+    work: Path,
+    repeat: int,
+    drop: bool,
+    samples: Samples,
+    fingerprint: dict[str, Any],
+    started: float,
+) -> None:
     """Every Megatron-layout measurement, `repeat` times, on its own actor group (torn down at the end)."""
     from rlrunner.checkpoint.handler import CheckpointHandler
 
     rows = megatron_rows(tp)
     groups = start_megatron_group(cfg, tp)
-    handler = CheckpointHandler(storage, str(work / "experiment_megatron"), save_interval=1, max_keep=None, fingerprint=fingerprint)
+    handler = CheckpointHandler(
+        storage, str(work / "experiment_megatron"), save_interval=1, max_keep=None, fingerprint=fingerprint
+    )
     for index in range(repeat):
         checkpoint = measure_handler_save(groups, handler, rows, samples)
         measure_verify_and_load(groups, storage, checkpoint, rows, samples, drop)

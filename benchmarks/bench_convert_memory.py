@@ -91,7 +91,11 @@ def write_checkpoint(params_millions: float, workers: int, cpus_per_worker: floa
         create_optimizer_state(groups)
         storage = open_storage(str(work / "experiment"))
         handler = CheckpointHandler(
-            storage, storage.url, save_interval=1, max_keep=None, fingerprint={"benchmark": "bench_convert_memory", "params": params}
+            storage,
+            storage.url,
+            save_interval=1,
+            max_keep=None,
+            fingerprint={"benchmark": "bench_convert_memory", "params": params},
         )
         data_state = {"runner": {"global_step": 1, "epoch": 0, "total_steps": 1}}
         checkpoint = Path(handler.save(1, groups.manager(), data_state))  # the backend's manager, a synchronous save
@@ -142,7 +146,10 @@ def measure(dcp_dir: Path, work: Path) -> dict[str, ChildRun]:
         "naive": run_with_peak_rss("naive", [sys.executable, "-c", NAIVE_CODE, str(dcp_dir), str(naive_out)], work),
     }
     print(f"converter said: {runs['converter'].output}")
-    print(f"output files: converter {converted.stat().st_size:,} bytes, dcp_to_torch_save {naive_out.stat().st_size:,} bytes")
+    print(
+        f"output files: converter {converted.stat().st_size:,} bytes, "
+        f"dcp_to_torch_save {naive_out.stat().st_size:,} bytes"
+    )
     return runs
 
 
@@ -153,9 +160,17 @@ def markdown_table(weights: int, checkpoint: int, runs: dict[str, ChildRun]) -> 
         ("checkpoint (DCP folder: model + optimizer + scheduler + RNG)", checkpoint, f"{checkpoint / weights:.2f}"),
         ("(b) baseline peak RSS (imports only)", base, "-"),
         ("(a) converter peak RSS", runs["converter"].peak_bytes, "-"),
-        ("(a) converter peak RSS above baseline", runs["converter"].peak_bytes - base, f"{(runs['converter'].peak_bytes - base) / weights:.2f}"),
+        (
+            "(a) converter peak RSS above baseline",
+            runs["converter"].peak_bytes - base,
+            f"{(runs['converter'].peak_bytes - base) / weights:.2f}",
+        ),
         ("(c) dcp_to_torch_save peak RSS", runs["naive"].peak_bytes, "-"),
-        ("(c) dcp_to_torch_save peak RSS above baseline", runs["naive"].peak_bytes - base, f"{(runs['naive'].peak_bytes - base) / weights:.2f}"),
+        (
+            "(c) dcp_to_torch_save peak RSS above baseline",
+            runs["naive"].peak_bytes - base,
+            f"{(runs['naive'].peak_bytes - base) / weights:.2f}",
+        ),
     ]
     lines = ["| quantity | bytes | MiB | / weights |", "|---|---:|---:|---:|"]
     lines += [f"| {name} | {value:,} | {value / 2**20:,.1f} | {ratio} |" for name, value, ratio in rows]
@@ -184,12 +199,14 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown_table(weights, checkpoint_bytes, runs))
         print()
         print(
-            "Peak RSS is each child's ru_maxrss (RUSAGE_CHILDREN, read by a wrapper process); 'above baseline' subtracts "
-            "the imports-only process. Wall seconds: "
+            "Peak RSS is each child's ru_maxrss (RUSAGE_CHILDREN, read by a wrapper process); "
+            "'above baseline' subtracts the imports-only process. Wall seconds: "
             + ", ".join(f"{run.name} {run.seconds:.1f}s" for run in runs.values())
             + "."
         )
-        print(f"machine: {os.cpu_count()} CPU cores, {memory_gib():.0f} GiB RAM; folder {work} on {filesystem_of(work)}")
+        print(
+            f"machine: {os.cpu_count()} CPU cores, {memory_gib():.0f} GiB RAM; folder {work} on {filesystem_of(work)}"
+        )
         print(f"command: {command_line()}")
         print(f"total time: {time.perf_counter() - started:.0f}s")
     finally:

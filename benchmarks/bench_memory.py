@@ -3,8 +3,9 @@
 
 For each training backend (`--backends`), actor layout (`--layouts`: ranks, and the tensor-parallel size for the
 megatron backend) and model size (`--sizes`), a GRPO run of `--steps` steps (a synchronous save at the last one;
-in-memory snapshots off unless `--snapshots`) on a local Ray private to this script. Once the run has trained, with its workers still up, each worker's peak
-resident set (VmHWM in /proc/<pid>/status: the machine is the only node) is read, and compared with:
+in-memory snapshots off unless `--snapshots`) on a local Ray private to this script. Once the run has trained, with
+its workers still up, each worker's peak resident set (VmHWM in /proc/<pid>/status: the machine is the only node) is
+read, and compared with:
 
   share     the training state one actor rank would hold if it were split evenly: parameters, gradients and the
             two AdamW moments in float32 (16 bytes per parameter) over the actor ranks
@@ -12,12 +13,13 @@ resident set (VmHWM in /proc/<pid>/status: the machine is the only node) is read
             (interpreter, torch, transformers, Ray, the framework), measured in the same invocation
   layout's  what a rank of the layout holds by design: the share for FSDP and for Megatron's default (weights,
             gradients and moments sharded over data parallelism, ZeRO-3); with `--megatron-whole-weights`
-            (actor.megatron.shard_weights=false, Megatron-LM's distributed optimizer with sharded gradients) the whole fp32
-            weights of the tensor-parallel shard plus its slice of the gradients and moments (more than the share
-            when dp > 1)
+            (actor.megatron.shard_weights=false, Megatron-LM's distributed optimizer with sharded gradients) the
+            whole fp32 weights of the tensor-parallel shard plus its slice of the gradients and moments (more than
+            the share when dp > 1)
 
 and printed as peak / share and (peak - overhead) / share (issue 18's goal: within 1.3x of the share plus the
-overhead), and (peak - overhead) / layout's. The rollout worker holds the whole model in its engine's dtype, by design; its peak is shown beside.
+overhead), and (peak - overhead) / layout's. The rollout worker holds the whole model in its engine's dtype, by
+design; its peak is shown beside.
 Start-up is the attempt's `rebuild_s + load_s` (workers started, model built and sharded, weights synced).
 
 Sizes (Qwen2 shapes with the embedded character tokenizer, so nearly every parameter is in the layers):
@@ -58,14 +60,34 @@ from benchlib.common import command_line, make_workdir, memory_gib, ray_cpus, st
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SIZES = {
     "tiny": {},
-    "120m": {"hidden_size": 640, "num_hidden_layers": 16, "intermediate_size": 3456, "num_attention_heads": 10,
-             "num_key_value_heads": 2},
-    "358m": {"hidden_size": 896, "num_hidden_layers": 24, "intermediate_size": 4864, "num_attention_heads": 14,
-             "num_key_value_heads": 2},
-    "600m": {"hidden_size": 1024, "num_hidden_layers": 28, "intermediate_size": 6144, "num_attention_heads": 16,
-             "num_key_value_heads": 2},
-    "1b": {"hidden_size": 1536, "num_hidden_layers": 24, "intermediate_size": 8960, "num_attention_heads": 12,
-           "num_key_value_heads": 2},
+    "120m": {
+        "hidden_size": 640,
+        "num_hidden_layers": 16,
+        "intermediate_size": 3456,
+        "num_attention_heads": 10,
+        "num_key_value_heads": 2,
+    },
+    "358m": {
+        "hidden_size": 896,
+        "num_hidden_layers": 24,
+        "intermediate_size": 4864,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+    },
+    "600m": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 28,
+        "intermediate_size": 6144,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+    },
+    "1b": {
+        "hidden_size": 1536,
+        "num_hidden_layers": 24,
+        "intermediate_size": 8960,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+    },
 }
 STATE_BYTES_PER_PARAM = 16  # float32 parameters, gradients, AdamW's two moments
 CPUS_PER_WORKER = 0.5
@@ -105,29 +127,51 @@ def parse_layouts(text: str) -> list[Layout]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--backends", default="fsdp,megatron", help="comma-separated training backends")
     parser.add_argument("--layouts", default="2,4", help="actor layouts: ranks, or ranks:tp<size> (megatron only)")
-    parser.add_argument("--megatron-tp", type=int, default=2,
-                        help="tensor-parallel size of the megatron runs for layouts given as plain rank counts")
+    parser.add_argument(
+        "--megatron-tp",
+        type=int,
+        default=2,
+        help="tensor-parallel size of the megatron runs for layouts given as plain rank counts",
+    )
     parser.add_argument("--sizes", default="tiny,120m,358m,600m", help=f"comma-separated sizes of {sorted(SIZES)}")
     parser.add_argument("--steps", type=int, default=2, help="training steps per run")
-    parser.add_argument("--snapshots", action="store_true",
-                        help="keep the in-memory snapshots on (off by default: a rank's serialized copy of its state on "
-                             "the way to its holder is measured apart)")
+    parser.add_argument(
+        "--snapshots",
+        action="store_true",
+        help="keep the in-memory snapshots on (off by default: a rank's serialized copy of its state on "
+        "the way to its holder is measured apart)",
+    )
     from rlrunner.config_checks import FSDP_UNITS
 
-    parser.add_argument("--fsdp-unit", default=FSDP_UNITS[0], choices=FSDP_UNITS,
-                        help="actor.fsdp.unit of the fsdp runs")
-    parser.add_argument("--megatron-whole-weights", action="store_true",
-                        help="actor.megatron.shard_weights=false for the megatron runs (every data-parallel replica keeps its "
-                             "tensor-parallel shard's weights whole: ZeRO-2)")
-    parser.add_argument("--no-recompute", action="store_true",
-                        help="actor.gradient_checkpointing=false (both backends; the default recomputes)")
-    parser.add_argument("--probe", default=None, metavar="DIR",
-                        help="attribute the peaks: every worker runs benchlib/rss_probe and logs its stack at each new "
-                             "high of its resident set to DIR/<pid>.txt (summarise with benchmarks/rss_report.py)")
-    parser.add_argument("--workdir", default=None, help="where run folders go (default: a temp folder, deleted at the end)")
+    parser.add_argument(
+        "--fsdp-unit", default=FSDP_UNITS[0], choices=FSDP_UNITS, help="actor.fsdp.unit of the fsdp runs"
+    )
+    parser.add_argument(
+        "--megatron-whole-weights",
+        action="store_true",
+        help="actor.megatron.shard_weights=false for the megatron runs (every data-parallel replica keeps its "
+        "tensor-parallel shard's weights whole: ZeRO-2)",
+    )
+    parser.add_argument(
+        "--no-recompute",
+        action="store_true",
+        help="actor.gradient_checkpointing=false (both backends; the default recomputes)",
+    )
+    parser.add_argument(
+        "--probe",
+        default=None,
+        metavar="DIR",
+        help="attribute the peaks: every worker runs benchlib/rss_probe and logs its stack at each new "
+        "high of its resident set to DIR/<pid>.txt (summarise with benchmarks/rss_report.py)",
+    )
+    parser.add_argument(
+        "--workdir", default=None, help="where run folders go (default: a temp folder, deleted at the end)"
+    )
     args = parser.parse_args(argv)
     args.backend_list = [b for b in args.backends.split(",") if b]
     args.layout_list = parse_layouts(args.layouts)
@@ -203,21 +247,48 @@ def run_one(args: argparse.Namespace, workdir: Path, backend: str, layout: Layou
 
     need, have = estimated_need_bytes(backend, layout, params, args.megatron_whole_weights), available_bytes()
     if need > 0.9 * have:
-        return Row(backend, layout, size, params, [], 0.0, 0.0,
-                   skipped=f"needs about {need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB available")
+        return Row(
+            backend,
+            layout,
+            size,
+            params,
+            [],
+            0.0,
+            0.0,
+            skipped=f"needs about {need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB available",
+        )
     name = f"{backend}-{layout.ranks}x{layout.tp}-{size}"
-    cfg = load_config([
-        f"runner.output_dir={workdir / name}", "runner.experiment_name=memory", f"runner.max_steps={args.steps}",
-        f"runner.save_interval={args.steps}", "runner.async_save=false", "runner.logger.progress_bar=false",
-        "runner.logger.backends=[]", "data.synthetic.val_size=0", f"runner.snapshot.enabled={str(args.snapshots).lower()}",
-        f"actor.training_backend={backend}", f"actor.num_workers={layout.ranks}",
-        f"actor.tensor_model_parallel_size={layout.tp}", f"actor.fsdp.unit={args.fsdp_unit}",
-        f"actor.gradient_checkpointing={str(not args.no_recompute).lower()}", "data.batch_size=4", "algorithm.group_size=4",
-        *([f"actor.megatron.shard_weights={str(not args.megatron_whole_weights).lower()}"] if backend == "megatron" else []),
-        "actor.micro_batch_size=4", "rollout.max_new_tokens=4", "rollout.generation_batch_size=4",
-        f"cluster.cpus_per_actor_worker={CPUS_PER_WORKER}", f"cluster.cpus_per_rollout_worker={CPUS_PER_WORKER}",
-        *overrides_for(size),
-    ])
+    cfg = load_config(
+        [
+            f"runner.output_dir={workdir / name}",
+            "runner.experiment_name=memory",
+            f"runner.max_steps={args.steps}",
+            f"runner.save_interval={args.steps}",
+            "runner.async_save=false",
+            "runner.logger.progress_bar=false",
+            "runner.logger.backends=[]",
+            "data.synthetic.val_size=0",
+            f"runner.snapshot.enabled={str(args.snapshots).lower()}",
+            f"actor.training_backend={backend}",
+            f"actor.num_workers={layout.ranks}",
+            f"actor.tensor_model_parallel_size={layout.tp}",
+            f"actor.fsdp.unit={args.fsdp_unit}",
+            f"actor.gradient_checkpointing={str(not args.no_recompute).lower()}",
+            "data.batch_size=4",
+            "algorithm.group_size=4",
+            *(
+                [f"actor.megatron.shard_weights={str(not args.megatron_whole_weights).lower()}"]
+                if backend == "megatron"
+                else []
+            ),
+            "actor.micro_batch_size=4",
+            "rollout.max_new_tokens=4",
+            "rollout.generation_batch_size=4",
+            f"cluster.cpus_per_actor_worker={CPUS_PER_WORKER}",
+            f"cluster.cpus_per_rollout_worker={CPUS_PER_WORKER}",
+            *overrides_for(size),
+        ]
+    )
     probe = PeakProbe()
     Supervisor(cfg, callbacks=[probe]).run()
     shutil.rmtree(workdir / name, ignore_errors=True)
@@ -239,7 +310,8 @@ def table(rows: list[Row], whole_weights: bool) -> str:
     overhead = {(r.backend, r.layout): max(r.actor_peaks) for r in rows if r.size == "tiny" and r.actor_peaks}
     lines = [
         "| backend | dp x tp | size | params | share per rank GiB | peak per actor rank GiB (max) | peak / share | "
-        "(peak - overhead) / share | layout's state GiB | (peak - overhead) / layout's | rollout peak GiB | start-up s |",
+        "(peak - overhead) / share | layout's state GiB | (peak - overhead) / layout's | rollout peak GiB | "
+        "start-up s |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -254,8 +326,10 @@ def table(rows: list[Row], whole_weights: bool) -> str:
         measured = base is not None and r.size != "tiny"
         above = f"{(peak - base) / share:.2f}" if measured else "-"
         above_held = f"{(peak - base) / held:.2f}" if measured else "-"
-        lines.append(f"{head} {share / gib:.3f} | {peak / gib:.2f} | {peak / share:.1f} | {above} | {held / gib:.3f} | "
-                     f"{above_held} | {r.rollout_peak / gib:.2f} | {r.startup_s:.1f} |")
+        lines.append(
+            f"{head} {share / gib:.3f} | {peak / gib:.2f} | {peak / share:.1f} | {above} | {held / gib:.3f} | "
+            f"{above_held} | {r.rollout_peak / gib:.2f} | {r.startup_s:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -264,8 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.chdir(REPO_ROOT)
-    print(f"# rlrunner memory benchmark\n\ncommand: {command_line()}\nmachine: {os.cpu_count()} cores, "
-          f"{memory_gib():.1f} GiB", flush=True)
+    print(
+        f"# rlrunner memory benchmark\n\ncommand: {command_line()}\nmachine: {os.cpu_count()} cores, "
+        f"{memory_gib():.1f} GiB",
+        flush=True,
+    )
     workdir = make_workdir(Path(args.workdir) if args.workdir else None, "bench_memory_")
     rows: list[Row] = []
     try:
@@ -285,8 +362,10 @@ def main(argv: list[str] | None = None) -> int:
                 for size in args.size_list:
                     row = run_one(args, workdir, backend, layout, size, params[size])
                     rows.append(row)
-                    state = row.skipped or (f"actor peaks {[round(p / 2**30, 2) for p in row.actor_peaks]} GiB, "
-                                            f"rollout {row.rollout_peak / 2**30:.2f} GiB, start-up {row.startup_s:.1f} s")
+                    state = row.skipped or (
+                        f"actor peaks {[round(p / 2**30, 2) for p in row.actor_peaks]} GiB, "
+                        f"rollout {row.rollout_peak / 2**30:.2f} GiB, start-up {row.startup_s:.1f} s"
+                    )
                     print(f"  {backend} {layout.label} {size}: {state}", flush=True)
     finally:
         stop_ray()
@@ -294,9 +373,11 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     print()
     print(table(rows, args.megatron_whole_weights))
-    print(f"\nshare = {STATE_BYTES_PER_PARAM} bytes per parameter / actor ranks; layout's = the state a rank of the layout "
-          f"holds by design; overhead = the same layout's peak with the tiny model; total benchmark time: "
-          f"{time.monotonic() - began:.0f} s")
+    print(
+        f"\nshare = {STATE_BYTES_PER_PARAM} bytes per parameter / actor ranks; layout's = the state a rank of the "
+        f"layout holds by design; overhead = the same layout's peak with the tiny model; total benchmark time: "
+        f"{time.monotonic() - began:.0f} s"
+    )
     return 0
 
 

@@ -5,8 +5,8 @@ Everything runs on a local Ray started by this script (`ray.init(address="local"
 with the default job (configs/grpo.yaml: 2 FSDP2 actor ranks + 1 rollout worker at 0.5 CPU each, the
 embedded tiny Qwen2, checkpoints every `runner.save_interval` steps). Every run writes to a fresh temp
 folder with the progress bar and TensorBoard off. Workers are killed with SIGKILL on their process id
-(`supervisor.trainer.actor_group.hosts[r]["pid"]`: the current attempt's group) from a thread while `Supervisor.run()` trains in the main thread, as
-tests/test_recovery.py does.
+(`supervisor.trainer.actor_group.hosts[r]["pid"]`: the current attempt's group) from a thread while
+`Supervisor.run()` trains in the main thread, as tests/test_recovery.py does.
 
 1. Recovery time (`--recovery-steps` steps, `--kills` kills; benchlib/recovery_time.py). The first kill comes
    `--kill-delay` s after the first checkpoint is committed (so every restart loads one); each further kill comes
@@ -106,31 +106,60 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=("recovery", "goodput", "rollout"), default=None, help="run one of the three parts")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--only", choices=("recovery", "goodput", "rollout"), default=None, help="run one of the three parts"
+    )
     parser.add_argument("--recovery-steps", type=int, default=300, help="steps of the recovery-time job")
     parser.add_argument("--kills", type=int, default=5, help="workers killed in the recovery-time job")
-    parser.add_argument("--kill-delay", type=float, default=3.0, help="seconds after a recovery's first step before the next kill")
+    parser.add_argument(
+        "--kill-delay", type=float, default=3.0, help="seconds after a recovery's first step before the next kill"
+    )
     parser.add_argument("--rollout-kills", type=int, default=5, help="rollout workers killed in the rollout-repair job")
     parser.add_argument("--rollout-steps", type=int, default=200, help="steps of each rollout-repair job")
-    parser.add_argument("--periods", default="10,20,40", help="comma-separated kill periods T (seconds) for the goodput part")
-    parser.add_argument("--goodput-steps", type=int, default=400, help="steps of each goodput job (the default job has 800)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run the goodput part's whole set of runs this many times; each round's ratios are against "
-                             "its own no-failure run, and the medians over the rounds are printed at the end")
     parser.add_argument(
-        "--max-run-s", type=float, default=None,
-        help="stop a goodput run with failures still going after this long; its committed steps count (default: 2 x the no-failure run's wall time)",
+        "--periods", default="10,20,40", help="comma-separated kill periods T (seconds) for the goodput part"
+    )
+    parser.add_argument(
+        "--goodput-steps", type=int, default=400, help="steps of each goodput job (the default job has 800)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the goodput part's whole set of runs this many times; each round's ratios are against "
+        "its own no-failure run, and the medians over the rounds are printed at the end",
+    )
+    parser.add_argument(
+        "--max-run-s",
+        type=float,
+        default=None,
+        help="stop a goodput run with failures still going after this long; its committed steps count "
+        "(default: 2 x the no-failure run's wall time)",
     )
     parser.add_argument("--save-interval", type=int, default=50, help="runner.save_interval")
-    parser.add_argument("--actor-spares", type=int, default=2, help="cluster.spare_workers.actor of the runs with spares")
-    parser.add_argument("--rollout-spares", type=int, default=1, help="cluster.spare_workers.rollout of the runs with spares")
-    parser.add_argument("--num-cpus", type=int, default=None,
-                        help="logical CPUs of the local Ray (default: the cores, plus what the spares reserve)")
+    parser.add_argument(
+        "--actor-spares", type=int, default=2, help="cluster.spare_workers.actor of the runs with spares"
+    )
+    parser.add_argument(
+        "--rollout-spares", type=int, default=1, help="cluster.spare_workers.rollout of the runs with spares"
+    )
+    parser.add_argument(
+        "--num-cpus",
+        type=int,
+        default=None,
+        help="logical CPUs of the local Ray (default: the cores, plus what the spares reserve)",
+    )
     parser.add_argument("--max-restarts", type=int, default=10_000, help="runner.recovery.max_restarts")
-    parser.add_argument("--workdir", default=None, help="where run folders go (default: a new folder under /tmp, deleted at the end)")
+    parser.add_argument(
+        "--workdir", default=None, help="where run folders go (default: a new folder under /tmp, deleted at the end)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the run folders")
-    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run, e.g. rollout.max_new_tokens=6")
+    parser.add_argument(
+        "overrides", nargs="*", help="extra Hydra overrides for every run, e.g. rollout.max_new_tokens=6"
+    )
     args = parser.parse_args(argv)
     args.period_list = [float(p) for p in args.periods.split(",") if p.strip()] if args.periods else []
     args.variants = spare_variants(args.actor_spares, args.rollout_spares)
@@ -146,8 +175,12 @@ def spare_variants(actor: int, rollout: int) -> list[tuple[str, list[str]]]:
     """(label, overrides) of the runs: without spares, and with them unless none are asked for."""
     variants = [("without spares", [])]
     if actor or rollout:
-        variants.append((f"with spares (actor {actor}, rollout {rollout})",
-                         [f"cluster.spare_workers.actor={actor}", f"cluster.spare_workers.rollout={rollout}"]))
+        variants.append(
+            (
+                f"with spares (actor {actor}, rollout {rollout})",
+                [f"cluster.spare_workers.actor={actor}", f"cluster.spare_workers.rollout={rollout}"],
+            )
+        )
     return variants
 
 
@@ -178,7 +211,9 @@ def build_config(args: argparse.Namespace, output_dir: Path, steps: int, *extra:
 
 def configure_logging() -> None:
     """rlrunner's warnings and errors (one line per restart) on stderr; Ray and torch quiet."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     for noisy in ("ray", "torch.distributed", "transformers"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
@@ -199,7 +234,9 @@ def describe_machine(num_cpus: int) -> str:
 def run_folders(args: argparse.Namespace) -> tuple[Path, bool]:
     """A new folder for the runs, and whether to keep it: under --workdir (kept), else under the temp folder (kept
     with --keep)."""
-    return make_workdir(Path(args.workdir) if args.workdir else None, "bench_recovery_"), bool(args.workdir) or args.keep
+    return make_workdir(Path(args.workdir) if args.workdir else None, "bench_recovery_"), bool(
+        args.workdir
+    ) or args.keep
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,16 +252,27 @@ def main(argv: list[str] | None = None) -> int:
         start_local_ray(args.num_cpus, log_to_driver=False)
         print(f"machine: {describe_machine(args.num_cpus)}")
         if args.num_cpus > (os.cpu_count() or 1):
-            print(f"(Ray's logical CPUs exceed the cores by what the idle spares reserve: {args.num_cpus} on "
-                  f"{os.cpu_count()} cores)")
-        print(f"Ray start: {time.monotonic() - ray_started:.1f} s (excluded from every measurement); run folders: {workdir}", flush=True)
+            print(
+                f"(Ray's logical CPUs exceed the cores by what the idle spares reserve: {args.num_cpus} on "
+                f"{os.cpu_count()} cores)"
+            )
+        print(
+            f"Ray start: {time.monotonic() - ray_started:.1f} s (excluded from every measurement); "
+            f"run folders: {workdir}",
+            flush=True,
+        )
         if args.only in (None, "recovery") and args.kills > 0:
             measure_recovery(args, workdir, cfg_for, spares_up)
         if args.only in (None, "goodput"):
             measure_goodput(args, workdir, cfg_for)
         if args.only in (None, "rollout") and args.rollout_kills > 0:
-            measure_rollout_repair(lambda name, *extra: cfg_for(workdir / name, args.rollout_steps, *extra),
-                                   args.rollout_kills, args.kill_delay, args.variants, spares_up)
+            measure_rollout_repair(
+                lambda name, *extra: cfg_for(workdir / name, args.rollout_steps, *extra),
+                args.rollout_kills,
+                args.kill_delay,
+                args.variants,
+                spares_up,
+            )
     finally:
         stop_ray()
         if not keep:

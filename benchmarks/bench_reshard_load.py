@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib and bench_memory, beside this script
 from bench_memory import SIZES  # noqa: E402
+
 from benchlib.common import command_line, make_workdir  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -74,12 +75,22 @@ def write_checkpoint(folder: Path, size: str, tp: int) -> int:
         layout = [(k, tuple(v.shape)) for k, v in model.items()]
         flat = torch.cat([v.reshape(-1) for v in model.values()])
         args = megatron_args(config, tp, 1, iteration=7, use_distributed_optimizer=True)
-        state = MegatronRankState({
-            rank_file(7, rank): rank_state(7, model, args, {"lr": 1e-5, "distributed_optimizer": True},
-                                           {"last_epoch": 7}, [megatron_rng_entry(capture_rng())]),
-            # data-parallel size 1: one slice file holds the whole flat moments
-            moment_file(7, rank, 0): moment_slice_state(7, tp, 1, 0, 7, layout, 0, flat.numel(), flat * 0.1, flat * flat),
-        })
+        state = MegatronRankState(
+            {
+                rank_file(7, rank): rank_state(
+                    7,
+                    model,
+                    args,
+                    {"lr": 1e-5, "distributed_optimizer": True},
+                    {"last_epoch": 7},
+                    [megatron_rng_entry(capture_rng())],
+                ),
+                # data-parallel size 1: one slice file holds the whole flat moments
+                moment_file(7, rank, 0): moment_slice_state(
+                    7, tp, 1, 0, 7, layout, 0, flat.numel(), flat * 0.1, flat * flat
+                ),
+            }
+        )
         state.write(str(folder), None)
         del model, state, flat
     write_tracker(open_storage(str(folder)), str(folder), 7)
@@ -98,10 +109,10 @@ def child(mode: str, folder: str, size: str, tp: int) -> dict[str, float]:
     import torch
 
     from rlrunner.backends.megatron.files import rank_dirs, read_rank, read_tracker
-    from rlrunner.backends.megatron.moment_files import read_moments
     from rlrunner.backends.megatron.layout import DEFAULT_VOCAB_DIVISIBLE_BY, hf_to_megatron_rank
-    from rlrunner.backends.megatron.to_hf import megatron_to_hf
+    from rlrunner.backends.megatron.moment_files import read_moments
     from rlrunner.backends.megatron.rank_state import _tensors, load_rank
+    from rlrunner.backends.megatron.to_hf import megatron_to_hf
     from rlrunner.storage import open_storage
 
     config = hf_config(size)
@@ -120,9 +131,13 @@ def child(mode: str, folder: str, size: str, tp: int) -> dict[str, float]:
         saved_tp = len(rank_dirs(storage, folder, iteration))
         states = [read_rank(storage, folder, iteration, r, saved_tp) for r in range(saved_tp)]
         moments = [read_moments(storage, folder, iteration, r, mmap=False) for r in range(saved_tp)]
-        parts = {"model": hf_to_megatron_rank(megatron_to_hf([_tensors(s["model"]) for s in states], config), config, tp, 0)}
+        parts = {
+            "model": hf_to_megatron_rank(megatron_to_hf([_tensors(s["model"]) for s in states], config), config, tp, 0)
+        }
         for key in ("exp_avg", "exp_avg_sq"):
-            parts[key] = hf_to_megatron_rank(megatron_to_hf([dict(m.tensors(key)) for m in moments], config), config, tp, 0)
+            parts[key] = hf_to_megatron_rank(
+                megatron_to_hf([dict(m.tensors(key)) for m in moments], config), config, tp, 0
+            )
         parts = {part: pairs.items() for part, pairs in parts.items()}
     for part, pairs in parts.items():
         for key, tensor in pairs:
@@ -130,8 +145,12 @@ def child(mode: str, folder: str, size: str, tp: int) -> dict[str, float]:
                 own[part][key].copy_(tensor)
     seconds = time.perf_counter() - started
     checksum = float(sum(t.double().sum() for tensors in own.values() for t in tensors.values()))
-    return {"state_bytes": state_bytes, "load_peak_bytes": _status_bytes("VmHWM") - before, "seconds": seconds,
-            "checksum": checksum}
+    return {
+        "state_bytes": state_bytes,
+        "load_peak_bytes": _status_bytes("VmHWM") - before,
+        "seconds": seconds,
+        "checksum": checksum,
+    }
 
 
 def _rank_shapes(config, tp: int) -> dict[str, tuple[int, ...]]:
@@ -171,8 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     cases = [tuple(int(x) for x in case.split(":")) for case in args.cases.split(",") if case]
     work = make_workdir(Path(args.workdir) if args.workdir else None, "bench-reshard-")
     print(f"# {command_line()}\n")
-    print("| size | params | saved tp -> tp | rank 0's state (GiB) | streamed peak (GiB) | / state | whole peak (GiB) "
-          "| / state | streamed / whole | streamed s | whole s |")
+    print(
+        "| size | params | saved tp -> tp | rank 0's state (GiB) | streamed peak (GiB) | / state | whole peak (GiB) "
+        "| / state | streamed / whole | streamed s | whole s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     try:
         for size in [s for s in args.sizes.split(",") if s]:
@@ -187,9 +208,12 @@ def main(argv: list[str] | None = None) -> int:
                     raise RuntimeError(f"{size} {saved}->{tp}: the two loads differ")
                 state = results["streamed"]["state_bytes"]
                 s, w = results["streamed"]["load_peak_bytes"], results["whole"]["load_peak_bytes"]
-                print(f"| {size} | {params / 1e6:.0f}M | {saved} -> {tp} | {state / 2**30:.2f} | {s / 2**30:.2f} | "
-                      f"{s / state:.2f} | {w / 2**30:.2f} | {w / state:.2f} | {s / w:.2f} | "
-                      f"{results['streamed']['seconds']:.1f} | {results['whole']['seconds']:.1f} |", flush=True)
+                print(
+                    f"| {size} | {params / 1e6:.0f}M | {saved} -> {tp} | {state / 2**30:.2f} | {s / 2**30:.2f} | "
+                    f"{s / state:.2f} | {w / 2**30:.2f} | {w / state:.2f} | {s / w:.2f} | "
+                    f"{results['streamed']['seconds']:.1f} | {results['whole']['seconds']:.1f} |",
+                    flush=True,
+                )
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)

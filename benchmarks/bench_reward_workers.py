@@ -45,25 +45,37 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 TIMES = ("time/step_s", "time/rollout_s", "time/update_s")
 
 
-def run(args: argparse.Namespace, workers: int, reward_file: Path, output_dir: Path) -> tuple[int, list[dict[str, Any]]]:
+def run(
+    args: argparse.Namespace, workers: int, reward_file: Path, output_dir: Path
+) -> tuple[int, list[dict[str, Any]]]:
     """One run with `workers` scoring processes: (samples per step, its steps' metrics)."""
     from rlrunner.config import load_config
     from rlrunner.runner.metrics import METRICS_FILE
     from rlrunner.runner.supervisor import Supervisor
 
     total = args.warmup + args.steps
-    cfg = load_config([
-        f"runner.output_dir={output_dir}", f"runner.experiment_name=reward-workers-{workers}",
-        f"runner.max_steps={total}", f"runner.save_interval={total + 1000}", "runner.logger.progress_bar=false",
-        "runner.logger.backends=[]", "data.synthetic.val_size=0", f"reward.function={reward_file}",
-        f"reward.num_workers={workers}", *args.override,
-    ])
+    cfg = load_config(
+        [
+            f"runner.output_dir={output_dir}",
+            f"runner.experiment_name=reward-workers-{workers}",
+            f"runner.max_steps={total}",
+            f"runner.save_interval={total + 1000}",
+            "runner.logger.progress_bar=false",
+            "runner.logger.backends=[]",
+            "data.synthetic.val_size=0",
+            f"reward.function={reward_file}",
+            f"reward.num_workers={workers}",
+            *args.override,
+        ]
+    )
     started = time.perf_counter()
     supervisor = Supervisor(cfg)
     supervisor.run()
     steps = read_jsonl(Path(supervisor.ctx.log_path) / METRICS_FILE)
-    print(f"reward.num_workers={workers}: {len(steps)} steps in {time.perf_counter() - started:.1f}s "
-          f"(start-up included)", flush=True)
+    print(
+        f"reward.num_workers={workers}: {len(steps)} steps in {time.perf_counter() - started:.1f}s (start-up included)",
+        flush=True,
+    )
     return cfg.data.batch_size * cfg.algorithm.group_size, [s for s in steps if s["step"] >= 1]
 
 
@@ -77,9 +89,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sleep-ms", type=float, default=50.0, help="what one reward call sleeps")
     parser.add_argument("--steps", type=int, default=3, help="measured steps per run (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per run, excluded from the medians")
-    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help="an extra config override for every run (repeatable)")
-    parser.add_argument("--dir", type=Path, default=None, help="folder for the runs' output (a fresh subfolder is made)")
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an extra config override for every run (repeatable)",
+    )
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="folder for the runs' output (a fresh subfolder is made)"
+    )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or any(w < 1 for w in args.workers):
         parser.error("--steps and every --workers value must be positive, --warmup >= 0")
@@ -117,9 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         ratio = values[0] / median(runs[base], TIMES[0], first)
         print(f"| {workers} | {' | '.join(f'{v:.3f}' for v in values)} | {ratio:.2f} |")
     print()
-    print(f"Medians of steps {first}..{args.warmup + args.steps}; {samples} reward calls per step of "
-          f"{args.sleep_ms:g} ms each ({samples * args.sleep_ms / 1000:.1f} s of sleep per step in one process).")
-    untimed = {w: [{k: v for k, v in s.items() if not k.startswith("time/")} for s in steps] for w, steps in runs.items()}
+    print(
+        f"Medians of steps {first}..{args.warmup + args.steps}; {samples} reward calls per step of "
+        f"{args.sleep_ms:g} ms each ({samples * args.sleep_ms / 1000:.1f} s of sleep per step in one process)."
+    )
+    untimed = {
+        w: [{k: v for k, v in s.items() if not k.startswith("time/")} for s in steps] for w, steps in runs.items()
+    }
     same = all(metrics == untimed[base] for metrics in untimed.values())
     print(f"metrics apart from timings: {'the same' if same else 'NOT the same'} in every run")
     print(f"total time: {time.perf_counter() - started:.0f}s")

@@ -32,9 +32,13 @@ from benchlib.common import command_line, cpu_model, make_workdir, memory_gib, s
 
 SHAPES = {
     "tiny": [],  # the default job's model (rlrunner/models/tiny_qwen2.json)
-    "100m": ["+model.override_config.hidden_size=768", "+model.override_config.intermediate_size=3072",
-             "+model.override_config.num_hidden_layers=12", "+model.override_config.num_attention_heads=12",
-             "+model.override_config.num_key_value_heads=12"],
+    "100m": [
+        "+model.override_config.hidden_size=768",
+        "+model.override_config.intermediate_size=3072",
+        "+model.override_config.num_hidden_layers=12",
+        "+model.override_config.num_attention_heads=12",
+        "+model.override_config.num_key_value_heads=12",
+    ],
 }
 
 
@@ -64,18 +68,27 @@ def measure(engine: str, cfg, weights, records: list[dict], args) -> dict:
     from rlrunner.rollout.worker import RolloutWorker
 
     plain = lambda node: OmegaConf.to_container(node, resolve=True)  # noqa: E731
-    kwargs = {"model_cfg": plain(cfg.model), "rollout_cfg": {**plain(cfg.rollout), "engine": engine},
-              "group_size": args.samples, "reward": RewardSettings.builtin("arithmetic"), "seed": 1, "max_prompt_length": 64,
-              "threads": args.threads}
+    kwargs = {
+        "model_cfg": plain(cfg.model),
+        "rollout_cfg": {**plain(cfg.rollout), "engine": engine},
+        "group_size": args.samples,
+        "reward": RewardSettings.builtin("arithmetic"),
+        "seed": 1,
+        "max_prompt_length": 64,
+        "threads": args.threads,
+    }
     started = time.perf_counter()
-    group = WorkerGroup(f"rollout-{engine}", RolloutWorker, 1, worker_kwargs=kwargs, cpus_per_worker=1.0,
-                        call_timeout_s=1800)
+    group = WorkerGroup(
+        f"rollout-{engine}", RolloutWorker, 1, worker_kwargs=kwargs, cpus_per_worker=1.0, call_timeout_s=1800
+    )
     start_s = time.perf_counter() - started
     try:
         weights_ref = ray.put(weights)
         updates, copies, generations = [], [], []
         for _ in range(args.repeats):
-            update_s, copy_s = group.get(group.workers[0].__ray_call__.remote(update_and_copy, weights_ref, cfg.model.dtype))
+            update_s, copy_s = group.get(
+                group.workers[0].__ray_call__.remote(update_and_copy, weights_ref, cfg.model.dtype)
+            )
             updates.append(update_s)
             copies.append(copy_s)
         group.call_rank(0, "generate", 1, [records])  # warm-up
@@ -86,8 +99,14 @@ def measure(engine: str, cfg, weights, records: list[dict], args) -> dict:
         group.shutdown()
     seconds = statistics.median(s for s, _ in generations)
     tokens = generations[0][1]
-    return {"start_s": start_s, "update_s": statistics.median(updates), "copy_s": statistics.median(copies),
-            "generate_s": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+    return {
+        "start_s": start_s,
+        "update_s": statistics.median(updates),
+        "copy_s": statistics.median(copies),
+        "generate_s": seconds,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+    }
 
 
 def main() -> None:
@@ -111,8 +130,16 @@ def main() -> None:
     try:
         for shape in args.shapes:
             for dtype in args.dtypes:
-                cfg = load_config([f"runner.output_dir={workdir}", f"model.dtype={dtype}", f"rollout.max_new_tokens={args.tokens}",
-                                   "rollout.temperature=1.0", "rollout.vllm.kv_cache_gb=1", *SHAPES[shape]])
+                cfg = load_config(
+                    [
+                        f"runner.output_dir={workdir}",
+                        f"model.dtype={dtype}",
+                        f"rollout.max_new_tokens={args.tokens}",
+                        "rollout.temperature=1.0",
+                        "rollout.vllm.kv_cache_gb=1",
+                        *SHAPES[shape],
+                    ]
+                )
                 tokenizer = build_tokenizer(cfg.model)
                 model = build_model(cfg.model, tokenizer, seed=1, dtype="float32")
                 params = sum(p.numel() for p in model.parameters())
@@ -120,27 +147,40 @@ def main() -> None:
                 if model.config.tie_word_embeddings:
                     weights.pop("lm_head.weight", None)
                 del model
-                records = [{"index": i, "prompt_ids": tokenizer.encode(f"{i % 5}+{(3 * i) % 5}="), "answer": "0",
-                            "data_source": "arithmetic", "extra_info": {}}
-                           for i in range(args.prompts)]
+                records = [
+                    {
+                        "index": i,
+                        "prompt_ids": tokenizer.encode(f"{i % 5}+{(3 * i) % 5}="),
+                        "answer": "0",
+                        "data_source": "arithmetic",
+                        "extra_info": {},
+                    }
+                    for i in range(args.prompts)
+                ]
                 results = {engine: measure(engine, cfg, weights, records, args) for engine in ("hf", "vllm")}
                 rows.append((shape, params, dtype, results))
     finally:
         stop_ray()
 
     print(f"\n{command_line()}")
-    print(f"machine: {cpu_model()}, {memory_gib():.0f} GiB; {args.prompts} prompts x {args.samples} samples x "
-          f"{args.tokens} tokens; median of {args.repeats}")
+    print(
+        f"machine: {cpu_model()}, {memory_gib():.0f} GiB; {args.prompts} prompts x {args.samples} samples x "
+        f"{args.tokens} tokens; median of {args.repeats}"
+    )
     print("\n| shape | params | dtype | engine | start s | update s | copy s | update / copy | tokens/s | vllm / hf |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for shape, params, dtype, results in rows:
         ratio = results["vllm"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
         for engine, r in results.items():
-            print(f"| {shape} | {params / 1e6:.1f}M | {dtype} | {engine} | {r['start_s']:.1f} | {r['update_s']:.3f} | "
-                  f"{r['copy_s']:.3f} | {r['update_s'] / r['copy_s']:.1f} | {r['tokens_per_s']:.0f} | "
-                  f"{ratio:.2f} |" if engine == "vllm" else
-                  f"| {shape} | {params / 1e6:.1f}M | {dtype} | {engine} | {r['start_s']:.1f} | {r['update_s']:.3f} | "
-                  f"{r['copy_s']:.3f} | {r['update_s'] / r['copy_s']:.1f} | {r['tokens_per_s']:.0f} | |")
+            print(
+                f"| {shape} | {params / 1e6:.1f}M | {dtype} | {engine} | {r['start_s']:.1f} | {r['update_s']:.3f} | "
+                f"{r['copy_s']:.3f} | {r['update_s'] / r['copy_s']:.1f} | {r['tokens_per_s']:.0f} | "
+                f"{ratio:.2f} |"
+                if engine == "vllm"
+                else f"| {shape} | {params / 1e6:.1f}M | {dtype} | {engine} | {r['start_s']:.1f} | "
+                f"{r['update_s']:.3f} | "
+                f"{r['copy_s']:.3f} | {r['update_s'] / r['copy_s']:.1f} | {r['tokens_per_s']:.0f} | |"
+            )
     print(f"\ntotal time: {time.perf_counter() - started:.0f}s")
 
 

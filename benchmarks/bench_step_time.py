@@ -7,15 +7,16 @@ data, batch and seeds, the same number of actor ranks (`--tp` x `--dp`; FSDP sha
 splits every layer over `--tp` of them) and one rollout worker, one after the other (`--first` picks the
 order) on one embedded local Ray that this script starts (`ray.init(address="local", num_cpus=...)`). Each run
 takes `--warmup` + `--steps` steps with `runner.save_interval` beyond the run, so no step saves (the last step's
-save comes after its timing and is not counted). From each run's metrics.jsonl it reports the median over the last `--steps` steps of
+save comes after its timing and is not counted). From each run's metrics.jsonl it reports the median over the last
+`--steps` steps of
 
   time/step_s         the whole step: rollout + update + weight sync
   time/rollout_s      generation on the rollout worker and rewards
   time/update_s       the actor's GRPO update (forward, backward, gradient reduction, optimizer step)
   time/weight_sync_s  pushing the new weights to the rollout worker
 
-and the ratio megatron / fsdp. Step 1's reward and response length are printed for both: with the same initial weights and seeds
-the first rollout is the same, a check that the two runs really did the same work.
+and the ratio megatron / fsdp. Step 1's reward and response length are printed for both: with the same initial
+weights and seeds the first rollout is the same, a check that the two runs really did the same work.
 
 Run from the repository root:
 
@@ -143,7 +144,14 @@ def model_description(args: argparse.Namespace) -> str:
     cfg = load_config(run_overrides(args, "megatron", Path(tempfile.gettempdir())))
     config = build_hf_config(cfg.model, build_tokenizer(cfg.model))
     get_backend("megatron").check_model(config, cfg.actor)  # the ConfigError a run raises, before Ray starts
-    keys = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"]
+    keys = [
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+    ]
     shape = ", ".join(f"{key}={getattr(config, key)}" for key in keys)
     batch = f"data.batch_size={cfg.data.batch_size} x algorithm.group_size={cfg.algorithm.group_size}"
     return (
@@ -165,7 +173,8 @@ def ray_cpus(args: argparse.Namespace) -> int:
 def markdown_table(runs: dict[str, BackendRun], first_measured: int) -> str:
     fsdp, megatron = runs["fsdp"], runs["megatron"]
     lines = [
-        f"| median over steps {first_measured}..{len(fsdp.steps)} | {fsdp.label} | {megatron.label} | megatron / fsdp |",
+        f"| median over steps {first_measured}..{len(fsdp.steps)} | {fsdp.label} | {megatron.label} | "
+        "megatron / fsdp |",
         "|---|---:|---:|---:|",
     ]
     for key in TIMES:
@@ -179,7 +188,9 @@ def first_rollout(runs: dict[str, BackendRun]) -> str:
     keys = ("rollout/reward_mean", "rollout/response_length_mean")
     values = {b: tuple(runs[b].steps[0][k] for k in keys) for b in BACKENDS}
     same = "the same" if values["fsdp"] == values["megatron"] else "NOT the same"
-    shown = "; ".join(f"{b} " + ", ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in zip(keys, values[b])) for b in BACKENDS)
+    shown = "; ".join(
+        f"{b} " + ", ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in zip(keys, values[b])) for b in BACKENDS
+    )
     return f"step 1 rollout ({same} in both runs, as the same initial weights and seeds should give): {shown}."
 
 
@@ -205,11 +216,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpus-per-actor-worker", type=float, default=0.5, help="cluster.cpus_per_actor_worker")
     parser.add_argument("--cpus-per-rollout-worker", type=float, default=0.5, help="cluster.cpus_per_rollout_worker")
     parser.add_argument("--first", choices=BACKENDS, default="fsdp", help="which backend runs first")
-    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help="an extra config override for both runs (repeatable), e.g. --override data.batch_size=8")
-    parser.add_argument("--megatron-override", action="append", default=[], metavar="KEY=VALUE",
-                        help="an extra override of the megatron run only, e.g. --megatron-override actor.megatron.shard_weights=false")
-    parser.add_argument("--dir", type=Path, default=None, help="folder for the runs' output (a fresh subfolder is made)")
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an extra config override for both runs (repeatable), e.g. --override data.batch_size=8",
+    )
+    parser.add_argument(
+        "--megatron-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an extra override of the megatron run only, e.g. --megatron-override actor.megatron.shard_weights=false",
+    )
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="folder for the runs' output (a fresh subfolder is made)"
+    )
     args = parser.parse_args(argv)
     for name in ("steps", "tp", "dp"):
         if getattr(args, name) < 1:
@@ -239,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     work = make_workdir(args.dir, "bench_step_time_")
     order = [args.first, *(b for b in BACKENDS if b != args.first)]
-    print(f"embedded Ray with {num_cpus} logical CPUs; runs in order {', '.join(order)}; output under {work}", flush=True)
+    print(
+        f"embedded Ray with {num_cpus} logical CPUs; runs in order {', '.join(order)}; output under {work}", flush=True
+    )
     started = time.perf_counter()
     try:
         start_embedded(num_cpus)
@@ -256,7 +281,10 @@ def main(argv: list[str] | None = None) -> int:
         f"Medians of {args.steps} steps after {args.warmup} warm-up steps, same overrides and seeds for both runs "
         f"(runner.seed={args.seed}); {first_rollout(runs)}"
     )
-    print("whole runs (start-up, steps and the last step's save): " + ", ".join(f"{r.label} {r.wall_s:.1f}s" for r in runs.values()))
+    print(
+        "whole runs (start-up, steps and the last step's save): "
+        + ", ".join(f"{r.label} {r.wall_s:.1f}s" for r in runs.values())
+    )
     print(f"total time: {time.perf_counter() - started:.0f}s")
     return 0
 

@@ -42,11 +42,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, beside this script
+from rlrunner.cluster.worker import Worker  # noqa: E402
+
 from benchlib.common import command_line, make_workdir, memory_gib, ray_cpus, start_local_ray, stop_ray, timed  # noqa: E402
 from benchlib.groups import start_groups  # noqa: E402
 from benchlib.model import build_config, choose_shape, exact_param_count, tokenizer_vocab_size  # noqa: E402
-
-from rlrunner.cluster.worker import Worker  # noqa: E402
 
 
 class BroadcastProbe(Worker):
@@ -73,11 +73,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--params", type=float, default=100.0, help="target model size in millions of parameters")
     parser.add_argument("--actor-workers", type=int, default=2, help="FSDP2 actor ranks")
     parser.add_argument("--rollout-workers", type=int, default=2, help="rollout workers")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="rollout model dtype")
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="rollout model dtype"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="repeats per measurement (the median is reported)")
-    parser.add_argument("--bucket-mb", type=float, default=64.0, help="the channels' largest bucket (the cap sync_weights is given), MiB")
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=64.0,
+        help="the channels' largest bucket (the cap sync_weights is given), MiB",
+    )
     parser.add_argument("--cpus-per-worker", type=float, default=0.25, help="Ray logical CPUs per worker (fractional)")
-    parser.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs per worker (0.5: actor and rollout share one)")
+    parser.add_argument(
+        "--gpus-per-worker", type=float, default=0.0, help="GPUs per worker (0.5: actor and rollout share one)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="bound on every wait")
     return parser.parse_args(argv)
@@ -87,7 +96,10 @@ def sync_config(args: argparse.Namespace, shape, work: Path):
     """The run config of the two groups: the FSDP actor (float32 master weights) and the rollout in `--dtype`, with the
     benchmark's worker counts, resources and time bound (the actor's training settings do not matter to a sync)."""
     return build_config(
-        shape, args.actor_workers, args.cpus_per_worker, work,
+        shape,
+        args.actor_workers,
+        args.cpus_per_worker,
+        work,
         extra=[
             f"model.dtype={args.dtype}",  # the rollout's model; the actor builds its master weights in float32
             f"rollout.num_workers={args.rollout_workers}",
@@ -100,15 +112,21 @@ def sync_config(args: argparse.Namespace, shape, work: Path):
 
 
 def build_probes(args: argparse.Namespace):
-    """The broadcast pair: NCCL on two GPUs of their own when asked for GPUs and the cluster has two, else gloo on CPU."""
+    """The broadcast pair: NCCL on two GPUs of their own when asked for GPUs and the cluster has two, else gloo on
+    CPU."""
     import ray
 
     from rlrunner.cluster.worker_group import WorkerGroup
 
     nccl = args.gpus_per_worker > 0 and ray.available_resources().get("GPU", 0) >= 2  # two whole, distinct GPUs
     probes = WorkerGroup(
-        "broadcast", BroadcastProbe, 2, distributed=True, cpus_per_worker=args.cpus_per_worker,
-        gpus_per_worker=1.0 if nccl else 0.0, call_timeout_s=args.timeout_s,
+        "broadcast",
+        BroadcastProbe,
+        2,
+        distributed=True,
+        cpus_per_worker=args.cpus_per_worker,
+        gpus_per_worker=1.0 if nccl else 0.0,
+        call_timeout_s=args.timeout_s,
         worker_kwargs={"threads": args.threads, "use_gpu": nccl},
     )
     return probes, "nccl (2 GPUs)" if nccl else "gloo (CPU tensors)"
@@ -125,6 +143,7 @@ def old_path(actors, rollouts, timeout_s: float) -> None:
 
 def check_bit_exact(actors, rollouts, dtype: torch.dtype) -> None:
     """Every rollout worker holds the actor's weights cast to its dtype, bit for bit (after the channel sync)."""
+
     def rollout_state(worker):
         return {n: t.detach().cpu() for n, t in worker.engine.model.state_dict().items()}  # the hf engine's model
 
@@ -151,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = sync_config(args, shape, work)
         params = exact_param_count(dict(cfg.model))
         print(
-            f"model: Qwen2 {vars(shape)}, {params:,} parameters; {args.actor_workers} actor ranks (FSDP2, float32 master) -> "
-            f"{args.rollout_workers} rollout workers ({args.dtype}); {args.cpus_per_worker:g} CPU, {args.gpus_per_worker:g} GPU "
-            f"and {args.threads} thread(s) per worker",
+            f"model: Qwen2 {vars(shape)}, {params:,} parameters; {args.actor_workers} actor ranks "
+            f"(FSDP2, float32 master) -> {args.rollout_workers} rollout workers ({args.dtype}); "
+            f"{args.cpus_per_worker:g} CPU, {args.gpus_per_worker:g} GPU and {args.threads} thread(s) per worker",
             flush=True,
         )
         start_local_ray(ray_cpus(args.actor_workers + args.rollout_workers + 2, args.cpus_per_worker))
@@ -163,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"groups ready ({time.perf_counter() - started:.0f}s elapsed)", flush=True)
 
         connect_s, backends = timed(lambda: connect_weight_sync(actors, rollouts, args.timeout_s))
-        stats = sync_weights(actors, rollouts, bucket_bytes, args.timeout_s)  # warm-up (buffers allocated), then checked
+        stats = sync_weights(
+            actors, rollouts, bucket_bytes, args.timeout_s
+        )  # warm-up (buffers allocated), then checked
         check_bit_exact(actors, rollouts, dtype)
         wire_bytes = int(stats["bytes"])
         probes.call_all("broadcast", wire_bytes)  # warm-up (connections, buffers)

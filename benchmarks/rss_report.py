@@ -21,7 +21,9 @@ def highs(path: Path) -> list[tuple[float, list[str]]]:
         mib = float(block.split(" ", 1)[0])
         best: list[str] = []
         for stack in block.split("\n--- thread\n"):
-            frames = [f"{Path(p).name}:{line}:{fn}" for p, line, fn in _FRAME.findall(stack) if any(k in p for k in _KEEP)]
+            frames = [
+                f"{Path(p).name}:{line}:{fn}" for p, line, fn in _FRAME.findall(stack) if any(k in p for k in _KEEP)
+            ]
             if len(frames) > len(best):
                 best = frames
         out.append((mib, best[::-1]))

@@ -103,7 +103,9 @@ def _refuse_moved_key(key: str) -> None:
 
 
 def _moved_key_message(key: str) -> str:
-    return f"config key '{key}' is now '{MOVED_KEYS[key]}' (backend options sit under actor.fsdp.* and actor.megatron.*)"
+    return (
+        f"config key '{key}' is now '{MOVED_KEYS[key]}' (backend options sit under actor.fsdp.* and actor.megatron.*)"
+    )
 
 
 def config_to_yaml(cfg: DictConfig) -> str:

@@ -54,7 +54,8 @@ def validate_config(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be positive, got {value}")
     if cfg.algorithm.group_size < 2:
         raise ConfigError(
-            f"algorithm.group_size must be at least 2 (GRPO compares samples within a group), got {cfg.algorithm.group_size}"
+            "algorithm.group_size must be at least 2 (GRPO compares samples within a group), "
+            f"got {cfg.algorithm.group_size}"
         )
     if cfg.rollout.temperature < 0:
         raise ConfigError(f"rollout.temperature must be >= 0, got {cfg.rollout.temperature}")
@@ -70,12 +71,16 @@ def validate_config(cfg: DictConfig) -> None:
     if cfg.actor.fsdp.unit not in FSDP_UNITS:
         raise ConfigError(f"actor.fsdp.unit must be one of {', '.join(FSDP_UNITS)}, got '{cfg.actor.fsdp.unit}'")
     if cfg.actor.optim.lr_schedule not in ("constant", "cosine"):
-        raise ConfigError(f"actor.optim.lr_schedule must be 'constant' or 'cosine', got '{cfg.actor.optim.lr_schedule}'")
+        raise ConfigError(
+            f"actor.optim.lr_schedule must be 'constant' or 'cosine', got '{cfg.actor.optim.lr_schedule}'"
+        )
     if len(cfg.actor.optim.betas) != 2:
         raise ConfigError(f"actor.optim.betas must have two values, got {list(cfg.actor.optim.betas)}")
     strategies = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
     if cfg.cluster.placement_strategy not in strategies:
-        raise ConfigError(f"cluster.placement_strategy must be one of {', '.join(strategies)}, got '{cfg.cluster.placement_strategy}'")
+        raise ConfigError(
+            f"cluster.placement_strategy must be one of {', '.join(strategies)}, got '{cfg.cluster.placement_strategy}'"
+        )
     if set(cfg.data.synthetic.operations) - set("+-*") or not cfg.data.synthetic.operations:
         raise ConfigError(f"data.synthetic.operations must be made of + - *, got '{cfg.data.synthetic.operations}'")
     from rlrunner.algorithms.registry import check_algorithm
@@ -130,7 +135,9 @@ def _validate_batch_divisibility(cfg: DictConfig) -> None:
     group = cfg.algorithm.group_size
     ranks = get_backend(cfg.actor.training_backend).rank_map(cfg.actor)
     workers, tp = ranks.dp, ranks.tp
-    ranks_key = "actor.num_workers" if tp == 1 else "data-parallel ranks (actor.num_workers / actor.tensor_model_parallel_size)"
+    ranks_key = (
+        "actor.num_workers" if tp == 1 else "data-parallel ranks (actor.num_workers / actor.tensor_model_parallel_size)"
+    )
     micro = cfg.actor.micro_batch_size
     # With actor.mini_batch_size null, the whole step's batch is one mini-batch: name the key the user set.
     mini_key = "actor.mini_batch_size" if cfg.actor.mini_batch_size else "data.batch_size"

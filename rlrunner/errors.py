@@ -25,8 +25,8 @@ EXIT_CODES = (
     ExitCode("0", "finished", "the run finished"),
     ExitCode(
         "1",
-        "failed in a way a relaunch may mend: the cluster cannot place the workers, the head node of a joined cluster is "
-        "gone, in-job restarts used up on varied errors, a save failed for another reason than space or permission. "
+        "failed in a way a relaunch may mend: the cluster cannot place the workers, the head node of a joined cluster "
+        "is gone, in-job restarts used up on varied errors, a save failed for another reason than space or permission. "
         "The launch script relaunches it",
         None,
     ),
@@ -73,7 +73,8 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def first_line(text: object) -> str:
-    """The first non-blank line of `text` (an exception, a message), stripped, terminal colour codes removed; '' if none.
+    """The first non-blank line of `text` (an exception, a message), stripped, terminal colour codes removed; ''
+    if none.
 
     An OSError with a `strerror` is described by it (its str() adds the errno and file name)."""
     if isinstance(text, OSError) and text.strerror:
@@ -113,7 +114,8 @@ class ResourceError(RLRunnerError):
 
 
 class CheckpointError(RLRunnerError):
-    """`runner.resume_dir` cannot be used: missing, incomplete, corrupt, or saved with another model/optimizer config."""
+    """`runner.resume_dir` cannot be used: missing, incomplete, corrupt, or saved with another model/optimizer
+    config."""
 
     exit_code = CONFIG_ERROR
 

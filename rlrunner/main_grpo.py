@@ -26,8 +26,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         epilog=exit_codes_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config-name", "-cn", default=DEFAULT_CONFIG_NAME, help="a YAML in the config folder, without .yaml")
-    parser.add_argument("--config-path", "-cp", default=None, help="the config folder (default: the repository's configs/)")
+    parser.add_argument(
+        "--config-name", "-cn", default=DEFAULT_CONFIG_NAME, help="a YAML in the config folder, without .yaml"
+    )
+    parser.add_argument(
+        "--config-path", "-cp", default=None, help="the config folder (default: the repository's configs/)"
+    )
     parser.add_argument("--cfg", action="store_true", help="print the composed config and exit")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides: key=value, +key=value, ~key")
     return parser.parse_args(argv)

@@ -66,7 +66,9 @@ class RecoveryConfig:
     max_restarts: int = 3  # in-job restarts in a row without progress in between (and rollout repairs within a step)
     step_timeout_s: float = 600.0  # bound on every remote call and collective (also the process-group timeout)
     wait_timeout_s: float = 600.0  # how long a restart waits for the cluster to have the resources again
-    checkpoint_timeout_s: float = 1800.0  # bound on one checkpoint save or load (its own: a big save on a slow disk is no hang)
+    checkpoint_timeout_s: float = (
+        1800.0  # bound on one checkpoint save or load (its own: a big save on a slow disk is no hang)
+    )
     # a lost actor rank whose node is still up is replaced alone, from the in-memory snapshot: the other ranks keep
     # their processes and the rollout group is kept (false: every failure replaces both groups)
     replace_lost_ranks: bool = True
@@ -93,9 +95,13 @@ class RunnerConfig:
     max_ckpt_to_keep: Optional[int] = None  # null keeps all
     verify_checksums: bool = True  # check every file's CRC-32 before resuming (sizes are always checked)
     async_save: bool = True  # write checkpoint files in the background while training goes on
-    max_wall_time_s: Optional[float] = None  # stop with an emergency checkpoint after this long (set below a scheduler's limit)
+    max_wall_time_s: Optional[float] = (
+        None  # stop with an emergency checkpoint after this long (set below a scheduler's limit)
+    )
     val_interval: int = 50  # validate every N steps and at the last step (0: never); needs a validation set
-    val_before_train: Optional[bool] = None  # validate the initial policy (step 0); null: true when there is a validation set
+    val_before_train: Optional[bool] = (
+        None  # validate the initial policy (step 0); null: true when there is a validation set
+    )
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
@@ -135,11 +141,17 @@ class SyntheticDataConfig:
 
 @dataclass
 class DataConfig:
-    train_files: Optional[str] = None  # null: the synthetic arithmetic task; else .jsonl / .parquet path(s), comma-separated
-    val_files: Optional[str] = None  # the validation set, same formats; null: none (the synthetic task: data.synthetic.val_size)
+    train_files: Optional[str] = (
+        None  # null: the synthetic arithmetic task; else .jsonl / .parquet path(s), comma-separated
+    )
+    val_files: Optional[str] = (
+        None  # the validation set, same formats; null: none (the synthetic task: data.synthetic.val_size)
+    )
     prompt_key: str = "prompt"
     answer_key: str = "answer"  # dotted paths reach nested fields, e.g. reward_model.ground_truth
-    data_source_key: str = "data_source"  # the field naming each record's source (given to the reward function); dotted paths too
+    data_source_key: str = (
+        "data_source"  # the field naming each record's source (given to the reward function); dotted paths too
+    )
     batch_size: int = 16  # prompts per step
     max_prompt_length: int = 512
     shuffle: bool = True
@@ -178,14 +190,17 @@ class MegatronOptions:
 
 @dataclass
 class ActorConfig:
-    training_backend: str = "fsdp"  # rlrunner/backends/registry.py: fsdp (FSDP2, DCP checkpoints) | megatron (tensor parallel, Megatron-LM layout)
+    # rlrunner/backends/registry.py: fsdp (FSDP2, DCP checkpoints) | megatron (tensor parallel, Megatron-LM layout)
+    training_backend: str = "fsdp"
     num_workers: int = 2  # actor ranks: data-parallel x tensor-parallel
     tensor_model_parallel_size: int = 1  # megatron backend: ranks each layer is split over (never across nodes)
     mini_batch_size: Optional[int] = None  # prompts per optimizer step; null: data.batch_size
     micro_batch_size: int = 32  # sequences per forward/backward on one rank
     ppo_epochs: int = 1
     grad_clip: float = 1.0
-    param_dtype: str = "float32"  # compute dtype (FSDP2 mixed precision; autocast with megatron); master weights stay float32
+    param_dtype: str = (
+        "float32"  # compute dtype (FSDP2 mixed precision; autocast with megatron); master weights stay float32
+    )
     reduce_dtype: str = "float32"
     gradient_checkpointing: bool = True  # keep each layer's input only, recompute its activations in backward
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -196,7 +211,9 @@ class ActorConfig:
 @dataclass
 class VLLMConfig:
     dtype: Optional[str] = None  # null: model.dtype
-    gpu_memory_utilization: float = 0.5  # share of the GPU's memory vLLM may take (on CPU: of host memory) when kv_cache_gb is null
+    gpu_memory_utilization: float = (
+        0.5  # share of the GPU's memory vLLM may take (on CPU: of host memory) when kv_cache_gb is null
+    )
     kv_cache_gb: Optional[float] = None  # the KV cache's size; null: from gpu_memory_utilization on GPU, 1 GiB on CPU
     max_model_len: Optional[int] = None  # null: data.max_prompt_length + rollout.max_new_tokens
     enforce_eager: bool = True  # no CUDA graphs: quicker start-up, slower decoding on GPU
@@ -229,7 +246,9 @@ class RewardConfig:
     # dict with "score": "path/to/file.py:name" or "package.module:name"; null: the built-in verifier below
     function: Optional[str] = None
     function_kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments of every call
-    verifier: Optional[str] = None  # built-in: arithmetic | math; null: arithmetic for the synthetic task, math for files
+    verifier: Optional[str] = (
+        None  # built-in: arithmetic | math; null: arithmetic for the synthetic task, math for files
+    )
     num_workers: int = 1  # scoring processes per rollout worker
     timeout_s: float = 60.0  # bound on one call; a call past it is an error
     on_error: str = "raise"  # a call that raises or times out: raise (the run stops) | zero (scored 0, counted)

@@ -33,7 +33,9 @@ class FileBackend:
         for rank in range(self.world_size):
             name = f"rank_{rank}.pt"
             buffer = io.BytesIO()
-            torch.save({"step": step, "rank": rank, "weights": torch.full((self.payload_bytes // 4,), float(step))}, buffer)
+            torch.save(
+                {"step": step, "rank": rank, "weights": torch.full((self.payload_bytes // 4,), float(step))}, buffer
+            )
             with storage.open_write(storage.join(url, name)) as out:
                 out.write(buffer.getvalue())
             self.written[name] = out.record().as_dict()
@@ -43,8 +45,10 @@ class FileBackend:
 
     def load(self, url: str) -> None:
         storage = self.storage or open_storage(url)
-        self.loaded = [torch.load(io.BytesIO(storage.read_bytes(storage.join(url, f"rank_{r}.pt"))), weights_only=True)
-                       for r in range(self.world_size)]
+        self.loaded = [
+            torch.load(io.BytesIO(storage.read_bytes(storage.join(url, f"rank_{r}.pt"))), weights_only=True)
+            for r in range(self.world_size)
+        ]
 
 
 class Store:
@@ -53,7 +57,9 @@ class Store:
     def __init__(self, storage: Storage, experiment: str):
         self.storage, self.experiment = storage, experiment
 
-    def handler(self, interval: int = 2, keep: int | None = None, fingerprint=None, name: str | None = None) -> CheckpointHandler:
+    def handler(
+        self, interval: int = 2, keep: int | None = None, fingerprint=None, name: str | None = None
+    ) -> CheckpointHandler:
         experiment = self.storage.join(self.experiment, name) if name else self.experiment
         return CheckpointHandler(self.storage, experiment, interval, keep, fingerprint or FINGERPRINT)
 
@@ -90,7 +96,11 @@ def save_steps(handler: CheckpointHandler, steps, backend=None) -> None:
 
 
 def steps_of(handler: CheckpointHandler, checksums: bool = False, complete_only: bool = False) -> list[int]:
-    return [s.step for s in scan_checkpoints(handler.storage, handler.root, checksums) if s.status == COMPLETE or not complete_only]
+    return [
+        s.step
+        for s in scan_checkpoints(handler.storage, handler.root, checksums)
+        if s.status == COMPLETE or not complete_only
+    ]
 
 
 class BackgroundBackend(FileBackend):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+
 def _local_storage():
     from rlrunner.storage import open_storage
 
@@ -46,10 +47,11 @@ TINY_MODEL = [
 
 @pytest.fixture(params=["local", "s3"])
 def store(request, tmp_path):
-    """An experiment folder on a local disk, and on S3 (moto): the checkpoint handler tests (tests/checkpoint_fakes.py)."""
-    from checkpoint_fakes import Store
-
+    """An experiment folder on a local disk, and on S3 (moto): the checkpoint handler tests
+    (tests/checkpoint_fakes.py)."""
     from rlrunner.storage import open_storage
+
+    from checkpoint_fakes import Store
 
     if request.param == "local":
         storage = open_storage(str(tmp_path))
@@ -106,8 +108,13 @@ def actor_worker_kwargs(cfg) -> dict:
     from omegaconf import OmegaConf
 
     plain = lambda node: OmegaConf.to_container(node, resolve=True)  # noqa: E731
-    return {"model_cfg": plain(cfg.model), "actor_cfg": plain(cfg.actor), "algorithm_cfg": plain(cfg.algorithm),
-            "init_seed": 1, "total_optimizer_steps": 10}
+    return {
+        "model_cfg": plain(cfg.model),
+        "actor_cfg": plain(cfg.actor),
+        "algorithm_cfg": plain(cfg.algorithm),
+        "init_seed": 1,
+        "total_optimizer_steps": 10,
+    }
 
 
 class Inspect:
@@ -224,7 +231,11 @@ def moto_endpoint():
         host, port = server.get_host_and_port()
         endpoint = f"http://{host}:{port}"
         boto3.client(
-            "s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
         ).create_bucket(Bucket=S3_BUCKET)
         yield endpoint
     finally:
@@ -246,5 +257,9 @@ def s3_store(moto_endpoint, monkeypatch, request):
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")  # never route the local endpoint through a proxy
-    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": moto_endpoint, "region_name": "us-east-1"}}
+    options = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": moto_endpoint, "region_name": "us-east-1"},
+    }
     return f"s3://{S3_BUCKET}/{request.node.name.split('[')[0]}-{uuid.uuid4().hex[:8]}", options

@@ -58,7 +58,9 @@ class FakeClock(Clock):
         thread, give_up = holder._impl._thread, time.monotonic() + BUSY_LIMIT_S
         with self._cond:
             while thread not in self._sleepers:
-                assert thread.is_alive() and time.monotonic() < give_up, "the heartbeat thread never waited on the fake clock"
+                assert thread.is_alive() and time.monotonic() < give_up, (
+                    "the heartbeat thread never waited on the fake clock"
+                )
                 self._cond.wait(0.005)
         return holder
 

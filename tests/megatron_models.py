@@ -7,16 +7,29 @@ from pathlib import Path
 
 import torch
 
-from conftest import TINY_MODEL_CFG
 from rlrunner.models.loading import build_model
 from rlrunner.models.tokenizer import build_char_tokenizer
 
+from conftest import TINY_MODEL_CFG
+
 # Grouped-query attention with an untied output layer, and plain multi-head attention with tied embeddings.
 # The vocabulary is the character tokenizer's 99 tokens.
-GQA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8,
-       "num_key_value_heads": 4, "tie_word_embeddings": False}
-TIED = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 4, "tie_word_embeddings": True}
+GQA = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "tie_word_embeddings": False,
+}
+TIED = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "tie_word_embeddings": True,
+}
 SHAPES = {"gqa": GQA, "tied": TIED}
 
 

@@ -154,7 +154,9 @@ def measure_handler_save(groups: Groups, handler, rows: BackendRows, samples: Sa
     return checkpoint
 
 
-def measure_verify_and_load(groups: Groups, storage, checkpoint: Path, rows: BackendRows, samples: Samples, drop: bool) -> None:
+def measure_verify_and_load(
+    groups: Groups, storage, checkpoint: Path, rows: BackendRows, samples: Samples, drop: bool
+) -> None:
     """The checkpoint's checksum verification, then the manager's load into the live group, each from a cold page
     cache when `drop`."""
     from rlrunner.checkpoint.status import COMPLETE, inspect_checkpoint
@@ -188,8 +190,15 @@ def measure_manager_async(groups: Groups, folder: Path, rows: BackendRows, sampl
 # -- FSDP: the baselines beside it, the async save's floor and pieces ----------------------------------------
 
 
-def measure_saves(groups: Groups, handler, work: Path, full_state: dict[str, Any], rows: BackendRows, samples: Samples,
-                  block: memoryview) -> Path:
+def measure_saves(
+    groups: Groups,
+    handler,
+    work: Path,
+    full_state: dict[str, Any],
+    rows: BackendRows,
+    samples: Samples,
+    block: memoryview,
+) -> Path:
     """One repeat of every save-side measurement; returns the committed checkpoint (kept for the loads)."""
     checkpoint = measure_handler_save(groups, handler, rows, samples)
     checkpoint_bytes = folder_bytes(checkpoint)
@@ -204,8 +213,16 @@ def measure_saves(groups: Groups, handler, work: Path, full_state: dict[str, Any
     return checkpoint
 
 
-def measure_loads(groups: Groups, storage, checkpoint: Path, work: Path, rows: BackendRows, samples: Samples,
-                  block: memoryview, drop: bool) -> None:
+def measure_loads(
+    groups: Groups,
+    storage,
+    checkpoint: Path,
+    work: Path,
+    rows: BackendRows,
+    samples: Samples,
+    block: memoryview,
+    drop: bool,
+) -> None:
     """One repeat of every load-side measurement, each from a cold page cache when `drop`."""
     measure_verify_and_load(groups, storage, checkpoint, rows, samples, drop)
 
@@ -309,7 +326,8 @@ def start_megatron_group(cfg, tp: int) -> Groups:
     groups = start_groups(cfg)
     stats = create_optimizer_state(groups)
     print(
-        f"megatron layout: {cfg.actor.num_workers} MegatronActorWorker ranks (tp={tp}, dp={cfg.actor.num_workers // tp}), "
+        f"megatron layout: {cfg.actor.num_workers} MegatronActorWorker ranks "
+        f"(tp={tp}, dp={cfg.actor.num_workers // tp}), "
         f"same model; optimizer state from one real update (grad_norm {stats['grad_norm']:.3f}, "
         f"{int(stats['optimizer_state_tensors_per_rank'])} AdamW state tensors on rank 0)",
         flush=True,

@@ -21,14 +21,18 @@ from benchlib.groups import Groups
 
 
 def start_moto(url: str) -> tuple[subprocess.Popen, dict[str, Any]]:
-    """moto's S3 server on a free port of 127.0.0.1 in a process of its own, with the URL's bucket; its storage_options."""
+    """moto's S3 server on a free port of 127.0.0.1 in a process of its own, with the URL's bucket; its
+    storage_options."""
     import boto3
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:
@@ -43,7 +47,11 @@ def start_moto(url: str) -> tuple[subprocess.Popen, dict[str, Any]]:
     credentials = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench", "region_name": "us-east-1"}
     bucket = url.split("://", 1)[1].split("/", 1)[0]
     boto3.client("s3", endpoint_url=endpoint, **credentials).create_bucket(Bucket=bucket)
-    return server, {"key": "bench", "secret": "bench", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    return server, {
+        "key": "bench",
+        "secret": "bench",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+    }
 
 
 def _in_threads(action: Callable[[str], Any], names: list[str]) -> list[Any]:
@@ -53,8 +61,15 @@ def _in_threads(action: Callable[[str], Any], names: list[str]) -> list[Any]:
         return list(pool.map(action, names))
 
 
-def measure_remote(groups: Groups, storage, experiment: str, samples: Samples, fingerprint: dict[str, Any],
-                   rows: BackendRows, plain: bool) -> None:
+def measure_remote(
+    groups: Groups,
+    storage,
+    experiment: str,
+    samples: Samples,
+    fingerprint: dict[str, Any],
+    rows: BackendRows,
+    plain: bool,
+) -> None:
     """One repeat on the store: rlrunner's save and load with the group's checkpoint manager (storage options for
     every rank), and with `plain` a plain put and get of the same objects."""
     from rlrunner.checkpoint.handler import CheckpointHandler
@@ -72,7 +87,11 @@ def measure_remote(groups: Groups, storage, experiment: str, samples: Samples, f
     if plain:
         noise = os.urandom(1 << 20)  # incompressible, like the shards
         payloads = {name: (noise * (size // len(noise) + 1))[:size] for name, size in shards.items()}
-        seconds, _ = timed(lambda: _in_threads(lambda n: fs.pipe_file(fs._strip_protocol(storage.join(plain_url, n)), payloads[n]), list(payloads)))
+        seconds, _ = timed(
+            lambda: _in_threads(
+                lambda n: fs.pipe_file(fs._strip_protocol(storage.join(plain_url, n)), payloads[n]), list(payloads)
+            )
+        )
         samples.add(PLAIN_PUT_ROW, seconds, sum(len(p) for p in payloads.values()))
         payloads.clear()
 
@@ -83,14 +102,19 @@ def measure_remote(groups: Groups, storage, experiment: str, samples: Samples, f
     seconds, _ = timed(lambda: groups.manager(storage_options=storage.storage_options).load(storage.join(url, "actor")))
     samples.add(rows.load, seconds, sum(shards.values()))
     if plain:
-        seconds, got = timed(lambda: _in_threads(lambda n: fs.cat_file(fs._strip_protocol(storage.join(plain_url, n))), list(shards)))
+        seconds, got = timed(
+            lambda: _in_threads(lambda n: fs.cat_file(fs._strip_protocol(storage.join(plain_url, n))), list(shards))
+        )
         samples.add(PLAIN_GET_ROW, seconds, sum(len(g) for g in got))
         storage.delete_tree(plain_url)
     handler.delete(url)
 
 
-def run_remote(args: argparse.Namespace, groups: Groups, meg_cfg, params: int, fingerprint: dict[str, Any], started: float) -> int:
-    """The store's measurements: the FSDP group's (with the plain put/get), then the Megatron layout's on its own group."""
+def run_remote(
+    args: argparse.Namespace, groups: Groups, meg_cfg, params: int, fingerprint: dict[str, Any], started: float
+) -> int:
+    """The store's measurements: the FSDP group's (with the plain put/get), then the Megatron layout's on its own
+    group."""
     from rlrunner.storage import open_storage
 
     server = None
@@ -111,7 +135,10 @@ def run_remote(args: argparse.Namespace, groups: Groups, meg_cfg, params: int, f
             groups = start_megatron_group(meg_cfg, tp)
             for repeat in range(args.repeat):
                 measure_remote(groups, storage, experiment, samples, fingerprint, megatron, plain=False)
-                print(f"megatron repeat {repeat + 1}/{args.repeat} done ({time.perf_counter() - started:.0f}s elapsed)", flush=True)
+                print(
+                    f"megatron repeat {repeat + 1}/{args.repeat} done ({time.perf_counter() - started:.0f}s elapsed)",
+                    flush=True,
+                )
             groups.shutdown()
         report_remote(args, samples, megatron, params, started)
     finally:

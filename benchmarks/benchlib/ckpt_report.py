@@ -32,13 +32,18 @@ from benchlib.common import command_line, filesystem_of, memory_gib
 
 def markdown_table(samples: Samples, megatron: BackendRows | None = None) -> str:
     lines = ["| operation | bytes | seconds | GB/s | vs raw write |", "|---|---:|---:|---:|---:|"]
-    for section, rows, reference in (("save", save_rows(megatron), RAW_WRITE_ROW), ("load", load_rows(megatron), RAW_READ_ROW)):
+    for section, rows, reference in (
+        ("save", save_rows(megatron), RAW_WRITE_ROW),
+        ("load", load_rows(megatron), RAW_READ_ROW),
+    ):
         ref_rate = samples.nbytes[reference] / samples.median(reference)
         for name in rows:
             seconds = samples.median(name)
             rate = samples.nbytes[name] / seconds
             label = f"{section}: {name.strip()}" if not name.startswith(" ") else f"{section}:   ↳ {name.strip()}"
-            lines.append(f"| {label} | {samples.nbytes[name]:,} | {seconds:.3f} | {rate / 1e9:.3f} | {rate / ref_rate:.2f} |")
+            lines.append(
+                f"| {label} | {samples.nbytes[name]:,} | {seconds:.3f} | {rate / 1e9:.3f} | {rate / ref_rate:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -49,7 +54,10 @@ def remote_table(samples: Samples, megatron: BackendRows | None) -> str:
         for name in rows:
             seconds = samples.median(name)
             rate = samples.nbytes[name] / seconds
-            lines.append(f"| {section}: {name.strip()} | {samples.nbytes[name]:,} | {seconds:.3f} | {rate / 1e6:.0f} | {rate / reference:.2f} |")
+            lines.append(
+                f"| {section}: {name.strip()} | {samples.nbytes[name]:,} | {seconds:.3f} | {rate / 1e6:.0f} | "
+                f"{rate / reference:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -64,7 +72,10 @@ def async_table(samples: Samples, megatron: BackendRows | None = None, tp: int =
     if megatron:
         names += [megatron.blocked, megatron.wait, megatron.write_s, megatron.sync]
         labels.update({name: name for name in (megatron.blocked, megatron.wait, megatron.write_s)})
-        labels[megatron.sync] = f"megatron layout (tp={tp}) sync save: MegatronCheckpointManager start_save + finish_save (background=False)"
+        labels[megatron.sync] = (
+            f"megatron layout (tp={tp}) sync save: MegatronCheckpointManager start_save + finish_save "
+            "(background=False)"
+        )
     for name in names + PIECE_ROWS:
         seconds = samples.median(name)
         nbytes = f"{samples.nbytes[name]:,}" if samples.nbytes[name] else ""
@@ -80,13 +91,15 @@ def async_table(samples: Samples, megatron: BackendRows | None = None, tp: int =
         meg_blocked, meg_sync = samples.median(megatron.blocked), samples.median(megatron.sync)
         lines.append(
             f"megatron layout (tp={tp}): blocked / FSDP copy floor = {meg_blocked / floor:.2f}x; "
-            f"sync save / blocked = {meg_sync / meg_blocked:.1f}x; blocked megatron / FSDP = {meg_blocked / blocked:.2f}x"
+            f"sync save / blocked = {meg_sync / meg_blocked:.1f}x; "
+            f"blocked megatron / FSDP = {meg_blocked / blocked:.2f}x"
         )
     return "\n".join(lines)
 
 
 def backend_comparison(samples: Samples, megatron: BackendRows, tp: int, params: int, fsdp_ranks: int) -> str:
     """One line: the Megatron layout's save and load seconds against DCP's, for the same model's state."""
+
     def pair(meg: str, fsdp: str) -> str:
         m, f = samples.median(meg), samples.median(fsdp)
         return f"{m:.3f} s vs {f:.3f} s ({m / f:.2f}x)"
@@ -101,11 +114,20 @@ def backend_comparison(samples: Samples, megatron: BackendRows, tp: int, params:
 
 def per_repeat_seconds(samples: Samples) -> str:
     """Every repeat's seconds, in order, so a slow first repeat (cold allocations) stays visible."""
-    return "\n".join(f"  {name.strip()}: " + ", ".join(f"{s:.4f}" for s in seconds) for name, seconds in samples.seconds.items())
+    return "\n".join(
+        f"  {name.strip()}: " + ", ".join(f"{s:.4f}" for s in seconds) for name, seconds in samples.seconds.items()
+    )
 
 
-def report_local(args: argparse.Namespace, samples: Samples, megatron: BackendRows | None, params: int, drop: bool,
-                 work: Path, started: float) -> None:
+def report_local(
+    args: argparse.Namespace,
+    samples: Samples,
+    megatron: BackendRows | None,
+    params: int,
+    drop: bool,
+    work: Path,
+    started: float,
+) -> None:
     import ray
 
     tp = args.megatron_tp
@@ -118,16 +140,20 @@ def report_local(args: argparse.Namespace, samples: Samples, megatron: BackendRo
         print(backend_comparison(samples, megatron, tp, params, args.workers))
         print()
     print(
-        f"Medians of {args.repeat} repeats. 'torch.save + fsync' includes the fsync; its state is gathered unsharded into "
-        "the driver beforehand (not timed). 'vs raw write' is the ratio of throughputs; load rows are relative to "
-        "'raw read' (= 1.00), both measured in this run. Page cache "
-        + ("dropped (/proc/sys/vm/drop_caches was writable) before every load-side row." if drop
-           else "NOT dropped (/proc/sys/vm/drop_caches not writable): loads are from the page cache.")
+        f"Medians of {args.repeat} repeats. 'torch.save + fsync' includes the fsync; its state is gathered "
+        "unsharded into the driver beforehand (not timed). 'vs raw write' is the ratio of throughputs; load rows "
+        "are relative to 'raw read' (= 1.00), both measured in this run. Page cache "
+        + (
+            "dropped (/proc/sys/vm/drop_caches was writable) before every load-side row."
+            if drop
+            else "NOT dropped (/proc/sys/vm/drop_caches not writable): loads are from the page cache."
+        )
     )
     if megatron:
         print(
-            f"The megatron layout rows come from a second actor group ({tp} MegatronActorWorker ranks, tp={tp}, dp=1) built "
-            "after the FSDP group was shut down, on the same model and batch, with its own optimizer update."
+            f"The megatron layout rows come from a second actor group ({tp} MegatronActorWorker ranks, tp={tp}, "
+            "dp=1) built after the FSDP group was shut down, on the same model and batch, with its own optimizer "
+            "update."
         )
     print(
         f"machine: {os.cpu_count()} CPU cores ({platform.machine()}), {memory_gib():.0f} GiB RAM, "
@@ -139,8 +165,9 @@ def report_local(args: argparse.Namespace, samples: Samples, megatron: BackendRo
     print(f"total time: {time.perf_counter() - started:.0f}s")
 
 
-def report_remote(args: argparse.Namespace, samples: Samples, megatron: BackendRows | None, params: int,
-                  started: float) -> None:
+def report_remote(
+    args: argparse.Namespace, samples: Samples, megatron: BackendRows | None, params: int, started: float
+) -> None:
     tp = args.megatron_tp
     print()
     print(remote_table(samples, megatron))
@@ -149,8 +176,14 @@ def report_remote(args: argparse.Namespace, samples: Samples, megatron: BackendR
         print(backend_comparison(samples, megatron, tp, params, args.workers))
         print()
     where = "moto's S3 server on 127.0.0.1 (its own process)" if args.moto else args.output.split("/", 3)[2]
-    print(f"Medians of {args.repeat} repeats, store: {where}; the plain put/get run from this process, one thread per shard.")
-    print(f"machine: {os.cpu_count()} CPU cores ({platform.machine()}), {memory_gib():.0f} GiB RAM, torch {torch.__version__}")
+    print(
+        f"Medians of {args.repeat} repeats, store: {where}; the plain put/get run from this process, "
+        "one thread per shard."
+    )
+    print(
+        f"machine: {os.cpu_count()} CPU cores ({platform.machine()}), {memory_gib():.0f} GiB RAM, "
+        f"torch {torch.__version__}"
+    )
     print("seconds per repeat:")
     print(per_repeat_seconds(samples))
     print(f"command: {command_line()}")

@@ -24,7 +24,8 @@ class ModelShape:
 
 def shape_for_hidden(hidden: int, layers: int, tp: int = 1) -> ModelShape | None:
     """A Qwen2-like block: 64-wide heads, 4 query heads per KV head (at most), MLP 4x hidden; None when the
-    heads cannot be split `tp` ways. With tp > 1 the KV heads are a multiple of tp (Megatron splits the query groups)."""
+    heads cannot be split `tp` ways. With tp > 1 the KV heads are a multiple of tp (Megatron splits the query
+    groups)."""
     heads = hidden // 64
     if heads % tp or (4 * hidden) % tp:
         return None

@@ -53,22 +53,32 @@ def no_killer(supervisor: Supervisor, done: threading.Event, kills: list[Kill]) 
     return None
 
 
-def measure_goodput_run(args: argparse.Namespace, workdir: Path, cfg_for: Callable[..., DictConfig],
-                        period: float | None, max_run_s: float | None, spares: str = "none",
-                        overrides: Sequence[str] = ()) -> GoodputRow:
-    name = ("no-failures" if period is None else f"kill-every-{period:g}s") + "".join(f"-{o.split('=')[0]}" for o in overrides)
+def measure_goodput_run(
+    args: argparse.Namespace,
+    workdir: Path,
+    cfg_for: Callable[..., DictConfig],
+    period: float | None,
+    max_run_s: float | None,
+    spares: str = "none",
+    overrides: Sequence[str] = (),
+) -> GoodputRow:
+    name = ("no-failures" if period is None else f"kill-every-{period:g}s") + "".join(
+        f"-{o.split('=')[0]}" for o in overrides
+    )
     cfg = cfg_for(workdir / name, args.goodput_steps, *overrides)
     killer = no_killer if period is None else periodic_killer(period)
     supervisor, outcome, _ = run_with_killer(cfg, killer, stop_after_s=max_run_s)
     log_path = supervisor.ctx.log_path
     failures = recovery_events(log_path, "failure")
-    row = GoodputRow(period, outcome, len(failures), sum(f["lost_steps"] for f in failures), median_restart_s(log_path),
-                     spares)
+    row = GoodputRow(
+        period, outcome, len(failures), sum(f["lost_steps"] for f in failures), median_restart_s(log_path), spares
+    )
     label = ("no failures" if period is None else f"T={period:g}s") + f", spares: {spares}"
     delayed = [k for k in outcome.kills if k.waited_s > 0.5]
     print(
-        f"  {label}: {describe_outcome(outcome)}; {len(outcome.kills)} kills ({len(delayed)} waited for a rebuild to finish), "
-        f"{row.restarts} restarts, wall {outcome.wall_s:.1f} s, metrics 1..{outcome.last_step} exactly once: {outcome.metrics_check}",
+        f"  {label}: {describe_outcome(outcome)}; {len(outcome.kills)} kills "
+        f"({len(delayed)} waited for a rebuild to finish), {row.restarts} restarts, wall {outcome.wall_s:.1f} s, "
+        f"metrics 1..{outcome.last_step} exactly once: {outcome.metrics_check}",
         flush=True,
     )
     return row
@@ -91,37 +101,55 @@ def measure_goodput(args: argparse.Namespace, workdir: Path, cfg_for: Callable[.
         print(goodput_rounds_table(rounds))
 
 
-def measure_goodput_round(args: argparse.Namespace, workdir: Path,
-                          cfg_for: Callable[..., DictConfig]) -> list[GoodputRow]:
+def measure_goodput_round(
+    args: argparse.Namespace, workdir: Path, cfg_for: Callable[..., DictConfig]
+) -> list[GoodputRow]:
     """Every goodput run once: no failures (snapshots on, off; with idle spares), then each period without and with
     spares; prints the round's table and returns its rows (the first is the baseline)."""
     rows = [measure_goodput_run(args, workdir, cfg_for, None, None)]
     # what the in-memory snapshots (on by default, in every other run) cost a run without failures
-    rows.append(measure_goodput_run(args, workdir, cfg_for, None, None, "none, snapshots off",
-                                    ["runner.snapshot.enabled=false"]))
+    rows.append(
+        measure_goodput_run(
+            args, workdir, cfg_for, None, None, "none, snapshots off", ["runner.snapshot.enabled=false"]
+        )
+    )
     max_run_s = args.max_run_s if args.max_run_s is not None else 2.0 * rows[0].outcome.wall_s
-    print(f"  runs with failures are stopped after {max_run_s:.0f} s (--max-run-s; their committed steps count)", flush=True)
+    print(
+        f"  runs with failures are stopped after {max_run_s:.0f} s (--max-run-s; their committed steps count)",
+        flush=True,
+    )
     for label, overrides in args.variants:
         spares = "none" if not overrides else f"{args.actor_spares} + {args.rollout_spares}"
         if overrides:  # what idle spares cost a run without failures
             rows.append(measure_goodput_run(args, workdir, cfg_for, None, None, spares, overrides))
-        rows += [measure_goodput_run(args, workdir, cfg_for, period, max_run_s, spares, overrides)
-                 for period in args.period_list]
+        rows += [
+            measure_goodput_run(args, workdir, cfg_for, period, max_run_s, spares, overrides)
+            for period in args.period_list
+        ]
     print()
     print(goodput_table(rows))
     print()
     step_s = rows[0].outcome.step_s
     restart_times = [r.restart_s for r in rows if r.restart_s is not None]
-    print(f"- save interval: runner.save_interval={args.save_interval} steps (~{args.save_interval * step_s:.1f} s of training at the median step time {step_s:.3f} s)")
+    print(
+        f"- save interval: runner.save_interval={args.save_interval} steps "
+        f"(~{args.save_interval * step_s:.1f} s of training at the median step time {step_s:.3f} s)"
+    )
     if restart_times:
         restart_s = statistics.median(restart_times)
         print(
-            f"- a restart (failure caught -> first step after it) took {restart_s:.1f} s (median over the runs); with the "
-            "in-memory snapshot of the last step a restart redoes no step, so a kill costs about that much wall time"
+            f"- a restart (failure caught -> first step after it) took {restart_s:.1f} s (median over the runs); "
+            "with the in-memory snapshot of the last step a restart redoes no step, so a kill costs about that much "
+            "wall time"
         )
-    print("- steps/s = completed training steps / wall time of Supervisor.run() (first start-up included, Ray start excluded)")
+    print(
+        "- steps/s = completed training steps / wall time of Supervisor.run() "
+        "(first start-up included, Ray start excluded)"
+    )
     for row in rows:
         if not row.outcome.finished:
-            print(f"- {'no failures' if row.period is None else f'T={row.period:g}s'} (spares: {row.spares}): did not finish: "
-                  f"{row.outcome.error}")
+            print(
+                f"- {'no failures' if row.period is None else f'T={row.period:g}s'} (spares: {row.spares}): "
+                f"did not finish: {row.outcome.error}"
+            )
     return rows

@@ -13,7 +13,18 @@ from benchlib.recovery_runs import Kill, RunOutcome, recovery_events
 # -- 1. recovery time ------------------------------------------------------------------------------
 
 # "detection" is the supervisor's own (failed_at_unix - kill); the others add up exactly to "total".
-PHASES = ["detection", "error reaches driver", "classify", "teardown", "find ckpt", "wait", "rebuild", "load", "1st step", "total"]
+PHASES = [
+    "detection",
+    "error reaches driver",
+    "classify",
+    "teardown",
+    "find ckpt",
+    "wait",
+    "rebuild",
+    "load",
+    "1st step",
+    "total",
+]
 
 
 @dataclass
@@ -27,7 +38,9 @@ class Restart:
     attempt: dict[str, float] = field(default_factory=dict)  # group start times of the attempt this restart built
 
 
-def restart_phases(kill: Kill, failure: dict, resumed: dict | None, first: dict | None, arrival: float | None) -> dict[str, float]:
+def restart_phases(
+    kill: Kill, failure: dict, resumed: dict | None, first: dict | None, arrival: float | None
+) -> dict[str, float]:
     torn_down_at = failure["time_unix"]  # the failure event is written right after the teardown
     phases = {
         "detection": failure["failed_at_unix"] - kill.time_unix,
@@ -46,7 +59,9 @@ def restart_phases(kill: Kill, failure: dict, resumed: dict | None, first: dict 
     return phases
 
 
-def match_restarts(log_path: Path, kills: list[Kill], arrivals: list[float], attempts: list[dict[str, float]]) -> list[Restart]:
+def match_restarts(
+    log_path: Path, kills: list[Kill], arrivals: list[float], attempts: list[dict[str, float]]
+) -> list[Restart]:
     """Kill i caused restart i+1 (kills are serialized on the previous recovery's first step)."""
     failures = recovery_events(log_path, "failure")
     resumed = {e["restart"]: e for e in recovery_events(log_path, "resumed")}
@@ -69,7 +84,9 @@ def phase_summary_table(restarts: list[Restart]) -> str:
     for phase in PHASES:
         values = [r.phases[phase] for r in restarts if phase in r.phases]
         if values:
-            rows.append(f"| {phase} | {statistics.median(values):.2f} | {min(values):.2f} | {max(values):.2f} | {len(values)} |")
+            rows.append(
+                f"| {phase} | {statistics.median(values):.2f} | {min(values):.2f} | {max(values):.2f} | {len(values)} |"
+            )
     lost = [r.failure["lost_steps"] for r in restarts]
     if lost:
         rows.append(f"| lost steps | {statistics.median(lost):g} | {min(lost)} | {max(lost)} | {len(lost)} |")
@@ -105,8 +122,10 @@ REBUILD_PARTS = [
 def recovery_comparison_table(totals: list[tuple[str, list[float], list[int]]]) -> str:
     """Kill -> next finished step and the steps lost, per variant (label, totals, lost steps), as a ratio to the
     first variant's median."""
-    rows = ["| variant | kills | median s | min s | max s | ratio to the first | lost steps per kill (max) |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| variant | kills | median s | min s | max s | ratio to the first | lost steps per kill (max) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     base = statistics.median(totals[0][1]) if totals and totals[0][1] else None
     for label, values, lost in totals:
         if not values:
@@ -114,19 +133,28 @@ def recovery_comparison_table(totals: list[tuple[str, list[float], list[int]]]) 
             continue
         median = statistics.median(values)
         ratio = f"{median / base:.2f}" if base else "-"
-        rows.append(f"| {label} | {len(values)} | {median:.2f} | {min(values):.2f} | {max(values):.2f} | {ratio} | "
-                    f"{max(lost) if lost else '-'} |")
+        rows.append(
+            f"| {label} | {len(values)} | {median:.2f} | {min(values):.2f} | {max(values):.2f} | {ratio} | "
+            f"{max(lost) if lost else '-'} |"
+        )
     return "\n".join(rows)
 
 
 def rebuild_table(initial: list[dict[str, float]], restarts: list[Restart]) -> str:
     """Where the (re)start time goes: the initial start of the run next to the median restart."""
-    rows = ["| part of start() | initial start s | restart median s | restart min s | restart max s |", "|---|---:|---:|---:|---:|"]
+    rows = [
+        "| part of start() | initial start s | restart median s | restart min s | restart max s |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for key, label in REBUILD_PARTS:
         values = [r.attempt[key] for r in restarts if key in r.attempt]
         first = f"{initial[0][key]:.2f}" if initial and key in initial[0] else "-"
         if values or first != "-":
-            stats = [f"{statistics.median(values):.2f}", f"{min(values):.2f}", f"{max(values):.2f}"] if values else ["-"] * 3
+            stats = (
+                [f"{statistics.median(values):.2f}", f"{min(values):.2f}", f"{max(values):.2f}"]
+                if values
+                else ["-"] * 3
+            )
             rows.append(f"| {label} | {first} | " + " | ".join(stats) + " |")
     return "\n".join(rows)
 
@@ -187,7 +215,8 @@ def goodput_rounds_table(rounds: list[list[GoodputRow]]) -> str:
 def goodput_table(rows: list[GoodputRow]) -> str:
     ratios = goodput_ratios(rows)
     lines = [
-        "| T (s) | spares | kills | restarts | steps done | lost steps (redone) | restart s (median) | wall s | steps/s | goodput | metrics 1..N once |",
+        "| T (s) | spares | kills | restarts | steps done | lost steps (redone) | restart s (median) | wall s | "
+        "steps/s | goodput | metrics 1..N once |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row, ratio in zip(rows, ratios):

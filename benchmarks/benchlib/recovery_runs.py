@@ -41,7 +41,9 @@ def check_metrics(log_path: Path | str, last_step: int, finished: bool) -> str:
     """'ok' when metrics.jsonl holds every step 1..last_step exactly once, in order (a stopped run may also
     hold the steps it did after its last checkpoint, still 1..M once each); else what is wrong."""
     steps = metrics_steps(log_path)
-    if steps == list(range(1, len(steps) + 1)) and (len(steps) == last_step or (not finished and len(steps) >= last_step)):
+    if steps == list(range(1, len(steps) + 1)) and (
+        len(steps) == last_step or (not finished and len(steps) >= last_step)
+    ):
         return "ok" if len(steps) == last_step else f"ok (1..{len(steps)}; steps after {last_step} not saved)"
     duplicated = sorted({s for s in steps if steps.count(s) > 1})
     missing = sorted(set(range(1, last_step + 1)) - set(steps))
@@ -149,7 +151,9 @@ def stop_due(supervisor: Supervisor) -> bool:
     return stop.reason is not None or overdue
 
 
-def kill_until_done(supervisor: Supervisor, group_name: str, rank: int, killed: set[int], done: threading.Event) -> Kill | None:
+def kill_until_done(
+    supervisor: Supervisor, group_name: str, rank: int, killed: set[int], done: threading.Event
+) -> Kill | None:
     """Kill the target as soon as it exists (it may be mid-rebuild); None if the run ended or is stopping first."""
     began = time.time()
     while not done.is_set() and not stop_due(supervisor):
@@ -193,7 +197,9 @@ class RunOutcome:
     kills: list[Kill] = field(default_factory=list)
 
 
-def run_with_killer(cfg: DictConfig, killer: Killer, stop_after_s: float | None = None) -> tuple[Supervisor, RunOutcome, list[float]]:
+def run_with_killer(
+    cfg: DictConfig, killer: Killer, stop_after_s: float | None = None
+) -> tuple[Supervisor, RunOutcome, list[float]]:
     """Train `cfg` to the end in this thread while `killer(supervisor, done, kills)` runs in another."""
     from rlrunner.errors import StoppedEarly
     from rlrunner.runner.stopping import StopRequest
@@ -221,5 +227,7 @@ def run_with_killer(cfg: DictConfig, killer: Killer, stop_after_s: float | None 
     thread.join(timeout=30)
     last = supervisor.trainer.global_step if finished else committed_step(supervisor)
     log_path = supervisor.ctx.log_path
-    outcome = RunOutcome(wall, last, finished, error, check_metrics(log_path, last, finished), median_step_s(log_path), kills)
+    outcome = RunOutcome(
+        wall, last, finished, error, check_metrics(log_path, last, finished), median_step_s(log_path), kills
+    )
     return supervisor, outcome, arrivals

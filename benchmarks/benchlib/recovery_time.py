@@ -45,8 +45,9 @@ if TYPE_CHECKING:
 RECOVERY_TARGETS = [("actor", 1), ("actor", 0)]
 
 
-def recovery_killer(args: argparse.Namespace, attempts: list[dict[str, float]],
-                    spares_up: Callable[[Supervisor], bool] | None) -> Killer:
+def recovery_killer(
+    args: argparse.Namespace, attempts: list[dict[str, float]], spares_up: Callable[[Supervisor], bool] | None
+) -> Killer:
     """The kill schedule of part 1: after the first checkpoint, then after each recovery's first step (and, with
     `spares_up`, once every spare is up). Before each kill (and after the last recovery) the live attempt's start-up
     timings go to `attempts`."""
@@ -56,10 +57,21 @@ def recovery_killer(args: argparse.Namespace, attempts: list[dict[str, float]],
         targets = cycle(RECOVERY_TARGETS)
         for index in range(args.kills):
             if index == 0:  # after the first checkpoint, so that every restart loads one
-                ready = lambda: supervisor.trainer is not None and (supervisor.trainer.last_saved_step or 0) >= args.save_interval  # noqa: E731
+
+                def ready() -> bool:
+                    return (
+                        supervisor.trainer is not None
+                        and (supervisor.trainer.last_saved_step or 0) >= args.save_interval
+                    )
+
             else:
-                ready = lambda: first_step_logged(supervisor, index)  # noqa: E731
-            if not wait_until(ready, done) or (spares_up is not None and not wait_until(lambda: spares_up(supervisor), done)):
+
+                def ready() -> bool:
+                    return first_step_logged(supervisor, index)
+
+            if not wait_until(ready, done) or (
+                spares_up is not None and not wait_until(lambda: spares_up(supervisor), done)
+            ):
                 return
             attempts.append(attempt_timings(supervisor))
             if done.wait(args.kill_delay):
@@ -75,23 +87,37 @@ def recovery_killer(args: argparse.Namespace, attempts: list[dict[str, float]],
     return killer
 
 
-def measure_recovery(args: argparse.Namespace, workdir: Path, cfg_for: Callable[..., DictConfig],
-                     spares_up: Callable[[Supervisor], bool]) -> None:
+def measure_recovery(
+    args: argparse.Namespace, workdir: Path, cfg_for: Callable[..., DictConfig], spares_up: Callable[[Supervisor], bool]
+) -> None:
     """Part 1 for each variant of `args.variants`; `cfg_for(output_dir, steps, *overrides)` is the job's config."""
     totals = []
     for label, overrides in args.variants:
         restarts = measure_recovery_variant(args, workdir, label, overrides, cfg_for, spares_up if overrides else None)
-        totals.append((label, [r.phases["total"] for r in restarts if "total" in r.phases],
-                       [r.failure["lost_steps"] for r in restarts]))
+        totals.append(
+            (
+                label,
+                [r.phases["total"] for r in restarts if "total" in r.phases],
+                [r.failure["lost_steps"] for r in restarts],
+            )
+        )
     print("\n### Kill -> next finished step, by variant\n")
     print(recovery_comparison_table(totals))
 
 
-def measure_recovery_variant(args: argparse.Namespace, workdir: Path, label: str, overrides: list[str],
-                             cfg_for: Callable[..., DictConfig],
-                             spares_up: Callable[[Supervisor], bool] | None) -> list[Restart]:
-    print(f"\n## 1. Recovery time {label}: {args.recovery_steps} steps, {args.kills} SIGKILLs, save_interval "
-          f"{args.save_interval}\n", flush=True)
+def measure_recovery_variant(
+    args: argparse.Namespace,
+    workdir: Path,
+    label: str,
+    overrides: list[str],
+    cfg_for: Callable[..., DictConfig],
+    spares_up: Callable[[Supervisor], bool] | None,
+) -> list[Restart]:
+    print(
+        f"\n## 1. Recovery time {label}: {args.recovery_steps} steps, {args.kills} SIGKILLs, save_interval "
+        f"{args.save_interval}\n",
+        flush=True,
+    )
     cfg = cfg_for(workdir / f"recovery-{len(overrides)}", args.recovery_steps, *overrides)
     attempts: list[dict[str, float]] = []
     supervisor, outcome, arrivals = run_with_killer(cfg, recovery_killer(args, attempts, spares_up))
@@ -106,7 +132,10 @@ def measure_recovery_variant(args: argparse.Namespace, workdir: Path, label: str
     print(rebuild_table(attempts[:1], restarts))
     print()
     print(f"- run: {describe_outcome(outcome)}; wall {outcome.wall_s:.1f} s; median step {outcome.step_s:.3f} s")
-    print(f"- kills: {len(outcome.kills)}, failures logged: {len(failures)} (restarts beyond the kills: {max(0, len(failures) - len(outcome.kills))})")
+    print(
+        f"- kills: {len(outcome.kills)}, failures logged: {len(failures)} "
+        f"(restarts beyond the kills: {max(0, len(failures) - len(outcome.kills))})"
+    )
     for failure in failures:
         print(f"  - restart {failure['restart']}: step {failure['step']}, cause: {failure['cause']}")
     print(f"- metrics.jsonl steps 1..{outcome.last_step} exactly once: {outcome.metrics_check}")

@@ -21,9 +21,7 @@ def _check_rewards(rewards: torch.Tensor, group_size: int) -> None:
         )
 
 
-def grpo(
-    rewards: torch.Tensor, group_size: int, response_lengths: torch.Tensor, norm_adv_by_std: bool
-) -> torch.Tensor:
+def grpo(rewards: torch.Tensor, group_size: int, response_lengths: torch.Tensor, norm_adv_by_std: bool) -> torch.Tensor:
     """GRPO: A_i = (r_i - mean(group)) / (std(group) + eps), the division only when `norm_adv_by_std`.
 
     `response_lengths` is unused.
@@ -31,9 +29,7 @@ def grpo(
     return group_advantages(rewards, group_size, norm_adv_by_std)
 
 
-def rloo(
-    rewards: torch.Tensor, group_size: int, response_lengths: torch.Tensor, norm_adv_by_std: bool
-) -> torch.Tensor:
+def rloo(rewards: torch.Tensor, group_size: int, response_lengths: torch.Tensor, norm_adv_by_std: bool) -> torch.Tensor:
     """RLOO: A_i = r_i - mean_{j != i in i's group} r_j, the leave-one-out baseline (unbiased: it excludes r_i).
 
     Needs group_size >= 2. `norm_adv_by_std` and `response_lengths` are ignored: RLOO does not scale by the std.

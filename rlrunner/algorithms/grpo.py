@@ -12,13 +12,17 @@ from __future__ import annotations
 import torch
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """A_i = r_i - mean(group), divided by (std(group) + eps) when `norm_by_std` (std is unbiased, as in GRPO).
 
     A group whose rewards are all equal gets zero advantages: it carries no learning signal.
     """
     if rewards.dim() != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, got {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards must be 1-D with a multiple of group_size={group_size} entries, got {tuple(rewards.shape)}"
+        )
     groups = rewards.float().view(-1, group_size)
     centered = groups - groups.mean(dim=1, keepdim=True)
     if norm_by_std:

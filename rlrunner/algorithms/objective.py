@@ -59,8 +59,9 @@ class PolicyObjective:
         self.tis_cap = algorithm_cfg["rollout_correction"]["tis_cap"]
         self.loss_scale_factor = algorithm_cfg["loss_scale_factor"]
 
-    def micro_batch_loss(self, log_probs: torch.Tensor, batch: MicroBatch, counts: MiniBatchCounts, dp_size: int,
-                         sums: dict[str, float]) -> torch.Tensor:
+    def micro_batch_loss(
+        self, log_probs: torch.Tensor, batch: MicroBatch, counts: MiniBatchCounts, dp_size: int, sums: dict[str, float]
+    ) -> torch.Tensor:
         """The micro-batch's share of the mini-batch loss times `dp_size` (the gradients are averaged over the
         data-parallel ranks); its metric sums are added to `sums`."""
         mask, old = batch.mask, batch.old_log_probs
@@ -77,9 +78,15 @@ class PolicyObjective:
             sums["kl"] += masked_sum(kl.detach(), mask).item()
         if self.entropy_coef:
             per_token = per_token - self.entropy_coef * batch.entropy
-        loss = aggregate_loss(per_token, mask, self.agg_mode, global_tokens=counts.tokens,
-                              global_sequences=counts.sequences, max_response_length=self.loss_scale_factor,
-                              dp_size=dp_size)
+        loss = aggregate_loss(
+            per_token,
+            mask,
+            self.agg_mode,
+            global_tokens=counts.tokens,
+            global_sequences=counts.sequences,
+            max_response_length=self.loss_scale_factor,
+            dp_size=dp_size,
+        )
         sums["pg_loss"] += masked_sum(terms.loss.detach(), mask).item()
         sums["entropy"] += masked_sum(batch.entropy.detach(), mask).item()
         sums["clipped"] += masked_sum(terms.clipped, mask).item()

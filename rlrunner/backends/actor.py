@@ -23,12 +23,11 @@ import torch
 from rlrunner.algorithms.grpo import token_entropy, token_log_probs
 from rlrunner.algorithms.objective import MicroBatch, MiniBatchCounts, PolicyObjective
 from rlrunner.backends.background_save import BackgroundSave
-from rlrunner.cluster.node import node_ip
+from rlrunner.cluster.node import available_memory_bytes, node_ip
 from rlrunner.cluster.worker import Worker
 from rlrunner.models.hf_tensors import HFTensors
 from rlrunner.models.loading import warm_up_model_code
 from rlrunner.utils.rng import capture_rng, restore_rng
-from rlrunner.cluster.node import available_memory_bytes
 from rlrunner.utils.tensors import tensor_bytes
 from rlrunner.weight_sync.channels import connect_store, serve_store
 from rlrunner.weight_sync.endpoints import WeightSource
@@ -95,7 +94,8 @@ class ActorWorker(Worker, ABC):
 
     @abstractmethod
     def forward_logits(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        """Next-token logits [rows, width, vocab] of `model` (the policy or the reference) for `input_ids` [rows, width]."""
+        """Next-token logits [rows, width, vocab] of `model` (the policy or the reference) for `input_ids`
+        [rows, width]."""
 
     @abstractmethod
     def clip_and_step(self, max_norm: float) -> float:
@@ -148,8 +148,10 @@ class ActorWorker(Worker, ABC):
         needed = tensor_bytes(live)
         available = available_memory_bytes()
         if available - needed < reserve_bytes:
-            return (f"actor rank {self.rank}: a {needed / 2**20:.0f} MiB copy would leave less than the "
-                    f"{reserve_bytes / 2**30:g} GiB reserve of host memory free (runner.snapshot.reserve_memory_gb)")
+            return (
+                f"actor rank {self.rank}: a {needed / 2**20:.0f} MiB copy would leave less than the "
+                f"{reserve_bytes / 2**30:g} GiB reserve of host memory free (runner.snapshot.reserve_memory_gb)"
+            )
         return serialize({"state": live, "rng": capture_rng()})
 
     def load_snapshot(self, part: bytes) -> None:
@@ -244,19 +246,31 @@ class ActorWorker(Worker, ABC):
         self._weight_sync_store = serve_store(host)  # kept alive as long as this rank's channel
         return host, self._weight_sync_store.port
 
-    def join_weight_sync(self, host: str, port: int, num_actor_ranks: int, num_rollout_workers: int, timeout_s: float) -> str:
+    def join_weight_sync(
+        self, host: str, port: int, num_actor_ranks: int, num_rollout_workers: int, timeout_s: float
+    ) -> str:
         """Collective with every actor rank and rollout worker: build this rank's channel; returns its backend."""
         if num_actor_ranks != self.world_size:
-            raise ValueError(f"join_weight_sync: {num_actor_ranks} actor ranks given, the actor group has {self.world_size}")
+            raise ValueError(
+                f"join_weight_sync: {num_actor_ranks} actor ranks given, the actor group has {self.world_size}"
+            )
         self._drop_weight_sync_channels()
         store = connect_store(host, port, timeout_s)
         self.weight_sync = WeightSender(
-            store, self.rank, num_actor_ranks, num_rollout_workers, self.weight_source(), self.device, timeout_s, node_ip()
+            store,
+            self.rank,
+            num_actor_ranks,
+            num_rollout_workers,
+            self.weight_source(),
+            self.device,
+            timeout_s,
+            node_ip(),
         )
         return self.weight_sync.backend
 
     def send_weights(self, bucket_bytes: int) -> dict[str, float]:
-        """Collective with every rollout worker's `receive_weights`: broadcast this rank's blocks in the rollout dtype."""
+        """Collective with every rollout worker's `receive_weights`: broadcast this rank's blocks in the rollout
+        dtype."""
         if self.weight_sync is None:
             raise RuntimeError("send_weights before join_weight_sync")
         return self.weight_sync.send(bucket_bytes)

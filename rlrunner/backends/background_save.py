@@ -79,7 +79,9 @@ class BackgroundSave:
             raise RuntimeError("no checkpoint save in flight on this rank")
         future, self._future = self._future, None
         records = future.result()
-        files = {name: record.as_dict() if hasattr(record, "as_dict") else dict(record) for name, record in records.items()}
+        files = {
+            name: record.as_dict() if hasattr(record, "as_dict") else dict(record) for name, record in records.items()
+        }
         return {"files": dict(sorted(files.items())), "write_s": self._write_s}
 
     def abandon(self, timeout_s: float) -> None:

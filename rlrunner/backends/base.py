@@ -75,8 +75,14 @@ class TrainingBackend(ABC):
         """Raise ConfigError (one line) when this backend cannot train this model with these settings."""
 
     @abstractmethod
-    def checkpoint_manager(self, actor_group: Any, rank_map: RankMap, timeout_s: float | None, background: bool,
-                           storage_options: Mapping[str, Any] | None) -> Any:
+    def checkpoint_manager(
+        self,
+        actor_group: Any,
+        rank_map: RankMap,
+        timeout_s: float | None,
+        background: bool,
+        storage_options: Mapping[str, Any] | None,
+    ) -> Any:
         """The `rlrunner.checkpoint.manager.CheckpointManager` that saves and loads this group's state (its ranks laid
         out as `rank_map` says; I/O calls bounded by `timeout_s`; `background`: runner.async_save)."""
 

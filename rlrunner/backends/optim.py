@@ -55,7 +55,9 @@ def build_optimizer(
     return optimizer, build_schedule(optimizer, optim_cfg, total_steps)
 
 
-def build_schedule(optimizer: torch.optim.Optimizer, optim_cfg: dict[str, Any], total_steps: int) -> "ConfiguredLambdaLR":
+def build_schedule(
+    optimizer: torch.optim.Optimizer, optim_cfg: dict[str, Any], total_steps: int
+) -> "ConfiguredLambdaLR":
     """The LR schedule of `actor.optim` over `total_steps` optimizer steps."""
     schedule = LRSchedule(optim_cfg["warmup_steps"], total_steps, optim_cfg["lr_schedule"], optim_cfg["min_lr_ratio"])
     return ConfiguredLambdaLR(optimizer, schedule)

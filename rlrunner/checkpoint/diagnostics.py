@@ -26,6 +26,7 @@ def free_space(storage: Storage, url: str) -> str:
     note = f"{human_bytes(free)} free on the disk holding {url}"
     return f"{note}{FULL_NOTE}" if free < _NEARLY_FULL_BYTES else note
 
+
 def human_bytes(count: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if count < 1000 or unit == "GB":

@@ -90,7 +90,10 @@ class CheckpointHandler(CheckpointReader):
 
     def describe_schedule(self) -> str:
         if self.save_interval <= 0:
-            return f"runner.save_interval={self.save_interval}: periodic checkpoints are off (the last step is still saved)"
+            return (
+                f"runner.save_interval={self.save_interval}: periodic checkpoints are off "
+                "(the last step is still saved)"
+            )
         keep = "all" if self.max_keep is None else f"the newest {self.max_keep}"
         return f"checkpoints every {self.save_interval} steps and at the last step into {self.root} (keeping {keep})"
 
@@ -122,7 +125,11 @@ class CheckpointHandler(CheckpointReader):
         data position, the manifest's extras) is taken now.
         """
         name = layout.step_dir_name(step)
-        folder = self._url(f"{layout.STAGING_PREFIX}{name}-{uuid.uuid4().hex[:8]}") if self.stages_locally else self._url(name)
+        folder = (
+            self._url(f"{layout.STAGING_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
+            if self.stages_locally
+            else self._url(name)
+        )
         pending = PendingSave(step, folder, manager, _torch_bytes(data_state), write_extra, dict(extra_manifest or {}))
         with self._failing_save(pending):
             if not self.stages_locally and self.storage.exists(folder):
@@ -145,7 +152,9 @@ class CheckpointHandler(CheckpointReader):
                 return None
             folder = pending.folder
             files = {f"{layout.ACTOR_DIR}/{name}": record for name, record in actor_files.items()}
-            files[layout.DATA_FILE] = storage.write_bytes(storage.join(folder, layout.DATA_FILE), pending.data_bytes).as_dict()
+            files[layout.DATA_FILE] = storage.write_bytes(
+                storage.join(folder, layout.DATA_FILE), pending.data_bytes
+            ).as_dict()
             if pending.write_extra is not None:
                 files.update(self._write_extra_files(folder, pending.write_extra))
             self._check_reported_files(folder, files)
@@ -153,15 +162,22 @@ class CheckpointHandler(CheckpointReader):
                 for sub in {storage.join(folder, name).rsplit("/", 1)[0] for name in files}:
                     fsync_dir(Path(sub))
             manager = pending.manager
-            manifest = build_manifest(pending.step, manager.world_size, manager.backend, self.fingerprint, files, pending.extra_manifest)
+            manifest = build_manifest(
+                pending.step, manager.world_size, manager.backend, self.fingerprint, files, pending.extra_manifest
+            )
             write_manifest(storage, folder, manifest)
             if self.stages_locally:
                 self._commit_staged(folder, final)
         size = sum(r["size"] for r in files.values())
         write_s = getattr(manager, "write_s", None)
         if write_s:
-            logger.info("saved checkpoint %s (%.1f MB; shards written in %.2fs, %.2f GB/s)", final, size / 1e6, write_s,
-                        sum(r["size"] for r in actor_files.values()) / write_s / 1e9)
+            logger.info(
+                "saved checkpoint %s (%.1f MB; shards written in %.2fs, %.2f GB/s)",
+                final,
+                size / 1e6,
+                write_s,
+                sum(r["size"] for r in actor_files.values()) / write_s / 1e9,
+            )
         else:
             logger.info("saved checkpoint %s (%.1f MB)", final, size / 1e6)
         self.apply_retention(keep=final)
@@ -190,7 +206,11 @@ class CheckpointHandler(CheckpointReader):
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             newest = self.newest_complete()
-            kept = f"the newest complete checkpoint is still {basename(newest)}" if newest else "there is no complete checkpoint yet"
+            kept = (
+                f"the newest complete checkpoint is still {basename(newest)}"
+                if newest
+                else "there is no complete checkpoint yet"
+            )
             permanent = is_storage_full_or_forbidden(exc) or space.endswith(FULL_NOTE)
             name = layout.step_dir_name(pending.step)
             raise CheckpointSaveError(f"saving {name} failed: {root_cause(exc)} ({space}); {kept}", permanent) from exc
@@ -198,7 +218,9 @@ class CheckpointHandler(CheckpointReader):
     def _remove_quietly(self, folder: str) -> None:
         try:
             self._delete_in_place(folder)
-        except Exception as exc:  # a leftover without a manifest is never a checkpoint, and is removed at the next start
+        except (
+            Exception
+        ) as exc:  # a leftover without a manifest is never a checkpoint, and is removed at the next start
             logger.warning("could not remove the unfinished save %s: %s", folder, exc)
 
     def _check_reported_files(self, folder: str, files: dict[str, dict[str, Any]]) -> None:
@@ -207,7 +229,8 @@ class CheckpointHandler(CheckpointReader):
         for name, record in files.items():
             if name not in present:
                 raise CheckpointSaveError(
-                    f"{name} was written by a worker but is not visible to the driver at {self.storage.join(folder, name)}: "
+                    f"{name} was written by a worker but is not visible to the driver at "
+                    f"{self.storage.join(folder, name)}: "
                     "checkpoints must be on storage shared by every node"
                 )
             if present[name] != record["size"]:
@@ -263,7 +286,11 @@ class CheckpointHandler(CheckpointReader):
         if not self.stages_locally:
             for status in scan_checkpoints(storage, self.root):
                 if status.manifest is None:
-                    logger.info("removing %s, left by a save or deletion that did not finish (%s)", status.name, status.reasons[0])
+                    logger.info(
+                        "removing %s, left by a save or deletion that did not finish (%s)",
+                        status.name,
+                        status.reasons[0],
+                    )
                     storage.delete_tree(status.url)
             return
         for leftover in layout.leftover_dirs(storage, self.root):
@@ -285,7 +312,8 @@ class CheckpointHandler(CheckpointReader):
         storage = self.storage
         chosen = _same_location_key(checkpoint.storage, checkpoint.url)
         newer = [
-            url for url in layout.step_dirs(storage, self.root)
+            url
+            for url in layout.step_dirs(storage, self.root)
             if _same_location_key(storage, url) != chosen and layout.step_from_name(basename(url)) >= checkpoint.step
         ]
         if not newer:
@@ -304,7 +332,10 @@ class CheckpointHandler(CheckpointReader):
                 self._delete_in_place(source)
         logger.warning(
             "resuming from %s (step %d) starts a new branch: moved the old branch's newer checkpoints %s to %s",
-            checkpoint.name, checkpoint.step, ", ".join(moved), destination,
+            checkpoint.name,
+            checkpoint.step,
+            ", ".join(moved),
+            destination,
         )
         return moved
 

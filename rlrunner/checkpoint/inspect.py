@@ -14,8 +14,8 @@ import sys
 
 from rlrunner.checkpoint import layout
 from rlrunner.checkpoint.status import COMPLETE, inspect_checkpoint, scan_checkpoints
-from rlrunner.experiment.lock import describe_holder
 from rlrunner.errors import ConfigError
+from rlrunner.experiment.lock import describe_holder
 from rlrunner.storage import Storage, add_storage_options_argument, open_storage
 
 
@@ -40,7 +40,10 @@ def list_command(storage: Storage, url: str, checksums: bool) -> int:
         for reason in status.reasons:
             print(f"{'':>34}{reason}")
     for leftover in layout.leftover_dirs(storage, root):
-        print(f"{'':>8}  {'':>10}  {'leftover':<10}  {leftover}  (an unfinished save or deletion; removed at the next run's start)")
+        print(
+            f"{'':>8}  {'':>10}  {'leftover':<10}  {leftover}  "
+            "(an unfinished save or deletion; removed at the next run's start)"
+        )
     return 0
 
 
@@ -48,7 +51,9 @@ def verify_command(storage: Storage, url: str) -> int:
     status = inspect_checkpoint(storage, url, checksums=True)
     if status.status == COMPLETE:
         files = len(status.manifest["files"])
-        print(f"{url}: complete, step {status.step}, world size {status.manifest['world_size']}, {files} files verified")
+        print(
+            f"{url}: complete, step {status.step}, world size {status.manifest['world_size']}, {files} files verified"
+        )
         return 0
     print(f"{url}: {status.status}: " + "; ".join(status.reasons))
     return 1

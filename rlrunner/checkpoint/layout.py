@@ -69,4 +69,4 @@ def replaced_step_name(name: str) -> str | None:
     """`global_step_N` for a `.replaced-global_step_N-<id>` folder, else None."""
     if not name.startswith(REPLACED_PREFIX):
         return None
-    return name[len(REPLACED_PREFIX):].rsplit("-", 1)[0]
+    return name[len(REPLACED_PREFIX) :].rsplit("-", 1)[0]

@@ -31,7 +31,12 @@ def relative_files(storage: Storage, folder: str) -> dict[str, int]:
 
 
 def build_manifest(
-    step: int, world_size: int, backend: str, fingerprint: dict[str, Any], files: dict[str, dict[str, Any]], extra: dict[str, Any]
+    step: int,
+    world_size: int,
+    backend: str,
+    fingerprint: dict[str, Any],
+    files: dict[str, dict[str, Any]],
+    extra: dict[str, Any],
 ) -> dict[str, Any]:
     return {
         "format": FORMAT,
@@ -68,7 +73,9 @@ def read_manifest(storage: Storage, folder: str) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ManifestError("manifest.json is not an rlrunner checkpoint manifest")
     if manifest.get("version") != VERSION:
-        raise ManifestError(f"manifest.json has version {manifest.get('version')}, this rlrunner reads version {VERSION}")
+        raise ManifestError(
+            f"manifest.json has version {manifest.get('version')}, this rlrunner reads version {VERSION}"
+        )
     for key in ("step", "world_size", "backend", "fingerprint", "files"):
         if key not in manifest:
             raise ManifestError(f"manifest.json lacks '{key}'")
@@ -100,7 +107,9 @@ def _check_file_name(name: str) -> None:
     # Names are joined onto the checkpoint folder when verifying: keep them inside it.
     parts = name.split("/")
     if not name or name.startswith("/") or any(part in ("", ".", "..") for part in parts):
-        raise ManifestError(f"manifest.json: 'files' has a name that is not a relative path inside the checkpoint: {name!r}")
+        raise ManifestError(
+            f"manifest.json: 'files' has a name that is not a relative path inside the checkpoint: {name!r}"
+        )
 
 
 def _check_file_record(name: str, record: Any) -> None:
@@ -109,7 +118,9 @@ def _check_file_record(name: str, record: Any) -> None:
     size, crc = record.get("size"), record.get("crc32")
     if not _is_int(size) or size < 0:
         shown = size if _is_int(size) else _type_name(size)
-        raise ManifestError(f"manifest.json: 'files' entry {name!r} must have a non-negative integer 'size', got {shown}")
+        raise ManifestError(
+            f"manifest.json: 'files' entry {name!r} must have a non-negative integer 'size', got {shown}"
+        )
     if not isinstance(crc, str) or not _CRC32.match(crc):
         shown = repr(crc) if isinstance(crc, str) else _type_name(crc)
         raise ManifestError(f"manifest.json: 'files' entry {name!r} must have a 'crc32' of 8 hex digits, got {shown}")
@@ -124,7 +135,9 @@ def _check_types(manifest: dict[str, Any]) -> None:
         shown = repr(backend) if isinstance(backend, str) else _type_name(backend)
         raise ManifestError(f"manifest.json: 'backend' must be a non-empty string, got {shown}")
     if not isinstance(manifest["fingerprint"], dict):
-        raise ManifestError(f"manifest.json: 'fingerprint' must be an object, got {_type_name(manifest['fingerprint'])}")
+        raise ManifestError(
+            f"manifest.json: 'fingerprint' must be an object, got {_type_name(manifest['fingerprint'])}"
+        )
     files = manifest["files"]
     if not isinstance(files, dict):
         raise ManifestError(f"manifest.json: 'files' must be an object, got {_type_name(files)}")
@@ -157,7 +170,9 @@ def verify_files(
             continue
         size = present[name]
         if size != expected["size"]:
-            problems.append(Problem(name, f"{size} bytes, the manifest says {expected['size']} (truncated or rewritten)"))
+            problems.append(
+                Problem(name, f"{size} bytes, the manifest says {expected['size']} (truncated or rewritten)")
+            )
             continue
         if checksums:
             actual = file_record(storage, storage.join(folder, name))["crc32"]

@@ -15,7 +15,7 @@ def steps_to_delete(complete_steps: Iterable[int], max_keep: int | None) -> list
     if max_keep is None:
         return []
     ordered = sorted(set(complete_steps), reverse=True)
-    return sorted(ordered[max(1, max_keep):])
+    return sorted(ordered[max(1, max_keep) :])
 
 
 def flatten(prefix: str, value: Any) -> dict[str, Any]:

@@ -77,7 +77,8 @@ class CheckpointReader:
             newest = self.newest_complete()
             if newest is not None:
                 raise CheckpointError(
-                    f"{self.experiment} already has checkpoints (newest {basename(newest)}) and runner.resume_dir is null: "
+                    f"{self.experiment} already has checkpoints (newest {basename(newest)}) "
+                    "and runner.resume_dir is null: "
                     "set runner.resume_dir=auto to continue, or choose another runner.experiment_name"
                 )
             return None
@@ -107,7 +108,9 @@ class CheckpointReader:
             hint = ""
             if layout.step_dirs(storage, url) or layout.step_dirs(storage, storage.join(url, layout.CHECKPOINTS_DIR)):
                 hint = " (it holds global_step_* folders: name one of them, or use runner.resume_dir=auto)"
-            raise CheckpointError(f"runner.resume_dir {resume_dir} is not a complete checkpoint: {status.reasons[0]}{hint}")
+            raise CheckpointError(
+                f"runner.resume_dir {resume_dir} is not a complete checkpoint: {status.reasons[0]}{hint}"
+            )
         if status.status == CORRUPT:
             raise CheckpointError(f"runner.resume_dir {resume_dir} fails verification: {'; '.join(status.reasons)}")
         logger.info("resuming from %s (step %d)", url, status.step)
@@ -135,12 +138,16 @@ class CheckpointReader:
         """Load the backend's shards into the workers; returns the driver's data state (`data/data.pt`)."""
         if checkpoint.manifest["backend"] != manager.backend:
             raise CheckpointError(
-                f"checkpoint {checkpoint.url} was written by the {checkpoint.manifest['backend']} backend, this run uses {manager.backend}"
+                f"checkpoint {checkpoint.url} was written by the {checkpoint.manifest['backend']} backend, "
+                f"this run uses {manager.backend}"
             )
         if checkpoint.world_size != manager.world_size:
             logger.warning(
-                "resharding %s from %d to %d actor ranks: model and optimizer are resharded, per-rank RNG states are not restored",
-                checkpoint.name, checkpoint.world_size, manager.world_size,
+                "resharding %s from %d to %d actor ranks: model and optimizer are resharded, "
+                "per-rank RNG states are not restored",
+                checkpoint.name,
+                checkpoint.world_size,
+                manager.world_size,
             )
         storage = checkpoint.storage
         try:

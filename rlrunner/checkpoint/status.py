@@ -1,4 +1,5 @@
-"""What a folder under `checkpoints/` is: a complete checkpoint, or why it is not one (verified against its manifest)."""
+"""What a folder under `checkpoints/` is: a complete checkpoint, or why it is not one (verified against its
+manifest)."""
 
 from __future__ import annotations
 

@@ -88,7 +88,9 @@ def _ray_start_cluster_answers() -> bool:
         return False
     gone = _gcs_unreachable(recorded)
     if gone is not None:
-        logger.warning("not joining the `ray start` cluster recorded on this machine, %s; starting an embedded Ray", gone)
+        logger.warning(
+            "not joining the `ray start` cluster recorded on this machine, %s; starting an embedded Ray", gone
+        )
         return False
     return True
 
@@ -96,7 +98,9 @@ def _ray_start_cluster_answers() -> bool:
 def start_embedded(num_cpus: int | None) -> str:
     # address="local": a new instance even while another one's GCS still runs here (a lost embedded Ray takes
     # seconds to exit); `ray.init()` with no address would join RAY_ADDRESS's or `ray start`'s cluster instead.
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+    ray.init(
+        address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True
+    )
     logger.info("started an embedded local Ray (%s CPUs)", ray.cluster_resources().get("CPU", 0))
     return _remember(EMBEDDED, num_cpus)
 

@@ -25,7 +25,8 @@ _REMOTE_ADVICE = (
 
 
 def _cause(exc: BaseException) -> str:
-    """The first line of why a storage call failed (storage errors are OSErrors whose strerror keeps the backend's words)."""
+    """The first line of why a storage call failed (storage errors are OSErrors whose strerror keeps the backend's
+    words)."""
     return first_line(exc) or type(exc).__name__
 
 
@@ -72,7 +73,9 @@ def check_shared_folder(storage: Storage, url: str, groups: Sequence) -> None:
         try:
             storage.write_bytes(probe, token.encode())
         except Exception as exc:
-            raise StorageNotSharedError(_remote_message(url, f"the driver on node {node_ip()} cannot write {probe} ({_cause(exc)})")) from None
+            raise StorageNotSharedError(
+                _remote_message(url, f"the driver on node {node_ip()} cannot write {probe} ({_cause(exc)})")
+            ) from None
     try:
         args = (storage.url, storage.storage_options, url, token)
         problems = [p for group in groups for p in group.call_all("probe_storage", *args) if p]

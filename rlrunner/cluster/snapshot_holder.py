@@ -35,8 +35,10 @@ class SnapshotHolder:
         # its reserve.
         available = available_memory_bytes()
         if available < self.reserve_bytes:
-            return (f"{available / 2**30:.1f} GiB of host memory free on the holder's node, below the "
-                    f"{self.reserve_bytes / 2**30:g} GiB reserve (runner.snapshot.reserve_memory_gb)")
+            return (
+                f"{available / 2**30:.1f} GiB of host memory free on the holder's node, below the "
+                f"{self.reserve_bytes / 2**30:g} GiB reserve (runner.snapshot.reserve_memory_gb)"
+            )
         self.parts[(step, rank)] = part
         if driver_state is not None:
             self.driver_states[step] = driver_state

@@ -41,8 +41,9 @@ def spare_node(nodes: Sequence[str], avoid: Sequence[str], spares_on: Sequence[s
 
 
 class SparePool:
-    def __init__(self, name: str, worker_cls: type, worker_kwargs: dict[str, Any], count: int, cpus: float,
-                 gpus: float = 0.0):
+    def __init__(
+        self, name: str, worker_cls: type, worker_kwargs: dict[str, Any], count: int, cpus: float, gpus: float = 0.0
+    ):
         self.name = name
         self.count = count
         self.worker_kwargs = worker_kwargs
@@ -62,7 +63,10 @@ class SparePool:
             if node is None:
                 return
             actor = self.remote_cls.options(
-                num_cpus=self.cpus, num_gpus=self.gpus, max_restarts=0, max_concurrency=1,
+                num_cpus=self.cpus,
+                num_gpus=self.gpus,
+                max_restarts=0,
+                max_concurrency=1,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True, _spill_on_unavailable=True),
             ).remote(rank=SPARE_RANK, world_size=0, **self.worker_kwargs)
             self.spares.append((actor, node, actor.warm_up.remote()))
@@ -89,8 +93,14 @@ class SparePool:
         usable = min(n, len(candidates)) // multiple_of * multiple_of
         if len(up) < min(n, self.count) and not self._said_waiting:
             self._said_waiting = True
-            logger.warning("%d of %d %s spares are up (cluster.spare_workers.%s): the group waits for the others to "
-                           "finish starting", len(up), min(n, self.count), self.name, self.name)
+            logger.warning(
+                "%d of %d %s spares are up (cluster.spare_workers.%s): the group waits for the others to "
+                "finish starting",
+                len(up),
+                min(n, self.count),
+                self.name,
+                self.name,
+            )
         taken, rest = candidates[:usable], candidates[usable:]
         # A spare left still starting is stopped, so that it cannot take the resources the group about to be placed
         # needs (a spare waiting in Ray's queue would get them first); the refill after the placement starts it again.
@@ -117,4 +127,3 @@ class SparePool:
     def forget(self) -> None:
         """Drop every spare (the embedded Ray was restarted: they went with it)."""
         self.spares = []
-

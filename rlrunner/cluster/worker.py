@@ -40,7 +40,13 @@ class Worker:
 
     def ping(self) -> dict:
         """Where this worker runs: used for placement checks and logs."""
-        return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "node_ip": node_ip(), "node_id": node_id()}
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "node_ip": node_ip(),
+            "node_id": node_id(),
+        }
 
     def probe_storage(self, storage_url: str, storage_options: dict, url: str, token: str) -> str | None:
         """Read the driver's probe under `url` and leave this worker's own (see `check_shared_folder`)."""

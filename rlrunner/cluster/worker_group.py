@@ -80,7 +80,9 @@ class WorkerGroup:
         if workers_per_bundle < 1 or num_workers % workers_per_bundle:
             raise ValueError(f"{name}: {num_workers} workers do not fill bundles of {workers_per_bundle}")
         if len(spares) % workers_per_bundle or len(spares) > num_workers:
-            raise ValueError(f"{name}: {len(spares)} spares for {num_workers} workers in bundles of {workers_per_bundle}")
+            raise ValueError(
+                f"{name}: {len(spares)} spares for {num_workers} workers in bundles of {workers_per_bundle}"
+            )
         self.name = name
         self.num_workers = num_workers
         self.call_timeout_s = call_timeout_s
@@ -90,9 +92,13 @@ class WorkerGroup:
         self.workers_per_bundle = workers_per_bundle
         self.placement_strategy = placement_strategy
         adopted = len(spares)
-        self.placement_groups: list[Any] = []  # every placement group the group's ranks were placed in (removed with it)
+        self.placement_groups: list[
+            Any
+        ] = []  # every placement group the group's ranks were placed in (removed with it)
         self.rank_bundles: list[tuple[Any, int] | None] = [None] * adopted  # rank -> its (placement group, bundle)
-        self.idle_bundles: list[tuple[Any, int]] = []  # bundles left by a rank replaced by a spare: for the next new rank
+        self.idle_bundles: list[
+            tuple[Any, int]
+        ] = []  # bundles left by a rank replaced by a spare: for the next new rank
         self.placement_wait_s = 0.0
         if adopted < num_workers:
             group = self._place((num_workers - adopted) // workers_per_bundle, placement_timeout_s, abandon)
@@ -117,7 +123,8 @@ class WorkerGroup:
         return self.placement_groups[0] if self.placement_groups else None
 
     def _place(self, bundles: int, timeout_s: float, abandon: Callable[[], bool] | None) -> Any:
-        """A new placement group of `bundles` bundles, once the cluster fits it (the wait adds to `placement_wait_s`)."""
+        """A new placement group of `bundles` bundles, once the cluster fits it (the wait adds to
+        `placement_wait_s`)."""
         per_bundle = {key: value * self.workers_per_bundle for key, value in self._bundle.items()}
         group = placement_group([dict(per_bundle) for _ in range(bundles)], strategy=self.placement_strategy)
         self.placement_groups.append(group)
@@ -132,11 +139,18 @@ class WorkerGroup:
             num_gpus=self._gpus,
             max_restarts=0,
             max_concurrency=1,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=index
+            ),
         ).remote(rank=rank, world_size=self.num_workers, **self._worker_kwargs)
 
-    def replace_ranks(self, ranks: Sequence[int], spares: Sequence[Any] = (), placement_timeout_s: float = 60.0,
-                      abandon: Callable[[], bool] | None = None) -> None:
+    def replace_ranks(
+        self,
+        ranks: Sequence[int],
+        spares: Sequence[Any] = (),
+        placement_timeout_s: float = 60.0,
+        abandon: Callable[[], bool] | None = None,
+    ) -> None:
         """Replace lost `ranks` in place, then form the group again (see `wait_ready`); the other ranks keep their
         processes and must have left their process group (`Worker.leave_process_group`).
 
@@ -144,7 +158,9 @@ class WorkerGroup:
         bundle (freed when its actor died), else in one left idle, else in a new placement group of their own.
         """
         if len(spares) > len(ranks) or (spares and self.workers_per_bundle != 1):
-            raise ValueError(f"{self.name}: {len(spares)} spares for ranks {list(ranks)} in bundles of {self.workers_per_bundle}")
+            raise ValueError(
+                f"{self.name}: {len(spares)} spares for ranks {list(ranks)} in bundles of {self.workers_per_bundle}"
+            )
         started = time.monotonic()
         self.placement_wait_s = 0.0
         for rank in ranks:
@@ -155,10 +171,11 @@ class WorkerGroup:
             self.rank_bundles[rank] = None
             self.workers[rank] = spare
             spare.adopt.remote(rank, self.num_workers)
-        for rank in ranks[len(spares):]:
+        for rank in ranks[len(spares) :]:
             if self.rank_bundles[rank] is None:
-                self.rank_bundles[rank] = (self.idle_bundles.pop() if self.idle_bundles
-                                           else (self._place(1, placement_timeout_s, abandon), 0))
+                self.rank_bundles[rank] = (
+                    self.idle_bundles.pop() if self.idle_bundles else (self._place(1, placement_timeout_s, abandon), 0)
+                )
             self.workers[rank] = self._start_rank(rank)
         self._created = started
         self.wait_ready(abandon)
@@ -190,7 +207,11 @@ class WorkerGroup:
         self.start_s = time.monotonic() - self._created
 
     def _wait_for_placement(
-        self, group: Any, bundle: dict[str, float], timeout_s: float, abandon: Callable[[], bool] | None,
+        self,
+        group: Any,
+        bundle: dict[str, float],
+        timeout_s: float,
+        abandon: Callable[[], bool] | None,
         log_every_s: float = 10.0,
     ) -> float:
         """Seconds waited until the cluster fits the group; ResourceError (naming what is missing) after `timeout_s`,
@@ -217,7 +238,10 @@ class WorkerGroup:
             next_log += log_every_s
             logger.info(
                 "waiting for the cluster to fit the %s group (%.0fs of %.0fs): %s",
-                self.name, waited, timeout_s, missing_resources(self.num_workers, bundle),
+                self.name,
+                waited,
+                timeout_s,
+                missing_resources(self.num_workers, bundle),
             )
 
     # -- calls ---------------------------------------------------------------------------------
@@ -256,8 +280,10 @@ class WorkerGroup:
                 if abandon is not None and abandon():
                     raise CallAbandoned(f"stopped waiting for the {self.name} group")
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise CallTimeoutError(f"the {self.name} group did not answer within {limit:g}s (runner.recovery.step_timeout_s)",
-                                           group=self.name)
+                    raise CallTimeoutError(
+                        f"the {self.name} group did not answer within {limit:g}s (runner.recovery.step_timeout_s)",
+                        group=self.name,
+                    )
         except BaseException:
             drain(pending)
             raise

@@ -25,8 +25,9 @@ Record = dict[str, Any]
 SYNTHETIC_SOURCE = "arithmetic"  # the synthetic task's data_source
 
 
-def synthetic_arithmetic(num_problems: int, max_operand: int, operations: str, seed: int,
-                         stream: str = "arithmetic") -> list[Record]:
+def synthetic_arithmetic(
+    num_problems: int, max_operand: int, operations: str, seed: int, stream: str = "arithmetic"
+) -> list[Record]:
     """`num_problems` problems like {"prompt": "7+5=", "answer": "12"}; problem i depends only on (seed, stream, i)
     (the validation problems are another stream)."""
     records = []
@@ -36,8 +37,14 @@ def synthetic_arithmetic(num_problems: int, max_operand: int, operations: str, s
         op = operations[rng.randrange(len(operations))]
         result = a + b if op == "+" else a - b if op == "-" else a * b
         prompt, answer = f"{a}{op}{b}=", str(result)
-        records.append({"prompt": prompt, "answer": answer, "data_source": SYNTHETIC_SOURCE,
-                        "extra_info": {"prompt": prompt, "answer": answer}})
+        records.append(
+            {
+                "prompt": prompt,
+                "answer": answer,
+                "data_source": SYNTHETIC_SOURCE,
+                "extra_info": {"prompt": prompt, "answer": answer},
+            }
+        )
     return records
 
 
@@ -60,7 +67,9 @@ def _read_records(path: Path) -> list[Record]:
                     try:
                         records.append(json.loads(line))
                     except json.JSONDecodeError as exc:
-                        raise ConfigError(f"data file {path}: line {line_number} is not valid JSON ({exc.msg})") from None
+                        raise ConfigError(
+                            f"data file {path}: line {line_number} is not valid JSON ({exc.msg})"
+                        ) from None
         return records
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -82,7 +91,9 @@ def extra_info(record: Record, data_source_key: str) -> dict[str, Any]:
     return info
 
 
-def load_prompt_files(paths: str, prompt_key: str, answer_key: str, data_source_key: str = "data_source") -> list[Record]:
+def load_prompt_files(
+    paths: str, prompt_key: str, answer_key: str, data_source_key: str = "data_source"
+) -> list[Record]:
     """Read comma-separated jsonl / parquet files into {"prompt", "answer", "data_source", "extra_info"} records (a
     record without a data source gets its file's name, less the suffix); ConfigError on any problem."""
     records: list[Record] = []
@@ -112,8 +123,14 @@ def load_prompt_files(paths: str, prompt_key: str, answer_key: str, data_source_
                 source = str(_field(record, data_source_key))
             except KeyError:
                 source = path.stem
-            records.append({"prompt": prompt, "answer": answer, "data_source": source,
-                            "extra_info": extra_info(record, data_source_key)})
+            records.append(
+                {
+                    "prompt": prompt,
+                    "answer": answer,
+                    "data_source": source,
+                    "extra_info": extra_info(record, data_source_key),
+                }
+            )
     if not records:
         raise ConfigError(f"no data files named: '{paths}'")
     return records
@@ -132,11 +149,22 @@ class PromptDataset:
             elif len(ids) > max_prompt_length:
                 too_long += 1
             else:
-                self.items.append({"index": len(self.items), "prompt_ids": ids, "answer": record["answer"],
-                                   "data_source": record.get("data_source", "unknown"),
-                                   "extra_info": record.get("extra_info", {})})
+                self.items.append(
+                    {
+                        "index": len(self.items),
+                        "prompt_ids": ids,
+                        "answer": record["answer"],
+                        "data_source": record.get("data_source", "unknown"),
+                        "extra_info": record.get("extra_info", {}),
+                    }
+                )
         if too_long:
-            logger.warning("dropped %d of %d prompts longer than data.max_prompt_length=%d", too_long, len(records), max_prompt_length)
+            logger.warning(
+                "dropped %d of %d prompts longer than data.max_prompt_length=%d",
+                too_long,
+                len(records),
+                max_prompt_length,
+            )
         if empty:
             logger.warning("dropped %d empty prompts", empty)
         if not self.items:
@@ -167,7 +195,9 @@ def encode_prompt(prompt: str | list, tokenizer, apply_chat_template: bool) -> l
 def build_dataset(data_cfg, tokenizer, seed: int) -> PromptDataset:
     """The run's dataset from `data.*`: prompt files when `data.train_files` is set, else the synthetic task."""
     if data_cfg.train_files:
-        records = load_prompt_files(data_cfg.train_files, data_cfg.prompt_key, data_cfg.answer_key, data_cfg.data_source_key)
+        records = load_prompt_files(
+            data_cfg.train_files, data_cfg.prompt_key, data_cfg.answer_key, data_cfg.data_source_key
+        )
     else:
         synthetic = data_cfg.synthetic
         records = synthetic_arithmetic(synthetic.num_problems, synthetic.max_operand, synthetic.operations, seed)
@@ -181,11 +211,14 @@ def build_val_dataset(data_cfg, tokenizer, seed: int) -> PromptDataset | None:
     """The validation set: `data.val_files`; else, on the synthetic task, `data.synthetic.val_size` problems drawn
     apart from the training ones; None when there is none."""
     if data_cfg.val_files:
-        records = load_prompt_files(data_cfg.val_files, data_cfg.prompt_key, data_cfg.answer_key, data_cfg.data_source_key)
+        records = load_prompt_files(
+            data_cfg.val_files, data_cfg.prompt_key, data_cfg.answer_key, data_cfg.data_source_key
+        )
     elif not data_cfg.train_files and data_cfg.synthetic.val_size > 0:
         synthetic = data_cfg.synthetic
-        records = synthetic_arithmetic(synthetic.val_size, synthetic.max_operand, synthetic.operations, seed,
-                                       stream="arithmetic-val")
+        records = synthetic_arithmetic(
+            synthetic.val_size, synthetic.max_operand, synthetic.operations, seed, stream="arithmetic-val"
+        )
     else:
         return None
     return PromptDataset(records, tokenizer, data_cfg.max_prompt_length, data_cfg.apply_chat_template)

@@ -70,7 +70,12 @@ class PromptLoader:
 
         self.sampler = EpochShuffleSampler(len(dataset), seed, shuffle)
         self.loader = StatefulDataLoader(
-            dataset, batch_size=batch_size, sampler=self.sampler, drop_last=True, collate_fn=_keep_records, num_workers=0
+            dataset,
+            batch_size=batch_size,
+            sampler=self.sampler,
+            drop_last=True,
+            collate_fn=_keep_records,
+            num_workers=0,
         )
         self._iterator: Iterator[list[dict]] | None = None
 

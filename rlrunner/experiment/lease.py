@@ -79,7 +79,13 @@ class Current:
 
 class Lease:
     def __init__(
-        self, storage: Storage, experiment_url: str, heartbeat_s: float, stale_after_s: float, *, clock: Clock = SYSTEM_CLOCK
+        self,
+        storage: Storage,
+        experiment_url: str,
+        heartbeat_s: float,
+        stale_after_s: float,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
     ):
         self.storage = storage
         self.clock = clock
@@ -115,8 +121,10 @@ class Lease:
                 raise ExperimentLockedError(self._held_message(current, age_text))
             if waited_for is None:
                 logger.warning(
-                    "the experiment lock is held by %s, which has missed its heartbeats: waiting %.0f s for its lease to lapse",
-                    current.describe(age_text), lapse_in,
+                    "the experiment lock is held by %s, which has missed its heartbeats: "
+                    "waiting %.0f s for its lease to lapse",
+                    current.describe(age_text),
+                    lapse_in,
                 )
                 waited_for = current.generation
             self.clock.sleep(min(max(lapse_in, 0.2), 5.0))
@@ -143,7 +151,9 @@ class Lease:
         self._record, self._url, self._generation, self._last_ok = record, url, generation, started
         self._lost, self._last_error = None, None
         self._halt = threading.Event()
-        self._thread = threading.Thread(target=self._beat_until, args=(self._halt,), name="rlrunner-lock-heartbeat", daemon=True)
+        self._thread = threading.Thread(
+            target=self._beat_until, args=(self._halt,), name="rlrunner-lock-heartbeat", daemon=True
+        )
         self._thread.start()
         self._delete_old_generations()
 
@@ -155,7 +165,9 @@ class Lease:
             _warned_best_effort.add(self.storage.protocol)
             logger.warning(
                 "%s:// storage has no conditional create: the experiment lock is best effort "
-                "(two runs started within %.0f s of each other may both hold it)", self.storage.protocol, SETTLE_S
+                "(two runs started within %.0f s of each other may both hold it)",
+                self.storage.protocol,
+                SETTLE_S,
             )
         if self.storage.exists(url):
             return False
@@ -171,11 +183,17 @@ class Lease:
         with self._write:  # waits for a heartbeat in flight
             if self.lost() is None:  # when lost, our object may no longer be ours to write (best-effort stores)
                 try:
-                    self.storage.write_bytes(self._url, _encode({**self._record, "released": True, "heartbeat_unix": self.clock.now()}))
+                    self.storage.write_bytes(
+                        self._url, _encode({**self._record, "released": True, "heartbeat_unix": self.clock.now()})
+                    )
                 except Exception as exc:
                     logger.warning(
                         "could not mark the experiment lock %s released (%s: %s): the next run can take it over %.0f s "
-                        "after the last heartbeat", self._url, type(exc).__name__, exc, self.stale_after_s
+                        "after the last heartbeat",
+                        self._url,
+                        type(exc).__name__,
+                        exc,
+                        self.stale_after_s,
                     )
         self._record = None
 
@@ -217,7 +235,8 @@ class Lease:
                 who = winner.describe(None) if winner else "another run"
                 self._set_lost(
                     f"the experiment lock {self.lock_dir} was taken over by {who} (lease generation {max(newer)}; "
-                    f"ours, {self._generation}, had looked stale to it)", replace=True
+                    f"ours, {self._generation}, had looked stale to it)",
+                    replace=True,
                 )
                 return False
             if self.lost() is not None:
@@ -235,9 +254,13 @@ class Lease:
                 self.storage.write_bytes(self._url, _encode(record))
         except Exception as exc:  # a storage error: record it, try again next beat
             self._last_error = f"{type(exc).__name__}: {exc}"
-            logger.warning("experiment lock heartbeat failed (%s); retrying in %.0f s", self._last_error, self.heartbeat_s)
+            logger.warning(
+                "experiment lock heartbeat failed (%s); retrying in %.0f s", self._last_error, self.heartbeat_s
+            )
             return self.lost() is None
-        if self.clock.monotonic() - self._last_ok > self.stale_after_s:  # landed too late: another run may have taken over
+        if (
+            self.clock.monotonic() - self._last_ok > self.stale_after_s
+        ):  # landed too late: another run may have taken over
             return self.lost() is None
         self._last_ok, self._last_error = started, None
         return True

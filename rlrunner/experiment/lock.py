@@ -110,7 +110,9 @@ class _Flock:
                 "wait for it to end or choose another runner.experiment_name"
             ) from None
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since_unix": self.clock.now()}).encode())
+        os.write(
+            fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since_unix": self.clock.now()}).encode()
+        )
         self._fd = fd
 
     def release(self) -> None:

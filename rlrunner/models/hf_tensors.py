@@ -143,8 +143,11 @@ class SeededInit(HFTensors):
         tied = {}
         for name, param in model.state_dict(keep_vars=True).items():  # a tied weight: the name it is first listed under
             tied.setdefault(id(param), name)
-        self.aliases = {name: tied[id(param)] for name, param in model.state_dict(keep_vars=True).items()
-                        if tied[id(param)] != name and tied[id(param)] in self.rules}
+        self.aliases = {
+            name: tied[id(param)]
+            for name, param in model.state_dict(keep_vars=True).items()
+            if tied[id(param)] != name and tied[id(param)] in self.rules
+        }
 
     def _rule(self, name: str) -> tuple[str, tuple[tuple[int, ...], str, int | None]]:
         key = self.aliases.get(name, name)

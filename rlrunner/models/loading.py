@@ -53,7 +53,9 @@ def check_model_folder(path: str, checkpoint: bool = False) -> None:
     if checkpoint:
         folder = hf_folder(path)
         if not (folder / "config.json").is_file():
-            raise ConfigError(f"model.path is a training checkpoint without {HF_DIR}/config.json (its HF config): {path}")
+            raise ConfigError(
+                f"model.path is a training checkpoint without {HF_DIR}/config.json (its HF config): {path}"
+            )
     elif not (folder / "config.json").is_file():
         raise ConfigError(f"model.path is not a Hugging Face model folder (no config.json): {path}")
     if not checkpoint and not any(any(folder.glob(pattern)) for pattern in _WEIGHT_PATTERNS):

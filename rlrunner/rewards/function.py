@@ -56,7 +56,9 @@ def check_reward_config(reward: Any) -> None:
     from rlrunner.rewards import BUILTIN_VERIFIERS
 
     if reward.verifier is not None and reward.verifier not in BUILTIN_VERIFIERS:
-        raise ConfigError(f"reward.verifier must be one of {', '.join(sorted(BUILTIN_VERIFIERS))} or null, got '{reward.verifier}'")
+        raise ConfigError(
+            f"reward.verifier must be one of {', '.join(sorted(BUILTIN_VERIFIERS))} or null, got '{reward.verifier}'"
+        )
     if reward.function is not None:
         parse_spec(reward.function, os.getcwd())
     if reward.num_workers < 1:
@@ -118,7 +120,9 @@ def read_result(value: Any) -> tuple[float, dict[str, float]]:
                 extras[str(key)] = float(item)
         value = value["score"]
     if not _is_number(value):
-        raise ValueError(f"returned {type(value).__name__} {first_line(repr(value))[:60]}, not a number or a dict with 'score'")
+        raise ValueError(
+            f"returned {type(value).__name__} {first_line(repr(value))[:60]}, not a number or a dict with 'score'"
+        )
     score = float(value)
     if not math.isfinite(score):
         raise ValueError(f"returned a score of {score}")

@@ -106,7 +106,8 @@ class _Process:
         child_in, parent_out = os.pipe()
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "rlrunner.rewards.scoring_process", str(child_in), str(child_out), str(os.getpid())],
-            pass_fds=(child_in, child_out), close_fds=True,
+            pass_fds=(child_in, child_out),
+            close_fds=True,
         )
         os.close(child_in)
         os.close(child_out)
@@ -271,8 +272,10 @@ class RewardScorer:
             if now < process.deadline:
                 continue
             if not process.ready:
-                self._broken = (f"reward.function: loading {self.spec.text} took more than {self.load_timeout_s:g} s "
-                                "(its import hangs?)")
+                self._broken = (
+                    f"reward.function: loading {self.spec.text} took more than {self.load_timeout_s:g} s "
+                    "(its import hangs?)"
+                )
                 process.kill()
                 self._processes.remove(process)
             elif process.work:
@@ -282,7 +285,10 @@ class RewardScorer:
         """Kill `process`; its current call fails with `why`, the rest of its chunk goes back to the queue's front."""
         exit_code = process.kill()
         if not process.ready:
-            self._broken = f"reward.function: the scoring process for {self.spec.text} exited while loading it (exit code {exit_code})"
+            self._broken = (
+                f"reward.function: the scoring process for {self.spec.text} exited while loading it "
+                f"(exit code {exit_code})"
+            )
             self._processes.remove(process)
             return
         if process.work:

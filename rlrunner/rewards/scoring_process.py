@@ -36,8 +36,13 @@ def _die_with_parent(parent: int) -> None:
 def _call(function, kwargs: dict, item: tuple) -> tuple:
     data_source, solution_str, ground_truth, extra_info = item
     try:
-        value = function(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
-                         extra_info=extra_info, **kwargs)
+        value = function(
+            data_source=data_source,
+            solution_str=solution_str,
+            ground_truth=ground_truth,
+            extra_info=extra_info,
+            **kwargs,
+        )
         score, extras = read_result(value)
         return ("result", score, extras, None)
     except Exception as exc:  # noqa: BLE001 - the user's function may raise anything; it is reported, not fatal

@@ -3,9 +3,10 @@
 An engine is built from the model config (its weights do not matter: the actor's are pushed before the first
 generation), generates response token ids for fixed chunks of prompts with one seed per sample, takes new weights
 through its weight sink, and is closed when a run ends as it should (after a failure its worker is killed
-without asking: an engine that starts processes of its own must not leave them behind when its own process dies). A new engine is one module (or package) under
-`rlrunner/rollout/` and one line in `rlrunner/rollout/registry.py`. Rewards are not the engine's business: the
-rollout worker scores every response in one place (`RolloutWorker._score`).
+without asking: an engine that starts processes of its own must not leave them behind when its own process dies).
+A new engine is one module (or package) under `rlrunner/rollout/` and one line in `rlrunner/rollout/registry.py`.
+Rewards are not the engine's business: the rollout worker scores every response in one place
+(`RolloutWorker._score`).
 """
 
 from __future__ import annotations
@@ -94,7 +95,9 @@ class RolloutEngine(ABC):
         by the driver; what a request gets may depend on its chunk (its batch) but never on how chunks are shared
         between workers."""
 
-    def iter_generate(self, chunks: Sequence[Sequence[SampleRequest]], sampling: Sampling) -> Iterator[list[Completion]]:
+    def iter_generate(
+        self, chunks: Sequence[Sequence[SampleRequest]], sampling: Sampling
+    ) -> Iterator[list[Completion]]:
         """`generate`'s chunks one by one, as each is done (so the worker scores a chunk while the next generates). By
         default all at once; an engine that generates chunk by chunk yields each as it finishes."""
         yield from self.generate(chunks, sampling)

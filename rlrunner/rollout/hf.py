@@ -40,8 +40,16 @@ class ModuleSink(WeightSink):
 
 
 class HFEngine(RolloutEngine):
-    def __init__(self, model_cfg: Mapping[str, Any], rollout_cfg: Mapping[str, Any], tokenizer: Any, token_ids: TokenIds,
-                 seed: int, device: torch.device, max_prompt_length: int):
+    def __init__(
+        self,
+        model_cfg: Mapping[str, Any],
+        rollout_cfg: Mapping[str, Any],
+        tokenizer: Any,
+        token_ids: TokenIds,
+        seed: int,
+        device: torch.device,
+        max_prompt_length: int,
+    ):
         super().__init__(model_cfg, rollout_cfg, tokenizer, token_ids, seed, device, max_prompt_length)
         config = build_hf_config(model_cfg, tokenizer)
         self.model = random_model(config, seed, model_cfg["attn_implementation"], torch_dtype(model_cfg["dtype"]))
@@ -51,7 +59,9 @@ class HFEngine(RolloutEngine):
     def generate(self, chunks: Sequence[Sequence[SampleRequest]], sampling: Sampling) -> list[list[Completion]]:
         return list(self.iter_generate(chunks, sampling))
 
-    def iter_generate(self, chunks: Sequence[Sequence[SampleRequest]], sampling: Sampling) -> Iterator[list[Completion]]:
+    def iter_generate(
+        self, chunks: Sequence[Sequence[SampleRequest]], sampling: Sampling
+    ) -> Iterator[list[Completion]]:
         for chunk in chunks:
             yield generate(
                 self.model,

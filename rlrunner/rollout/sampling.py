@@ -61,8 +61,8 @@ def generate(
     input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((rows, width), dtype=torch.long)
     for r, prompt in enumerate(prompts):
-        input_ids[r, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-        attention_mask[r, width - len(prompt):] = 1
+        input_ids[r, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[r, width - len(prompt) :] = 1
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
     generators = [torch.Generator().manual_seed(int(s)) for s in seeds]

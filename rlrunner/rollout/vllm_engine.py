@@ -59,9 +59,13 @@ def check_options(cfg: Any) -> None:
     """ConfigError naming the first `rollout.vllm.*` value that cannot work (no vLLM needed)."""
     options = cfg.rollout.vllm
     if options.dtype is not None and options.dtype not in ("float32", "bfloat16", "float16"):
-        raise ConfigError(f"rollout.vllm.dtype must be float32, bfloat16, float16 or null (model.dtype), got '{options.dtype}'")
+        raise ConfigError(
+            f"rollout.vllm.dtype must be float32, bfloat16, float16 or null (model.dtype), got '{options.dtype}'"
+        )
     if not 0 < options.gpu_memory_utilization <= 1:
-        raise ConfigError(f"rollout.vllm.gpu_memory_utilization must be in (0, 1], got {options.gpu_memory_utilization}")
+        raise ConfigError(
+            f"rollout.vllm.gpu_memory_utilization must be in (0, 1], got {options.gpu_memory_utilization}"
+        )
     if options.kv_cache_gb is not None and options.kv_cache_gb <= 0:
         raise ConfigError(f"rollout.vllm.kv_cache_gb must be positive or null, got {options.kv_cache_gb}")
     longest = longest_response(cfg.rollout)
@@ -91,7 +95,9 @@ def _probe(executable: str, pythonpath: str) -> dict[str, Any]:
         cause = lines[-1].strip() if lines else f"exit code {result.returncode}"
         if "No module named 'vllm'" in cause:
             raise ConfigError(f"rollout.engine=vllm needs vLLM, which is not installed: {INSTALL}")
-        raise ConfigError(f"rollout.engine=vllm: vLLM cannot be imported ({first_line(cause)}); reinstall it: {INSTALL}")
+        raise ConfigError(
+            f"rollout.engine=vllm: vLLM cannot be imported ({first_line(cause)}); reinstall it: {INSTALL}"
+        )
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -119,8 +125,16 @@ class VLLMEngine(RolloutEngine):
         check_options(cfg)
         check_support(probe_vllm(), hf_config, on_cpu=cfg.cluster.gpus_per_worker == 0)
 
-    def __init__(self, model_cfg: Mapping[str, Any], rollout_cfg: Mapping[str, Any], tokenizer: Any, token_ids: TokenIds,
-                 seed: int, device: torch.device, max_prompt_length: int):
+    def __init__(
+        self,
+        model_cfg: Mapping[str, Any],
+        rollout_cfg: Mapping[str, Any],
+        tokenizer: Any,
+        token_ids: TokenIds,
+        seed: int,
+        device: torch.device,
+        max_prompt_length: int,
+    ):
         super().__init__(model_cfg, rollout_cfg, tokenizer, token_ids, seed, device, max_prompt_length)
         options = rollout_cfg["vllm"]
         self.dtype = options["dtype"] or model_cfg["dtype"]
@@ -168,8 +182,11 @@ class VLLMEngine(RolloutEngine):
 
         cores = [psutil.Process(pid) for pid in self.engine_core_pids()]
         if not cores:
-            logger.warning("no vLLM engine core process found (engine client %s): its loss is found by the step's time "
-                           "bound (runner.recovery.step_timeout_s)", type(self.llm.llm_engine.engine_core).__name__)
+            logger.warning(
+                "no vLLM engine core process found (engine client %s): its loss is found by the step's time "
+                "bound (runner.recovery.step_timeout_s)",
+                type(self.llm.llm_engine.engine_core).__name__,
+            )
             return
 
         def watch() -> None:
@@ -243,9 +260,13 @@ class VLLMEngine(RolloutEngine):
         else:
             from safetensors.torch import save_file
 
-            folder = tempfile.mkdtemp(prefix="rlrunner-vllm-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            folder = tempfile.mkdtemp(
+                prefix="rlrunner-vllm-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+            )
             try:
-                save_file({name: tensor.contiguous() for name, tensor in weights}, os.path.join(folder, "model.safetensors"))
+                save_file(
+                    {name: tensor.contiguous() for name, tensor in weights}, os.path.join(folder, "model.safetensors")
+                )
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
             finally:
                 shutil.rmtree(folder, ignore_errors=True)

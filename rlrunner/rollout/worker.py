@@ -14,8 +14,8 @@ import torch
 
 from rlrunner.cluster.node import node_ip
 from rlrunner.cluster.worker import Worker
-from rlrunner.models.loading import build_tokenizer, token_ids
 from rlrunner.errors import ConfigError, RewardFunctionError
+from rlrunner.models.loading import build_tokenizer, token_ids
 from rlrunner.rewards.function import RewardLoadError
 from rlrunner.rewards.scorer import RewardSettings, ScoreRequest
 from rlrunner.rollout.base import SampleRequest, Sampling
@@ -49,11 +49,14 @@ class RolloutWorker(Worker):
         self.sampling = {"train": Sampling.training(rollout_cfg), "val": Sampling.validation(rollout_cfg)}
         self.scorer = reward.scorer()  # its processes start now, beside the engine's build
         engine = get_engine(rollout_cfg["engine"])
-        self.engine = engine(model_cfg, rollout_cfg, self.tokenizer, self.token_ids, seed, self.device, max_prompt_length)
+        self.engine = engine(
+            model_cfg, rollout_cfg, self.tokenizer, self.token_ids, seed, self.device, max_prompt_length
+        )
         self.weight_sync: WeightReceiver | None = None
 
-    def generate(self, step: int, chunks: list[list[dict[str, Any]]], first_sample: int = 0,
-                 validation: bool = False) -> list[dict[str, Any]]:
+    def generate(
+        self, step: int, chunks: list[list[dict[str, Any]]], first_sample: int = 0, validation: bool = False
+    ) -> list[dict[str, Any]]:
         """Scored samples, in prompt order, for each chunk of prompts: `group_size` per prompt, or with `validation`
         `rollout.val.num_samples` sampled the `rollout.val.*` way. `first_sample` is the position of this call's first
         sample in the step's batch (what a reward error names)."""
@@ -62,7 +65,10 @@ class RolloutWorker(Worker):
         seed_name = "val_sample" if validation else "sample"  # validation draws apart from training
         rows = [[(record, j) for record in chunk for j in range(per_prompt)] for chunk in chunks]
         requests = [
-            [SampleRequest(record["prompt_ids"], derive_seed(self.seed, seed_name, step, record["index"], j)) for record, j in chunk]
+            [
+                SampleRequest(record["prompt_ids"], derive_seed(self.seed, seed_name, step, record["index"], j))
+                for record, j in chunk
+            ]
             for chunk in rows
         ]
         samples: list[dict[str, Any]] = []
@@ -71,15 +77,17 @@ class RolloutWorker(Worker):
             scoring = []
             for (record, j), completion in zip(chunk, completions):
                 response = list(completion.token_ids)
-                samples.append({
-                    "index": record["index"],
-                    "sample": j,
-                    "prompt_ids": record["prompt_ids"],
-                    "response_ids": response,
-                    "logprobs": list(completion.logprobs),
-                    "finished": bool(response) and response[-1] in self.token_ids.eos,
-                    "data_source": record["data_source"],
-                })
+                samples.append(
+                    {
+                        "index": record["index"],
+                        "sample": j,
+                        "prompt_ids": record["prompt_ids"],
+                        "response_ids": response,
+                        "logprobs": list(completion.logprobs),
+                        "finished": bool(response) and response[-1] in self.token_ids.eos,
+                        "data_source": record["data_source"],
+                    }
+                )
                 text = self.tokenizer.decode(response, skip_special_tokens=True)
                 scoring.append(ScoreRequest(record["data_source"], text, record["answer"], record["extra_info"]))
             batches.append(self.scorer.submit(scoring))  # scored while the engine generates the next chunk
@@ -93,7 +101,8 @@ class RolloutWorker(Worker):
             if score.error is not None and self.reward.on_error == "raise":
                 where = "validation at step" if validation else "step"
                 raise RewardFunctionError(
-                    f"reward function {self.reward.spec.text} failed at {where} {step}, sample {first_sample + position} "
+                    f"reward function {self.reward.spec.text} failed at {where} {step}, "
+                    f"sample {first_sample + position} "
                     f"(prompt {sample['index']}, response {sample['sample']}): {score.error}"
                 )
             sample["reward"] = score.value if score.error is None else 0.0
@@ -113,14 +122,26 @@ class RolloutWorker(Worker):
 
     # -- weight sync (see rlrunner.weight_sync) --------------------------------------------------
 
-    def join_weight_sync(self, host: str, port: int, num_actor_ranks: int, num_rollout_workers: int, timeout_s: float) -> list[str]:
-        """Collective with every actor rank and rollout worker: join all actor ranks' channels; returns their backends."""
+    def join_weight_sync(
+        self, host: str, port: int, num_actor_ranks: int, num_rollout_workers: int, timeout_s: float
+    ) -> list[str]:
+        """Collective with every actor rank and rollout worker: join all actor ranks' channels; returns their
+        backends."""
         if num_rollout_workers != self.world_size:
-            raise ValueError(f"join_weight_sync: {num_rollout_workers} rollout workers given, the group has {self.world_size}")
+            raise ValueError(
+                f"join_weight_sync: {num_rollout_workers} rollout workers given, the group has {self.world_size}"
+            )
         self.close_weight_sync()
         store = connect_store(host, port, timeout_s)
         self.weight_sync = WeightReceiver(
-            store, self.rank, num_actor_ranks, num_rollout_workers, self.engine.weight_sink(), self.device, timeout_s, node_ip()
+            store,
+            self.rank,
+            num_actor_ranks,
+            num_rollout_workers,
+            self.engine.weight_sink(),
+            self.device,
+            timeout_s,
+            node_ip(),
         )
         return self.weight_sync.backends
 

@@ -75,9 +75,9 @@ class AttemptState:
         self.last_saved_step = self.global_step
 
     def restore_snapshot(self, snapshot: Snapshot, last_saved_step: int | None) -> None:
-        """Load an in-memory snapshot into the actor group (`last_saved_step`: the newest committed checkpoint's). A part
-        lost since it was chosen fails the attempt (the ranks may hold half of it): the next attempt finds the snapshot
-        incomplete and loads the checkpoint."""
+        """Load an in-memory snapshot into the actor group (`last_saved_step`: the newest committed checkpoint's). A
+        part lost since it was chosen fails the attempt (the ranks may hold half of it): the next attempt finds the
+        snapshot incomplete and loads the checkpoint."""
         data_state = self.ctx.snapshots.load(snapshot, self.actor_group, self.cfg.runner.recovery.step_timeout_s)
         self.loader.load_state_dict(data_state["dataloader"])
         self.global_step = int(data_state["runner"]["global_step"])

@@ -43,7 +43,9 @@ def first_samples(assignment: Sequence[Sequence[Sequence[Any]]], per_prompt: int
     return starts
 
 
-def build_actor_batch(samples: Sequence[dict[str, Any]], advantages: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
+def build_actor_batch(
+    samples: Sequence[dict[str, Any]], advantages: torch.Tensor, pad_id: int
+) -> dict[str, torch.Tensor]:
     """Right-padded prompt+response rows with a mask over the response's target positions.
 
     input_ids [N, L]; loss_mask [N, L-1] is 1.0 where the token predicted at that position
@@ -59,7 +61,9 @@ def build_actor_batch(samples: Sequence[dict[str, Any]], advantages: torch.Tenso
     rollout_logprobs = torch.zeros((len(samples), width - 1), dtype=torch.float32)
     for row, sample in enumerate(samples):
         prompt_len, total = len(sample["prompt_ids"]), lengths[row]
-        input_ids[row, :total] = torch.tensor(list(sample["prompt_ids"]) + list(sample["response_ids"]), dtype=torch.long)
+        input_ids[row, :total] = torch.tensor(
+            list(sample["prompt_ids"]) + list(sample["response_ids"]), dtype=torch.long
+        )
         loss_mask[row, prompt_len - 1 : total - 1] = 1.0
         rollout_logprobs[row, prompt_len - 1 : total - 1] = torch.tensor(sample["logprobs"], dtype=torch.float32)
     return {
@@ -71,7 +75,9 @@ def build_actor_batch(samples: Sequence[dict[str, Any]], advantages: torch.Tenso
     }
 
 
-def shard_actor_batch(batch: dict[str, torch.Tensor], num_ranks: int, num_minibatches: int) -> list[dict[str, torch.Tensor]]:
+def shard_actor_batch(
+    batch: dict[str, torch.Tensor], num_ranks: int, num_minibatches: int
+) -> list[dict[str, torch.Tensor]]:
     """Rank r's rows: its equal slice of every mini-batch, mini-batches in order.
 
     Each shard also carries `token_counts` and `sequence_counts` [num_minibatches]: the response tokens, and the
@@ -87,7 +93,10 @@ def shard_actor_batch(batch: dict[str, torch.Tensor], num_ranks: int, num_miniba
     shards = []
     for rank in range(num_ranks):
         index = torch.cat(
-            [torch.arange(mb * per_minibatch + rank * per_rank, mb * per_minibatch + (rank + 1) * per_rank) for mb in range(num_minibatches)]
+            [
+                torch.arange(mb * per_minibatch + rank * per_rank, mb * per_minibatch + (rank + 1) * per_rank)
+                for mb in range(num_minibatches)
+            ]
         )
         shard = {key: value[index] for key, value in batch.items()}
         shard["token_counts"] = token_counts.clone()

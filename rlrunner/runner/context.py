@@ -14,13 +14,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlrunner.algorithms.objective import PolicyObjective
+from rlrunner.algorithms.registry import get_adv_estimator
 from rlrunner.backends.registry import checkpoint_weights_reader, get_backend
 from rlrunner.checkpoint import layout
 from rlrunner.checkpoint.handler import CheckpointHandler
 from rlrunner.checkpoint.manager import CheckpointManager
 from rlrunner.checkpoint.policy import flatten
-from rlrunner.algorithms.objective import PolicyObjective
-from rlrunner.algorithms.registry import get_adv_estimator
 from rlrunner.config_checks import mini_batch_prompts
 from rlrunner.data.datasets import build_dataset, build_val_dataset
 from rlrunner.data.loader import PromptLoader
@@ -28,11 +28,11 @@ from rlrunner.experiment.lock import ExperimentLock
 from rlrunner.models.loading import build_hf_config, build_tokenizer, token_ids
 from rlrunner.rewards.function import parse_spec
 from rlrunner.rewards.scorer import RewardSettings
+from rlrunner.rollout.registry import get_engine
 from rlrunner.runner.experiment_logs import ExperimentLogs
 from rlrunner.runner.metrics import MetricsLogger
 from rlrunner.runner.recovery import RecoveryLog
 from rlrunner.runner.snapshots import SnapshotStore
-from rlrunner.rollout.registry import get_engine
 from rlrunner.runner.stopping import StopRequest
 from rlrunner.storage import open_storage
 
@@ -45,8 +45,12 @@ def reward_settings(cfg: DictConfig, base_dir: str | None = None) -> RewardSetti
     directory), else `reward.verifier`, else the natural verifier for the data (arithmetic for the synthetic task,
     math for prompt files)."""
     reward = cfg.reward
-    options = {"kwargs": OmegaConf.to_container(reward.function_kwargs, resolve=True), "num_workers": reward.num_workers,
-               "timeout_s": reward.timeout_s, "on_error": reward.on_error}
+    options = {
+        "kwargs": OmegaConf.to_container(reward.function_kwargs, resolve=True),
+        "num_workers": reward.num_workers,
+        "timeout_s": reward.timeout_s,
+        "on_error": reward.on_error,
+    }
     if reward.function:
         return RewardSettings(parse_spec(reward.function, base_dir or os.getcwd()), **options)
     verifier = reward.verifier or ("math" if cfg.data.train_files else "arithmetic")
@@ -65,7 +69,9 @@ class RunContext:
         self.stop = stop or StopRequest(cfg.runner.max_wall_time_s)
         self.storage_options = OmegaConf.to_container(cfg.runner.storage_options, resolve=True)
         # logs are written locally (a cache folder when log_path is on a store) and uploaded at every commit
-        self.logs = ExperimentLogs(cfg.runner.logger.log_path, self.storage_options, cfg.runner.local_cache_dir, cfg.runner.experiment_name)
+        self.logs = ExperimentLogs(
+            cfg.runner.logger.log_path, self.storage_options, cfg.runner.local_cache_dir, cfg.runner.experiment_name
+        )
         self.log_path = self.logs.local_dir
         self.recovery_log = RecoveryLog(self.log_path)
         self.tokenizer = build_tokenizer(cfg.model)
@@ -88,7 +94,9 @@ class RunContext:
         if cfg.model.path is not None:
             storage = open_storage(str(Path(cfg.model.path).expanduser()))
             self.read_weights = checkpoint_weights_reader(storage, storage.url)
-        self.storage, self.experiment = layout.experiment_url(cfg.runner.output_dir, cfg.runner.experiment_name, self.storage_options)
+        self.storage, self.experiment = layout.experiment_url(
+            cfg.runner.output_dir, cfg.runner.experiment_name, self.storage_options
+        )
         self.handler = CheckpointHandler(
             self.storage,
             self.experiment,
@@ -109,8 +117,18 @@ class RunContext:
         from rlrunner.trackers.session import Trackers
 
         logger_cfg = self.cfg.runner.logger
-        trackers = Trackers(list(logger_cfg.backends), logger_cfg, self.log_path, self.cfg.runner.experiment_name,
-                            OmegaConf.to_container(self.cfg, resolve=True), continue_runs) if logger_cfg.backends else None
+        trackers = (
+            Trackers(
+                list(logger_cfg.backends),
+                logger_cfg,
+                self.log_path,
+                self.cfg.runner.experiment_name,
+                OmegaConf.to_container(self.cfg, resolve=True),
+                continue_runs,
+            )
+            if logger_cfg.backends
+            else None
+        )
         self.metrics = MetricsLogger(self.log_path, trackers)
         return self.metrics
 
@@ -124,7 +142,10 @@ class RunContext:
 
     def checkpoint_manager(self, actor_group: Any) -> CheckpointManager:
         return self.backend.checkpoint_manager(
-            actor_group, self.rank_map, self.cfg.runner.recovery.checkpoint_timeout_s, self.cfg.runner.async_save,
+            actor_group,
+            self.rank_map,
+            self.cfg.runner.recovery.checkpoint_timeout_s,
+            self.cfg.runner.async_save,
             self.storage_options,
         )
 

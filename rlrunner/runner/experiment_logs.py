@@ -21,8 +21,8 @@ from typing import Any, Mapping
 from rlrunner.errors import first_line
 from rlrunner.runner.metrics import METRICS_FILE
 from rlrunner.runner.recovery import RECOVERY_FILE
-from rlrunner.trackers.state import TRACKERS_FILE
 from rlrunner.storage import join, open_storage
+from rlrunner.trackers.state import TRACKERS_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,9 @@ def is_log_file(name: str) -> bool:
 
 
 class ExperimentLogs:
-    def __init__(self, log_url: str, storage_options: Mapping[str, Any] | None, local_cache_dir: str, experiment_name: str):
+    def __init__(
+        self, log_url: str, storage_options: Mapping[str, Any] | None, local_cache_dir: str, experiment_name: str
+    ):
         self.storage = open_storage(log_url, storage_options)
         self.url = self.storage.url  # normalized: an absolute path for a local folder
         self.remote = not self.storage.is_local
@@ -95,7 +97,10 @@ class ExperimentLogs:
                 left = len(pending) - index - 1
                 logger.warning(
                     "could not upload %s to %s (%s)%s; will retry at the next upload",
-                    name, self.url, first_line(exc) or type(exc).__name__, f", nor {left} more log files" if left else "",
+                    name,
+                    self.url,
+                    first_line(exc) or type(exc).__name__,
+                    f", nor {left} more log files" if left else "",
                 )
                 break
             self._uploaded[name] = stamp

@@ -28,7 +28,9 @@ def local_folder(log_path: str | os.PathLike) -> Path:
     written in `ExperimentLogs.local_dir` and uploaded."""
     text = os.fspath(log_path)
     if is_url(text):
-        raise ValueError(f"{text} is not a local folder: write the logs in ExperimentLogs(...).local_dir and upload them")
+        raise ValueError(
+            f"{text} is not a local folder: write the logs in ExperimentLogs(...).local_dir and upload them"
+        )
     return Path(local_path(text))
 
 
@@ -106,8 +108,13 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 class Progress:
     """A tqdm bar on a terminal; otherwise a log line every ~5% of the run."""
 
-    _SHOWN = (("reward", "rollout/reward_mean"), ("acc", "rollout/accuracy"), ("loss", "actor/loss"),
-              ("val_acc", "val/accuracy"), ("s/step", "time/step_s"))
+    _SHOWN = (
+        ("reward", "rollout/reward_mean"),
+        ("acc", "rollout/accuracy"),
+        ("loss", "actor/loss"),
+        ("val_acc", "val/accuracy"),
+        ("s/step", "time/step_s"),
+    )
 
     def __init__(self, total_steps: int, start_step: int, enabled: bool):
         self.total_steps = total_steps
@@ -177,10 +184,13 @@ def source_key(data_source: str) -> str:
 def validation_metrics(samples: list[dict[str, Any]]) -> dict[str, float]:
     """`val/reward_mean`, `val/accuracy` (reward 1.0), the same per data source (`val/<source>/...`), and
     `val/reward/<key>` for a reward function's other numeric keys."""
+
     def summary(group: list[dict[str, Any]], prefix: str) -> dict[str, float]:
         rewards = [s["reward"] for s in group]
-        return {f"{prefix}reward_mean": math.fsum(rewards) / len(rewards),
-                f"{prefix}accuracy": sum(r == 1.0 for r in rewards) / len(rewards)}
+        return {
+            f"{prefix}reward_mean": math.fsum(rewards) / len(rewards),
+            f"{prefix}accuracy": sum(r == 1.0 for r in rewards) / len(rewards),
+        }
 
     metrics = summary(samples, "val/")
     sources: dict[str, list[dict[str, Any]]] = {}

@@ -78,8 +78,14 @@ def spare_pools(ctx: RunContext) -> dict[str, SparePool]:
         actor, rollout = group_specs(ctx, 0.0, lambda: False)
         counts = ctx.cfg.cluster.spare_workers
         ctx.spare_pools = {
-            spec["name"]: SparePool(spec["name"], spec["worker_cls"], spec["worker_kwargs"], counts[spec["name"]],
-                                    spec["cpus_per_worker"], spec["gpus_per_worker"])
+            spec["name"]: SparePool(
+                spec["name"],
+                spec["worker_cls"],
+                spec["worker_kwargs"],
+                counts[spec["name"]],
+                spec["cpus_per_worker"],
+                spec["gpus_per_worker"],
+            )
             for spec in (actor, rollout)
         }
     return ctx.spare_pools

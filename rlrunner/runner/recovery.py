@@ -88,8 +88,12 @@ def rollout_loss(exc: BaseException, actor_group: Any, rollout_group: Any) -> st
     return f"{cause} [dead: {', '.join(dead)}]" if dead else cause
 
 
-def ranks_to_replace(dead_actor_ranks: Sequence[int], rank_nodes: Sequence[str], alive_nodes: Sequence[str],
-                     dead_rollout_ranks: Sequence[int]) -> list[int]:
+def ranks_to_replace(
+    dead_actor_ranks: Sequence[int],
+    rank_nodes: Sequence[str],
+    alive_nodes: Sequence[str],
+    dead_rollout_ranks: Sequence[int],
+) -> list[int]:
     """The actor ranks a repair replaces alone (the other ranks and the rollout group kept): the dead ones, when no
     rollout worker is dead and every dead rank's node (`rank_nodes[rank]`) is alive, i.e. processes were lost, not
     nodes. [] when the whole attempt is to be replaced."""

@@ -9,8 +9,8 @@ Each rank copies its state off the live tensors (`ActorWorker.snapshot_part`: `t
 after the step's update, before the weight sync's: so once a step has completed, every rank's part is out of the rank's
 process (in Ray's object store, owned by the driver) and a killed rank process costs no completed step. The part then
 goes to a `SnapshotHolder` on another node than the rank's (`holder_nodes`), with the driver's state of the step beside
-rank 0's part, while the next step's generation runs. Nothing here waits for a transfer. The holders keep the newest complete
-snapshot and the one being copied: the older one is dropped once every part of the newer one has arrived.
+rank 0's part, while the next step's generation runs. Nothing here waits for a transfer. The holders keep the newest
+complete snapshot and the one being copied: the older one is dropped once every part of the newer one has arrived.
 
 A snapshot is used only when every rank's part of the same step is held by a live holder (`newest_complete`). A part
 that cannot be held (host memory short of `runner.snapshot.reserve_memory_gb`) leaves its step incomplete, with a
@@ -52,8 +52,9 @@ def holder_nodes(rank_nodes: Sequence[str], nodes: Sequence[str]) -> list[str]:
     return chosen
 
 
-def newest_complete(held: Mapping[str, Mapping[int, Sequence[int]]], world_size: int, min_step: int = 0,
-                    max_step: int | None = None) -> tuple[int, dict[int, str]] | None:
+def newest_complete(
+    held: Mapping[str, Mapping[int, Sequence[int]]], world_size: int, min_step: int = 0, max_step: int | None = None
+) -> tuple[int, dict[int, str]] | None:
     """The newest step from `min_step` to `max_step` whose every rank's part is held, with the node holding each rank's
     part; `held` is {node: {step: ranks}} of the live holders. None when no step is complete."""
     where: dict[int, dict[int, str]] = {}
@@ -61,8 +62,11 @@ def newest_complete(held: Mapping[str, Mapping[int, Sequence[int]]], world_size:
         for step, ranks in held[node].items():
             for rank in ranks:
                 where.setdefault(int(step), {}).setdefault(int(rank), node)
-    complete = [step for step, ranks in where.items()
-                if min_step <= step <= (step if max_step is None else max_step) and set(ranks) >= set(range(world_size))]
+    complete = [
+        step
+        for step, ranks in where.items()
+        if min_step <= step <= (step if max_step is None else max_step) and set(ranks) >= set(range(world_size))
+    ]
     if not complete:
         return None
     step = max(complete)
@@ -98,8 +102,11 @@ class SnapshotStore:
         to it, and hands the copy to its holder."""
         if not self._settle():
             # one snapshot in flight at a time, and the loop never waits for one: the newest complete one stays
-            self._warn("skipped", f"the in-memory snapshot of step {step} is skipped: the one of step {self.in_flight[0]} is still "
-                       "being handed to its holders")
+            self._warn(
+                "skipped",
+                f"the in-memory snapshot of step {step} is skipped: the one of step {self.in_flight[0]} is still "
+                "being handed to its holders",
+            )
             return
         if cluster_lost() is not None:
             return  # every GCS call would block until Ray gives up: the next call to a worker reports the loss
@@ -119,8 +126,10 @@ class SnapshotStore:
             nodes = holder_nodes(rank_nodes, alive_nodes())
             if len(set(nodes) | set(rank_nodes)) == 1 and not self._said_own_node:
                 self._said_own_node = True
-                logger.info("in-memory snapshots are held on the ranks' own node (the cluster has no other): they "
-                            "cover the loss of a worker process, not of the node")
+                logger.info(
+                    "in-memory snapshots are held on the ranks' own node (the cluster has no other): they "
+                    "cover the loss of a worker process, not of the node"
+                )
             self._placed = ((id(actor_group), rank_nodes), nodes)
         return self._placed[1]
 
@@ -146,8 +155,11 @@ class SnapshotStore:
             if reason is not None:
                 reasons.append(reason)
         if reasons:
-            self._warn("incomplete", f"the in-memory snapshot of step {step} is incomplete, so a failure now recovers from the newest "
-                       f"checkpoint on storage: {reasons[0]}")
+            self._warn(
+                "incomplete",
+                f"the in-memory snapshot of step {step} is incomplete, so a failure now recovers from the newest "
+                f"checkpoint on storage: {reasons[0]}",
+            )
             return True
         self.complete_step = step
         self._warned = None
@@ -176,11 +188,15 @@ class SnapshotStore:
 
     def _holder(self, node: str) -> Any:
         if node not in self.holders:
-            self.holders[node] = ray.remote(SnapshotHolder).options(
-                num_cpus=0,
-                max_restarts=0,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-            ).remote(self.reserve_bytes)
+            self.holders[node] = (
+                ray.remote(SnapshotHolder)
+                .options(
+                    num_cpus=0,
+                    max_restarts=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                )
+                .remote(self.reserve_bytes)
+            )
         return self.holders[node]
 
     # -- using -----------------------------------------------------------------------------------
@@ -224,4 +240,3 @@ class SnapshotStore:
         for holder in self.holders.values():
             kill_quietly(holder)
         self.forget()
-

@@ -35,7 +35,10 @@ class StopRequest:
         if self.reason is None:
             self.reason = reason
             self._requested_at = time.monotonic()
-            logger.warning("%s: stopping after the step in flight (a rollout in flight is abandoned) with an emergency checkpoint", reason)
+            logger.warning(
+                "%s: stopping after the step in flight (a rollout in flight is abandoned) with an emergency checkpoint",
+                reason,
+            )
 
     @property
     def requested(self) -> bool:

@@ -29,8 +29,8 @@ from rlrunner.cluster.worker_group import CallAbandoned
 from rlrunner.errors import ClusterLostError, RecoveryExhaustedError, StoppedEarly, describe
 from rlrunner.runner.context import RunContext
 from rlrunner.runner.recovery import RestartBudget, ranks_to_replace, repairable_cause, same_failure, unrepairable
-from rlrunner.runner.stopping import StopRequest
 from rlrunner.runner.snapshots import Snapshot
+from rlrunner.runner.stopping import StopRequest
 from rlrunner.runner.trainer import Trainer
 from rlrunner.storage import basename
 
@@ -104,19 +104,26 @@ class Supervisor:
             graceful = False  # the attempt ended as it should (finished or stopped): its workers may close first
             try:
                 if replace:
-                    last = self._attempt(trainer, budget, snapshot,
-                                         lambda: trainer.replace_actor_ranks(replace, snapshot, recovery.wait_timeout_s))
+                    last = self._attempt(
+                        trainer,
+                        budget,
+                        snapshot,
+                        lambda: trainer.replace_actor_ranks(replace, snapshot, recovery.wait_timeout_s),
+                    )
                 else:
-                    last = self._attempt(trainer, budget, snapshot,
-                                         lambda: trainer.start(checkpoint, placement_timeout_s, snapshot))
+                    last = self._attempt(
+                        trainer, budget, snapshot, lambda: trainer.start(checkpoint, placement_timeout_s, snapshot)
+                    )
                 graceful = True
                 return last
             except StoppedEarly:
                 graceful = True
                 raise
             except CallAbandoned:  # stopped while the workers were starting: nothing new to save
-                raise StoppedEarly(f"{self.stop.reason} while starting the workers; {self._newest_checkpoint_note()}; "
-                                   "resume with runner.resume_dir=auto") from None
+                raise StoppedEarly(
+                    f"{self.stop.reason} while starting the workers; {self._newest_checkpoint_note()}; "
+                    "resume with runner.resume_dir=auto"
+                ) from None
             except Exception as exc:
                 failure = self._repairable_failure(exc, trainer, budget)  # or raises the error that ends the run
                 error = exc
@@ -140,16 +147,25 @@ class Supervisor:
                 handler.remove_leftovers()
                 checkpoint = handler.find_resume("auto") or initial
                 # the newest in-memory snapshot of a completed step, unless the newest checkpoint is newer
-                snapshot = ctx.snapshots.newest(ctx.rank_map.world_size, min_step=checkpoint.step if checkpoint else 0,
-                                                max_step=trainer.global_step)
+                snapshot = ctx.snapshots.newest(
+                    ctx.rank_map.world_size, min_step=checkpoint.step if checkpoint else 0, max_step=trainer.global_step
+                )
             restart_step = snapshot.step if snapshot else checkpoint.step if checkpoint else 0
-            failure.update(lost_steps=failure["step"] - restart_step,
-                           restore_from="snapshot" if snapshot else "checkpoint" if checkpoint else "none",
-                           replaced="actor ranks " + ",".join(map(str, replace)) if replace else "both groups")
-            logger.error("restart %d (%d of %d without progress): %s, from the %s of step %d, %d completed "
-                         "steps to redo", budget.total, budget.count, recovery.max_restarts,
-                         f"replacing actor rank(s) {', '.join(map(str, replace))} alone" if replace else "replacing both groups",
-                         "in-memory snapshot" if snapshot else "checkpoint", restart_step, failure["lost_steps"])
+            failure.update(
+                lost_steps=failure["step"] - restart_step,
+                restore_from="snapshot" if snapshot else "checkpoint" if checkpoint else "none",
+                replaced="actor ranks " + ",".join(map(str, replace)) if replace else "both groups",
+            )
+            logger.error(
+                "restart %d (%d of %d without progress): %s, from the %s of step %d, %d completed steps to redo",
+                budget.total,
+                budget.count,
+                recovery.max_restarts,
+                f"replacing actor rank(s) {', '.join(map(str, replace))} alone" if replace else "replacing both groups",
+                "in-memory snapshot" if snapshot else "checkpoint",
+                restart_step,
+                failure["lost_steps"],
+            )
             ctx.recovery_log.write("failure", restart=budget.total, **failure, teardown_s=teardown_s)
             placement_timeout_s = recovery.wait_timeout_s
 
@@ -165,26 +181,36 @@ class Supervisor:
             return [], None
         actor, rollout = trainer.actor_group, trainer.rollout_group
         try:
-            ranks = ranks_to_replace(actor.dead_ranks(timeout_s=1.0), [host["node_id"] for host in actor.hosts],
-                                     alive_nodes(), rollout.dead_ranks(timeout_s=1.0))
+            ranks = ranks_to_replace(
+                actor.dead_ranks(timeout_s=1.0),
+                [host["node_id"] for host in actor.hosts],
+                alive_nodes(),
+                rollout.dead_ranks(timeout_s=1.0),
+            )
         except Exception as exc:  # the cluster answered no more: replace everything
             logger.warning("could not tell which workers are lost (%s): replacing both groups", describe(exc))
             return [], None
         if not ranks:
             return [], None
-        snapshot = ctx.snapshots.newest(ctx.rank_map.world_size, min_step=trainer.last_saved_step or 0,
-                                        max_step=trainer.global_step)
+        snapshot = ctx.snapshots.newest(
+            ctx.rank_map.world_size, min_step=trainer.last_saved_step or 0, max_step=trainer.global_step
+        )
         return (ranks, snapshot) if snapshot is not None else ([], None)
 
-    def _attempt(self, trainer: Trainer, budget: RestartBudget, snapshot: Snapshot | None,
-                 start: Callable[[], None]) -> dict[str, Any]:
+    def _attempt(
+        self, trainer: Trainer, budget: RestartBudget, snapshot: Snapshot | None, start: Callable[[], None]
+    ) -> dict[str, Any]:
         """One attempt: `start` (the groups up and the state restored: the in-memory `snapshot` if any, else a
         checkpoint), then train to the end; the last step's metrics."""
         start()
         if budget.total:
-            self.ctx.recovery_log.write("resumed", restart=budget.total, step=trainer.global_step,
-                                        source="snapshot" if snapshot else "checkpoint" if trainer.global_step else "none",
-                                        **trainer.start_timings)
+            self.ctx.recovery_log.write(
+                "resumed",
+                restart=budget.total,
+                step=trainer.global_step,
+                source="snapshot" if snapshot else "checkpoint" if trainer.global_step else "none",
+                **trainer.start_timings,
+            )
             trainer.restart_to_report = budget.total
         for callback in self.callbacks:
             callback.on_train_start(trainer)
@@ -209,8 +235,10 @@ class Supervisor:
         if not recovery.enabled:
             raise exc
         if self.stop.requested:  # no restart once a stop was asked for: the newest checkpoint stands
-            raise StoppedEarly(f"{self.stop.reason}, then a failure ({cause}); {self._newest_checkpoint_note()}; "
-                               "resume with runner.resume_dir=auto") from exc
+            raise StoppedEarly(
+                f"{self.stop.reason}, then a failure ({cause}); {self._newest_checkpoint_note()}; "
+                "resume with runner.resume_dir=auto"
+            ) from exc
         newest = self.ctx.handler.newest_complete()
         self.furthest_step = max(self.furthest_step, trainer.global_step)
         # progress: a new checkpoint committed, or (restored from memory) a step completed beyond any before

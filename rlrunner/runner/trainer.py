@@ -26,13 +26,19 @@ from rlrunner.checkpoint.resume import Checkpoint
 from rlrunner.cluster.shared_storage import check_shared_folder
 from rlrunner.cluster.worker_group import CallAbandoned, WorkerGroup
 from rlrunner.errors import ExperimentLockedError, RewardFunctionError, StoppedEarly, exception_chain
-from rlrunner.runner.batching import (build_actor_batch, chunk, first_samples, generation_chunking, shard_actor_batch,
-                                      split_evenly)
+from rlrunner.runner.attempt_state import AttemptState
+from rlrunner.runner.batching import (
+    build_actor_batch,
+    chunk,
+    first_samples,
+    generation_chunking,
+    shard_actor_batch,
+    split_evenly,
+)
 from rlrunner.runner.context import RunContext
 from rlrunner.runner.metrics import Progress, actor_metrics, rollout_metrics, validation_metrics
 from rlrunner.runner.placement import START_TIMEOUT_S, group_specs, spare_pools
 from rlrunner.runner.recovery import rollout_loss
-from rlrunner.runner.attempt_state import AttemptState
 from rlrunner.runner.snapshots import Snapshot
 from rlrunner.weight_sync.driver import DEFAULT_BUCKET_BYTES, connect_weight_sync, sync_weights
 
@@ -58,7 +64,9 @@ class Trainer(AttemptState):
 
     # -- the attempt's groups --------------------------------------------------------------------
 
-    def start(self, checkpoint: Checkpoint | None, placement_timeout_s: float, snapshot: Snapshot | None = None) -> None:
+    def start(
+        self, checkpoint: Checkpoint | None, placement_timeout_s: float, snapshot: Snapshot | None = None
+    ) -> None:
         """Groups up, storage checked, `snapshot` restored (an in-memory snapshot newer than `checkpoint`), else
         `checkpoint` (if any), the actor's weights pushed to the rollout group."""
         started = time.monotonic()
@@ -74,8 +82,12 @@ class Trainer(AttemptState):
         self._raise_if_stopping()
         self.sync_weights()
         waited = sum(g.placement_wait_s for g in self.groups())
-        self.start_timings = {"wait_s": waited, "rebuild_s": built - started - waited, "load_s": time.monotonic() - built,
-                              "spares_used": self.spares_used}
+        self.start_timings = {
+            "wait_s": waited,
+            "rebuild_s": built - started - waited,
+            "load_s": time.monotonic() - built,
+            "spares_used": self.spares_used,
+        }
         self.started = True
 
     def replace_actor_ranks(self, ranks: list[int], snapshot: Snapshot, placement_timeout_s: float) -> None:
@@ -107,10 +119,17 @@ class Trainer(AttemptState):
         self.restore_snapshot(snapshot, self.last_saved_step)
         self.sync_weights()
         waited = group.placement_wait_s
-        self.start_timings = {"wait_s": waited, "rebuild_s": built - started - waited, "load_s": time.monotonic() - built,
-                              "spares_used": self.spares_used, "replaced_ranks": list(ranks),
-                              # the rebuild's parts: survivors leaving, replacements up and the group formed, set-up
-                              "leave_s": left - started, "join_s": joined - left - waited, "setup_s": built - joined}
+        self.start_timings = {
+            "wait_s": waited,
+            "rebuild_s": built - started - waited,
+            "load_s": time.monotonic() - built,
+            "spares_used": self.spares_used,
+            "replaced_ranks": list(ranks),
+            # the rebuild's parts: survivors leaving, replacements up and the group formed, set-up
+            "leave_s": left - started,
+            "join_s": joined - left - waited,
+            "setup_s": built - joined,
+        }
         self.started = True
 
     def _start_groups(self, placement_timeout_s: float) -> None:
@@ -193,7 +212,8 @@ class Trainer(AttemptState):
             assignment = split_evenly(chunks, self.rollout_group.num_workers)
             starts = first_samples(assignment, per_prompt)
             refs = self.rollout_group.call_each_async(
-                "generate", [(step, part, first, validation) for part, first in zip(assignment, starts)])
+                "generate", [(step, part, first, validation) for part, first in zip(assignment, starts)]
+            )
             try:
                 results = self.rollout_group.get(refs, abandon=None if validation else self._stop_requested)
             except CallAbandoned:
@@ -256,9 +276,17 @@ class Trainer(AttemptState):
                 continue
             waited = self.rollout_group.placement_wait_s
             self.ctx.recovery_log.write(
-                "rollout_repaired", cause=cause, step=step, phase=phase, lost_steps=0, repairs=self.rollout_repairs,
+                "rollout_repaired",
+                cause=cause,
+                step=step,
+                phase=phase,
+                lost_steps=0,
+                repairs=self.rollout_repairs,
                 spares_used=len(spares),
-                failed_at_unix=failed_at, wait_s=waited, rebuild_s=replaced - started - waited, sync_s=time.monotonic() - replaced,
+                failed_at_unix=failed_at,
+                wait_s=waited,
+                rebuild_s=replaced - started - waited,
+                sync_s=time.monotonic() - replaced,
             )
             return
 
@@ -307,7 +335,9 @@ class Trainer(AttemptState):
         """Run the steps up to the end; returns the last step's metrics. StoppedEarly after a stop request;
         RewardFunctionError, after the emergency checkpoint, when the reward function failed."""
         cfg, ctx = self.cfg.runner, self.ctx
-        logger.info("run %s: steps %d..%d, logs in %s", cfg.experiment_name, self.global_step + 1, ctx.total_steps, ctx.log_path)
+        logger.info(
+            "run %s: steps %d..%d, logs in %s", cfg.experiment_name, self.global_step + 1, ctx.total_steps, ctx.log_path
+        )
         logger.info(ctx.handler.describe_schedule())
         if self.global_step >= ctx.total_steps:
             logger.info("nothing to do: the resumed checkpoint is at step %d of %d", self.global_step, ctx.total_steps)
@@ -364,11 +394,15 @@ class Trainer(AttemptState):
             ctx.logs.upload()
         self.commit_pending_save(wait=True)  # the last step's save, or the one in flight when a stop came
         if failed is not None:
-            raise RewardFunctionError(f"{failed}; {self.emergency_save()}; fix the reward function (or set "
-                                      "reward.on_error=zero) and resume with runner.resume_dir=auto")
+            raise RewardFunctionError(
+                f"{failed}; {self.emergency_save()}; fix the reward function (or set "
+                "reward.on_error=zero) and resume with runner.resume_dir=auto"
+            )
         if self.global_step < ctx.total_steps:  # the loop ended on a stop request
-            raise StoppedEarly(f"{self.ctx.stop.reason} at step {self.global_step}; {self.emergency_save()}; "
-                               "resume with runner.resume_dir=auto")
+            raise StoppedEarly(
+                f"{self.ctx.stop.reason} at step {self.global_step}; {self.emergency_save()}; "
+                "resume with runner.resume_dir=auto"
+            )
         return last
 
     def policy_weights(self) -> dict[str, torch.Tensor]:

@@ -26,7 +26,15 @@ from rlrunner.storage.local import LocalStorage, local_path
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "open_storage", "Storage", "FileRecord", "ChecksumWriter", "join", "parent", "basename", "is_url", "add_storage_options_argument",
+    "open_storage",
+    "Storage",
+    "FileRecord",
+    "ChecksumWriter",
+    "join",
+    "parent",
+    "basename",
+    "is_url",
+    "add_storage_options_argument",
 ]
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://(.*)$", re.S)
@@ -53,11 +61,16 @@ def open_storage(url: str | os.PathLike, storage_options: Mapping[str, Any] | No
     text = text.strip()
     options = dict(storage_options or {})
     if "::" in text:
-        raise ConfigError(f"{text}: chained fsspec URLs (caches) are not supported for checkpoints; give the store's own URL")
+        raise ConfigError(
+            f"{text}: chained fsspec URLs (caches) are not supported for checkpoints; give the store's own URL"
+        )
     match = _URL.match(text)
     if match is None:
         if _COLLAPSED.match(text):
-            raise ConfigError(f"{text} looks like a URL that lost a slash (pathlib turns s3://b into s3:/b): write {text.replace(':/', '://', 1)}")
+            raise ConfigError(
+                f"{text} looks like a URL that lost a slash (pathlib turns s3://b into s3:/b): "
+                f"write {text.replace(':/', '://', 1)}"
+            )
         return LocalStorage(local_path(text), options)
     protocol, rest = match.group(1).lower(), match.group(2)
     if protocol in _LOCAL_PROTOCOLS:
@@ -72,7 +85,9 @@ def open_storage(url: str | os.PathLike, storage_options: Mapping[str, Any] | No
         fs = cls(**{**cls._get_kwargs_from_urls(text), **options})
     except Exception as exc:
         hint = _fsspec_hint(protocol) if isinstance(exc, (ImportError, OSError)) else ""  # e.g. HDFS's libjvm
-        raise ConfigError(f"{text}: cannot open the {protocol}:// filesystem ({type(exc).__name__}: {first_line(str(exc))}){hint}") from exc
+        raise ConfigError(
+            f"{text}: cannot open the {protocol}:// filesystem ({type(exc).__name__}: {first_line(str(exc))}){hint}"
+        ) from exc
     from rlrunner.storage.remote import FsspecStorage  # fsspec's heavier imports only when a store is used
 
     return FsspecStorage(text.rstrip("/"), protocol, fs, options)
@@ -91,7 +106,9 @@ def _filesystem_class(protocol: str, url: str) -> type:
     try:
         return get_filesystem_class(protocol)
     except ValueError:
-        raise ConfigError(f"{url}: fsspec knows no protocol '{protocol}://' (see fsspec.available_protocols())") from None
+        raise ConfigError(
+            f"{url}: fsspec knows no protocol '{protocol}://' (see fsspec.available_protocols())"
+        ) from None
     except ImportError as exc:
         known = known_implementations.get(protocol, {})
         package = known.get("class", "").split(".", 1)[0]
@@ -99,7 +116,9 @@ def _filesystem_class(protocol: str, url: str) -> type:
             missing = getattr(exc.__cause__, "name", None) or getattr(exc, "name", None)
             package = (missing or "").split(".", 1)[0]
         advice = f"pip install {package}" if package else "install its fsspec implementation"
-        raise ConfigError(f"{url}: the {protocol}:// protocol needs a package that is not installed: {advice}{_fsspec_hint(protocol)}") from None
+        raise ConfigError(
+            f"{url}: the {protocol}:// protocol needs a package that is not installed: {advice}{_fsspec_hint(protocol)}"
+        ) from None
 
 
 def _without_caches(cls: type, options: dict[str, Any]) -> dict[str, Any]:
@@ -128,7 +147,11 @@ def add_storage_options_argument(parser: argparse.ArgumentParser, *names: str) -
     """`--storage_options '<json>'` for a CLI that takes URLs: `args.storage_options` is a dict ({} by default);
     argparse reports bad JSON as a usage error (exit 2)."""
     parser.add_argument(
-        *(names or ("--storage_options",)), dest="storage_options", type=_json_object, default={}, metavar="JSON",
+        *(names or ("--storage_options",)),
+        dest="storage_options",
+        type=_json_object,
+        default={},
+        metavar="JSON",
         help='options for the fsspec filesystem of a URL, e.g. \'{"client_kwargs": {"endpoint_url": "..."}}\' '
         "(credentials otherwise come from the usual places: AWS_* variables, ~/.aws)",
     )

@@ -103,7 +103,8 @@ def parent(url: str) -> str:
 
 
 def with_url(exc: OSError, url: str) -> OSError:
-    """The same kind of OSError (same errno) whose message names `url`; raise it inside `except` to keep the original as context."""
+    """The same kind of OSError (same errno) whose message names `url`; raise it inside `except` to keep the original
+    as context."""
     if url in str(exc):
         return exc
     code = exc.errno if isinstance(exc.errno, int) else None
@@ -234,7 +235,9 @@ class Storage(ABC):
 
     def get_file(self, url: str, local_path: str) -> None:
         """Download (copy) `url` to the local file `local_path`, replacing it whole."""
-        tmp = os.path.join(os.path.dirname(os.path.abspath(local_path)), f".{os.path.basename(local_path)}.{uuid.uuid4().hex[:8]}.tmp")
+        tmp = os.path.join(
+            os.path.dirname(os.path.abspath(local_path)), f".{os.path.basename(local_path)}.{uuid.uuid4().hex[:8]}.tmp"
+        )
         try:
             with self.open_read(url) as source, open(tmp, "wb") as target:
                 shutil.copyfileobj(source, target, CHUNK)
@@ -258,7 +261,8 @@ class Storage(ABC):
         """Delete folder `url` and everything under it; a missing folder is not an error."""
 
     def copy_tree(self, source: str, target: str) -> None:
-        """Copy every file under folder `source` to the same relative path under `target` (streamed, each file whole)."""
+        """Copy every file under folder `source` to the same relative path under `target` (streamed, each file
+        whole)."""
         for name in self.walk(source):
             with self.open_read(join(source, name)) as reader, self.open_write(join(target, name)) as writer:
                 shutil.copyfileobj(reader, writer, CHUNK)

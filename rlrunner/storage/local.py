@@ -20,9 +20,9 @@ _NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, er
 def local_path(url: str) -> str:
     """An absolute path for a local path or `file://` URL (`~` expanded, symlinks kept)."""
     if url.startswith("file://"):
-        url = url[len("file://"):]
+        url = url[len("file://") :]
         if url.startswith("localhost/"):
-            url = url[len("localhost"):]
+            url = url[len("localhost") :]
     return os.path.abspath(os.path.expanduser(url))
 
 
@@ -178,11 +178,13 @@ class LocalStorage(Storage):
             raise FileExistsError(errno.EEXIST, "File exists", target)
         with naming(source):
             if not os.path.isdir(src):
-                raise (NotADirectoryError(errno.ENOTDIR, "Not a directory", source) if os.path.exists(src)
-                       else FileNotFoundError(errno.ENOENT, "No such file or directory", source))
+                raise (
+                    NotADirectoryError(errno.ENOTDIR, "Not a directory", source)
+                    if os.path.exists(src)
+                    else FileNotFoundError(errno.ENOENT, "No such file or directory", source)
+                )
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             os.rename(src, dst)
             fsync_dir(Path(dst).parent)
             if os.path.dirname(src) != os.path.dirname(dst):
                 fsync_dir(Path(src).parent)
-

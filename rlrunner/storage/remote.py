@@ -61,7 +61,7 @@ class FsspecStorage(Storage):
         children: dict[str, bool] = {}
         for entry in entries:
             name = entry["name"].rstrip("/")
-            child = name[len(path) + 1:] if name.startswith(path + "/") else ""
+            child = name[len(path) + 1 :] if name.startswith(path + "/") else ""
             if child and "/" not in child:  # not the file itself, nor a folder marker
                 children[child] = children.get(child, False) or entry.get("type") == "directory"
         return sorted(name for name, is_dir in children.items() if is_dir or not dirs_only)
@@ -74,7 +74,7 @@ class FsspecStorage(Storage):
         except FileNotFoundError:
             return {}
         files = {
-            name[len(path) + 1:]: int(info["size"])
+            name[len(path) + 1 :]: int(info["size"])
             for name, info in found.items()
             if name.startswith(path + "/") and not name.endswith("/") and info.get("type", "file") == "file"
         }

@@ -35,8 +35,9 @@ def load_model_weights(
 def _model_weights(storage: Storage, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     found = find_checkpoint(storage, storage.url)
     if found is None:
-        raise FileNotFoundError(f"no checkpoint of any backend ({', '.join(BACKENDS)}) in {storage.url} or its "
-                                f"{layout.ACTOR_DIR}/ folder")
+        raise FileNotFoundError(
+            f"no checkpoint of any backend ({', '.join(BACKENDS)}) in {storage.url} or its {layout.ACTOR_DIR}/ folder"
+        )
     backend, root = found
     hf_url = storage.join(root, layout.HF_DIR)
     config = None
@@ -51,7 +52,8 @@ def _model_weights(storage: Storage, dtype: torch.dtype | None) -> dict[str, tor
 
 @contextlib.contextmanager
 def _local_folder(storage: Storage, url: str) -> Iterator[str]:
-    """`url` itself on a local disk; elsewhere a temporary local copy of the files under it (small: config, tokenizer)."""
+    """`url` itself on a local disk; elsewhere a temporary local copy of the files under it (small: config,
+    tokenizer)."""
     if storage.is_local:
         yield url
         return
@@ -80,7 +82,9 @@ def export_hf(
     storage = open_storage(checkpoint_url, storage_options)
     hf_url = storage.join(storage.url, layout.ACTOR_HF_DIR)
     if not storage.exists(storage.join(hf_url, "config.json")):
-        raise FileNotFoundError(f"{checkpoint_url} has no {layout.ACTOR_HF_DIR}/config.json: pass a global_step_N folder")
+        raise FileNotFoundError(
+            f"{checkpoint_url} has no {layout.ACTOR_HF_DIR}/config.json: pass a global_step_N folder"
+        )
     out = Path(output)
     with _local_folder(storage, hf_url) as hf_dir:
         config = AutoConfig.from_pretrained(hf_dir)

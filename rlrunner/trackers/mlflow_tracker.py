@@ -90,7 +90,9 @@ class MlflowTracker(Tracker):
         if state.get("tracking_uri") != self.shown_uri:
             logger.warning(
                 "MLflow: run %s was in store %s, the tracking URI is now %s: starting a new run",
-                run_id, state.get("tracking_uri") or "(the default sqlite store)", where,
+                run_id,
+                state.get("tracking_uri") or "(the default sqlite store)",
+                where,
             )
             return None
         try:
@@ -157,8 +159,11 @@ class MlflowTracker(Tracker):
                 entries.append(Metric(key, float(value), timestamp, step))
             elif key not in self._skipped:
                 self._skipped.add(key)
-                logger.warning("MLflow: %r is not a valid metric name (MLflow takes letters, digits, _ - . space : /); "
-                               "not recorded", key)
+                logger.warning(
+                    "MLflow: %r is not a valid metric name (MLflow takes letters, digits, _ - . space : /); "
+                    "not recorded",
+                    key,
+                )
         for batch in batches(entries, MAX_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=batch)
         self._sent = max(self._sent, step)

@@ -168,7 +168,10 @@ class Trackers:
         if missing:
             logger.info(
                 "tracker %s: sent steps %d..%d again from metrics.jsonl (its store held steps up to %d)",
-                name, missing[0]["step"], missing[-1]["step"], newest,
+                name,
+                missing[0]["step"],
+                missing[-1]["step"],
+                newest,
             )
         self._active[name] = missing[-1]["step"] if missing else newest
 

@@ -27,5 +27,7 @@ def release_freed_memory(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
         return False
     done = bool(mallopt(M_MMAP_THRESHOLD, int(threshold_bytes)))
     if not done:
-        logger.warning("mallopt(M_MMAP_THRESHOLD, %d) was refused: freed memory may stay with the process", threshold_bytes)
+        logger.warning(
+            "mallopt(M_MMAP_THRESHOLD, %d) was refused: freed memory may stay with the process", threshold_bytes
+        )
     return done

@@ -69,8 +69,17 @@ def _nccl_group(store: dist.Store, rank: int, size: int, timeout: timedelta):
 class Channel:
     """One process group: actor rank `index` (channel rank 0, the root) and the R rollout workers."""
 
-    def __init__(self, index: int, store: dist.Store, rank: int, size: int, backend: str, device: torch.device,
-                 timeout: timedelta, local_host: str | None):
+    def __init__(
+        self,
+        index: int,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        backend: str,
+        device: torch.device,
+        timeout: timedelta,
+        local_host: str | None,
+    ):
         self.index, self.rank, self.size, self.backend, self.timeout = index, rank, size, backend, timeout
         prefixed = dist.PrefixStore(f"channel/{index}/", store)
         if backend == "nccl":
@@ -90,7 +99,8 @@ class Channel:
         return self.group.broadcast([tensor], options)
 
     def wait(self, work) -> None:
-        """Wait for `work`, at most the channel's timeout (NCCL: the CPU thread blocks too, the watchdog backs it up)."""
+        """Wait for `work`, at most the channel's timeout (NCCL: the CPU thread blocks too, the watchdog backs it
+        up)."""
         work.wait(self.timeout)
 
     def new_tensor(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -137,7 +147,10 @@ def store_get(store: dist.Store, key: str, what: str, timeout_s: float) -> bytes
 
 
 def device_tags(store: dist.Store, num_actor_ranks: int, num_rollout_workers: int, timeout_s: float):
-    actors = [store_get(store, f"device/actor/{r}", f"device of actor rank {r}", timeout_s).decode() for r in range(num_actor_ranks)]
+    actors = [
+        store_get(store, f"device/actor/{r}", f"device of actor rank {r}", timeout_s).decode()
+        for r in range(num_actor_ranks)
+    ]
     rollouts = [
         store_get(store, f"device/rollout/{i}", f"device of rollout worker {i}", timeout_s).decode()
         for i in range(num_rollout_workers)

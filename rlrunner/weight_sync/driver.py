@@ -36,7 +36,10 @@ def connect_weight_sync(actor_group: WorkerGroup, rollout_group: WorkerGroup, ti
 
 
 def sync_weights(
-    actor_group: WorkerGroup, rollout_group: WorkerGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float | None = None
+    actor_group: WorkerGroup,
+    rollout_group: WorkerGroup,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    timeout_s: float | None = None,
 ) -> dict[str, float]:
     """Push the actor's current weights into every rollout worker. Waits at most `timeout_s` (default: the groups' call
     limits). Returns {"bytes": bytes into each rollout worker, "seconds": the slowest rollout worker's receive}."""

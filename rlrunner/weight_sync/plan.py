@@ -2,7 +2,8 @@
 
 The unit is a **piece**: rows [start, stop) along one dimension of one tensor in Hugging Face layout, held by one
 actor rank (an FSDP2 shard is dim-0 rows of every tensor, a tensor-parallel slice a row or column block: the
-backends' weight sources say which). Every rollout worker wants every tensor whole, in its own dtype: the sink's **layout**.
+backends' weight sources say which). Every rollout worker wants every tensor whole, in its own dtype: the sink's
+**layout**.
 
     layout (from the sink)     [TensorSpec(name, shape, dtype), ...]       the tensors to fill, in HF names
     pieces (from each source)  [Piece(name, shape, dim, start, stop, dtype), ...]   dtype: the layout's (the wire's)
@@ -26,8 +27,16 @@ import torch
 DTYPES = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (
-        torch.float32, torch.float16, torch.bfloat16, torch.float64,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
     )
 }
 
@@ -121,7 +130,10 @@ def pieces_to_json(pieces: Sequence[Piece]) -> bytes:
 
 
 def pieces_from_json(data: bytes) -> list[Piece]:
-    return [Piece(name, tuple(shape), dim, start, stop, DTYPES[dtype]) for name, shape, dim, start, stop, dtype in json.loads(data)]
+    return [
+        Piece(name, tuple(shape), dim, start, stop, DTYPES[dtype])
+        for name, shape, dim, start, stop, dtype in json.loads(data)
+    ]
 
 
 # -- checks and packing ------------------------------------------------------------------------------
@@ -142,7 +154,9 @@ def check_coverage(layout: Sequence[TensorSpec], pieces_by_rank: Sequence[Sequen
                     f"the rollout model has {spec.shape} {spec.dtype}"
                 )
             if not 0 <= piece.dim < max(1, len(spec.shape)):
-                raise WeightSyncError(f"{piece.name}: actor rank {rank} splits it along dim {piece.dim} of {spec.shape}")
+                raise WeightSyncError(
+                    f"{piece.name}: actor rank {rank} splits it along dim {piece.dim} of {spec.shape}"
+                )
             ranges[piece.name].append((piece.dim, piece.start, piece.stop, rank))
     for name, parts in ranges.items():
         spec = specs[name]
@@ -219,7 +233,9 @@ class Assembler:
         self.sink = sink
         self.targets: dict[str, torch.Tensor] = {}
         self.remaining: dict[str, int] = {}
-        self.staging: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # (rank, piece) -> (flat block, elements left)
+        self.staging: dict[
+            tuple[int, int], tuple[torch.Tensor, int]
+        ] = {}  # (rank, piece) -> (flat block, elements left)
 
     def _target(self, name: str) -> torch.Tensor:
         target = self.targets.get(name)
@@ -227,8 +243,10 @@ class Assembler:
             spec = self.specs[name]
             target = self.sink.target(spec)
             if tuple(target.shape) != spec.shape or target.dtype != spec.dtype or not target.is_contiguous():
-                raise WeightSyncError(f"{name}: the sink's tensor is {tuple(target.shape)} {target.dtype}, not {spec.shape} "
-                                      f"{spec.dtype} and contiguous")
+                raise WeightSyncError(
+                    f"{name}: the sink's tensor is {tuple(target.shape)} {target.dtype}, not {spec.shape} "
+                    f"{spec.dtype} and contiguous"
+                )
             self.targets[name] = target.detach()
             self.remaining[name] = spec.numel
         return self.targets[name]
@@ -245,7 +263,10 @@ class Assembler:
                 target.view(-1)[flat_start + seg.start : flat_start + seg.stop].copy_(data)
             else:  # a column block: gathered whole, then copied into its strided place
                 key = (rank, seg.piece)
-                block, left = self.staging.get(key) or (torch.empty(piece.numel, dtype=piece.dtype, device=target.device), piece.numel)
+                block, left = self.staging.get(key) or (
+                    torch.empty(piece.numel, dtype=piece.dtype, device=target.device),
+                    piece.numel,
+                )
                 block[seg.start : seg.stop].copy_(data)
                 left -= seg.stop - seg.start
                 if left:

@@ -98,19 +98,32 @@ class _Member:
 class WeightSender(_Member):
     """Actor rank `rank`'s end: the root of channel `rank`, sending what `source` holds."""
 
-    def __init__(self, store: dist.Store, rank: int, num_actor_ranks: int, num_rollout_workers: int, source: WeightSource,
-                 device: torch.device, timeout_s: float, local_host: str | None = None):
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        num_actor_ranks: int,
+        num_rollout_workers: int,
+        source: WeightSource,
+        device: torch.device,
+        timeout_s: float,
+        local_host: str | None = None,
+    ):
         super().__init__(timeout_s)
         self.rank = rank
         self.source = source
         store.set(f"device/actor/{rank}", device_tag(device))
-        self.layout = {spec.name: spec for spec in layout_from_json(
-            store_get(store, "rollout/layout", "layout from rollout worker 0", timeout_s))}
+        self.layout = {
+            spec.name: spec
+            for spec in layout_from_json(store_get(store, "rollout/layout", "layout from rollout worker 0", timeout_s))
+        }
         self.pieces, _, _ = self._pieces()
         store.set(f"pieces/{rank}", pieces_to_json(self.pieces))
         actors, rollouts = device_tags(store, num_actor_ranks, num_rollout_workers, timeout_s)
         backend = channel_backend([actors[rank], *rollouts])
-        channel = Channel(rank, store, 0, 1 + num_rollout_workers, backend, device, timedelta(seconds=timeout_s), local_host)
+        channel = Channel(
+            rank, store, 0, 1 + num_rollout_workers, backend, device, timedelta(seconds=timeout_s), local_host
+        )
         self.channels = [channel]
         handshake(channel)
 
@@ -125,13 +138,17 @@ class WeightSender(_Member):
         for index, block in enumerate(blocks):
             spec = self.layout.get(block.name)
             if spec is None:
-                raise WeightSyncError(f"actor rank {self.rank} holds {block.name}, which the rollout model does not have")
+                raise WeightSyncError(
+                    f"actor rank {self.rank} holds {block.name}, which the rollout model does not have"
+                )
             if tuple(block.shape) != spec.shape:
                 raise WeightSyncError(f"{block.name}: actor shape {tuple(block.shape)} != rollout shape {spec.shape}")
             piece = Piece(block.name, spec.shape, block.dim, block.start, block.stop, spec.dtype)
             if tuple(block.tensor.shape) != piece.block_shape:
-                raise WeightSyncError(f"{block.name}: actor rank {self.rank}'s block is {tuple(block.tensor.shape)}, "
-                                      f"rows {block.start}:{block.stop} of dim {block.dim} are {piece.block_shape}")
+                raise WeightSyncError(
+                    f"{block.name}: actor rank {self.rank}'s block is {tuple(block.tensor.shape)}, "
+                    f"rows {block.start}:{block.stop} of dim {block.dim} are {piece.block_shape}"
+                )
             if piece.numel:
                 pieces.append(piece)
                 indices.append(index)
@@ -184,14 +201,17 @@ class _BlockValues:
     def __getitem__(self, piece: int) -> torch.Tensor:
         if self.current is None or self.current[0] != piece:
             if self.current is not None and piece < self.current[0]:
-                raise WeightSyncError(f"piece {piece} asked for after piece {self.current[0]}: pieces are packed in order")
+                raise WeightSyncError(
+                    f"piece {piece} asked for after piece {self.current[0]}: pieces are packed in order"
+                )
             self.current = None  # drop the last one before asking for the next
             index = self.indices[piece]
             block = self.blocks[index]
             tensor = self.source.block_tensor(index, block).detach()
             if tuple(tensor.shape) != tuple(block.tensor.shape):
-                raise WeightSyncError(f"{block.name}: the source gave {tuple(tensor.shape)} for a block of "
-                                      f"{tuple(block.tensor.shape)}")
+                raise WeightSyncError(
+                    f"{block.name}: the source gave {tuple(tensor.shape)} for a block of {tuple(block.tensor.shape)}"
+                )
             self.current = (piece, tensor.reshape(-1))
         return self.current[1]
 
@@ -201,8 +221,17 @@ class WeightReceiver(_Member):
 
     keep_host_buffers = True
 
-    def __init__(self, store: dist.Store, index: int, num_actor_ranks: int, num_rollout_workers: int, sink: WeightSink,
-                 device: torch.device, timeout_s: float, local_host: str | None = None):
+    def __init__(
+        self,
+        store: dist.Store,
+        index: int,
+        num_actor_ranks: int,
+        num_rollout_workers: int,
+        sink: WeightSink,
+        device: torch.device,
+        timeout_s: float,
+        local_host: str | None = None,
+    ):
         super().__init__(timeout_s)
         self.index = index
         self.sink = sink
@@ -219,7 +248,9 @@ class WeightReceiver(_Member):
         timeout = timedelta(seconds=timeout_s)
         for r in range(num_actor_ranks):
             backend = channel_backend([actors[r], *rollouts])
-            self.channels.append(Channel(r, store, 1 + index, 1 + num_rollout_workers, backend, device, timeout, local_host))
+            self.channels.append(
+                Channel(r, store, 1 + index, 1 + num_rollout_workers, backend, device, timeout, local_host)
+            )
         for channel in self.channels:
             handshake(channel)
 
@@ -264,8 +295,10 @@ class WeightReceiver(_Member):
         assembler.finish()
         if self.sink.device.type == "cuda":
             torch.cuda.synchronize()
-        return {"bytes": float(sum(b.nbytes for buckets in plans for b in buckets)),
-                "buckets": float(sum(len(b) for b in plans))}
+        return {
+            "bytes": float(sum(b.nbytes for buckets in plans for b in buckets)),
+            "buckets": float(sum(len(b) for b in plans)),
+        }
 
     @staticmethod
     def _unpack(posted, assembler: Assembler) -> None:

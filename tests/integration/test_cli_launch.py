@@ -17,7 +17,11 @@ pytestmark = pytest.mark.slow
 def test_unknown_key_through_the_launch_script(repo_root, subprocess_env, tmp_path):
     result = subprocess.run(
         ["bash", str(repo_root / "launch/run_main_grpo.sh"), "runner.save_intervall=5"],
-        cwd=tmp_path, env={**subprocess_env, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path,
+        env={**subprocess_env, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-2:] == [
@@ -36,7 +40,8 @@ def test_more_workers_than_the_cluster_can_place(ray_session, tmp_path, capsys):
             "cluster.cpus_per_actor_worker=4",
             "cluster.placement_timeout_s=2",
             "runner.logger.backends=[]",
-            *TINY_MODEL, "data.synthetic.val_size=0",
+            *TINY_MODEL,
+            "data.synthetic.val_size=0",
         ]
     )
     assert code == 1

@@ -22,21 +22,32 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import S3_BUCKET, TINY_MODEL_CFG, assert_bit_equal, load_toolkit
-from rlrunner.tools.convert import load_model_weights
 from rlrunner.backends.fsdp.dcp_state import checksumming_writer
-from rlrunner.checkpoint.diagnostics import root_cause
 from rlrunner.backends.fsdp.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeMetadataError, read_metadata
+from rlrunner.checkpoint.diagnostics import root_cause
 from rlrunner.storage import FileRecord, join, open_storage
+from rlrunner.tools.convert import load_model_weights
+
+from conftest import S3_BUCKET, TINY_MODEL_CFG, assert_bit_equal, load_toolkit
 
 WORLD = 2
 TIMEOUT_S = 120
-OPTIM_CFG = {"lr": 1e-2, "betas": [0.9, 0.99], "weight_decay": 0.01, "warmup_steps": 2, "lr_schedule": "cosine",
-             "min_lr_ratio": 0.1}
+OPTIM_CFG = {
+    "lr": 1e-2,
+    "betas": [0.9, 0.99],
+    "weight_decay": 0.01,
+    "warmup_steps": 2,
+    "lr_schedule": "cosine",
+    "min_lr_ratio": 0.1,
+}
 
 
 def _s3_options(endpoint: str) -> dict:
-    return {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    return {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+    }
 
 
 # -- the ranks ------------------------------------------------------------------------------------
@@ -96,8 +107,9 @@ def _rank_body(rank: int, url: str, options: dict, out: Path) -> None:
     from rlrunner.backends.fsdp.dcp_state import fsdp_state, load_fsdp_state, stager_for_next_save, start_dcp_save
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{out}/store", rank=rank, world_size=WORLD, timeout=timedelta(seconds=TIMEOUT_S)
+    )
     group, saver = dist.new_group(backend="gloo"), BackgroundSave()
     live = _build(seed=1)
     _train_step(*live, seed=10)
@@ -127,8 +139,9 @@ def _rank_body(rank: int, url: str, options: dict, out: Path) -> None:
     dist.destroy_process_group()
 
     if rank == 0:  # the same checkpoint, loaded by one rank alone
-        dist.init_process_group("gloo", init_method=f"file://{out}/store1", rank=0, world_size=1,
-                                timeout=timedelta(seconds=TIMEOUT_S))
+        dist.init_process_group(
+            "gloo", init_method=f"file://{out}/store1", rank=0, world_size=1, timeout=timedelta(seconds=TIMEOUT_S)
+        )
         alone = _build(seed=3)
         results["alone_restored_rng"] = load_fsdp_state(join(url, "sync"), *alone, 0, 1, options)
         results["alone_loaded"] = _tensors(*alone, full=True)
@@ -192,7 +205,7 @@ def test_a_two_rank_checkpoint_loads_into_one_rank_and_offline(two_ranks):
     assert ranks[0]["alone_restored_rng"] is False  # another world size: per-rank RNG is not restored
     assert_bit_equal(ranks[0]["alone_loaded"], ranks[0]["sync_full"])
     weights = load_model_weights(join(url, "sync"), storage_options=options)
-    expected = {k[len("model."):]: v for k, v in ranks[0]["sync_full"].items() if k.startswith("model.")}
+    expected = {k[len("model.") :]: v for k, v in ranks[0]["sync_full"].items() if k.startswith("model.")}
     assert_bit_equal(weights, expected)
 
 
@@ -267,7 +280,7 @@ def test_a_write_that_fails_halfway_leaves_no_object(s3_store):
     assert "the disk went away" in root_cause(error.value)
     assert storage.walk(url) == {}  # neither the shard nor .metadata
     client = boto3.client("s3", endpoint_url=options["client_kwargs"]["endpoint_url"], region_name="us-east-1")
-    bucket, prefix = url[len("s3://"):].split("/", 1)
+    bucket, prefix = url[len("s3://") :].split("/", 1)
     assert client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", []) == []  # aborted
 
 

@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import assert_bit_equal
 from rlrunner.backends.megatron.distrib_optim import DistributedAdamW
 from rlrunner.backends.megatron.moment_files import SlicedMoments, moment_slice_state
+
+from conftest import assert_bit_equal
 
 SHAPES = {"col.weight": (6, 5), "col.bias": (6,), "row.weight": (3, 6), "norm.weight": (5,)}
 SPLIT_DIM = {"col.weight": 0, "col.bias": 0, "row.weight": 1}  # the rest is replicated
@@ -108,8 +109,18 @@ class Rank:
         # chunks of 5 elements: every slice is stepped in several chunks, some cut inside a parameter; gradient buckets
         # of 12: col.weight (15 elements at tp 2, 30 at tp 1) goes straight to its owners, the rest are bucketed, the
         # bucket flushed when full and at the end of backward
-        return DistributedAdamW(list(params.items()), dp_group, self.tp_group, REPLICATED, LR, BETAS, WEIGHT_DECAY,
-                                step_chunk_elements=5, shard_gradients=self.shard_gradients, bucket_elements=12)
+        return DistributedAdamW(
+            list(params.items()),
+            dp_group,
+            self.tp_group,
+            REPLICATED,
+            LR,
+            BETAS,
+            WEIGHT_DECAY,
+            step_chunk_elements=5,
+            shard_gradients=self.shard_gradients,
+            bucket_elements=12,
+        )
 
     def backward(self, params: dict[str, torch.nn.Parameter], step: int) -> None:
         _loss(params, step, self.dp_rank, self.tp, self.tp_rank).backward()
@@ -134,8 +145,10 @@ def _assert_gradients_sharded(rank: Rank, params, opt: DistributedAdamW) -> None
     (each was reduced onto its owners and dropped) and the gradient buffer is the slice, 1/dp of the shard. With
     whole gradients (or at DP size 1) every `.grad` is a view of the whole buffer."""
     if opt.space.dp_size == 1 or not rank.shard_gradients:
-        assert all(p.grad is not None and p.grad.data_ptr() == view.data_ptr()
-                   for p, view in zip(params.values(), opt.space.views(opt.grads.buffer)))
+        assert all(
+            p.grad is not None and p.grad.data_ptr() == view.data_ptr()
+            for p, view in zip(params.values(), opt.space.views(opt.grads.buffer))
+        )
         assert opt.grads.buffer.numel() >= opt.space.numel
         return
     assert all(p.grad is None for p in params.values())
@@ -172,9 +185,12 @@ def _gathered_slices(rank: Rank, opt: DistributedAdamW, dp_group=None) -> list[d
 def _saved_files(rank: Rank, opt: DistributedAdamW, dp_group=None) -> SlicedMoments:
     """The DP ranks' slice files of this TP rank, as a load reads them back (`moment_files.SlicedMoments`)."""
     slices = _gathered_slices(rank, opt, dp_group)
-    states = [moment_slice_state(1, rank.tp, len(slices), d, s["step"], opt.layout(), s["start"], s["stop"],
-                                 s["exp_avg"], s["exp_avg_sq"])
-              for d, s in enumerate(slices)]
+    states = [
+        moment_slice_state(
+            1, rank.tp, len(slices), d, s["step"], opt.layout(), s["start"], s["stop"], s["exp_avg"], s["exp_avg_sq"]
+        )
+        for d, s in enumerate(slices)
+    ]
     return SlicedMoments(states[0], states.__getitem__, "test")
 
 
@@ -202,7 +218,11 @@ def _check_training(rank: Rank) -> None:
             assert state[key][name].dtype == torch.float32 and state[key][name].device.type == "cpu"
             assert torch.allclose(state[key][name], moment, rtol=1e-5, atol=1e-7), (name, key)
     assert opt.param_groups_state() == {
-        "lr": LR * LR_FACTOR[2], "betas": BETAS, "eps": 1e-8, "weight_decay": WEIGHT_DECAY, "step": 3
+        "lr": LR * LR_FACTOR[2],
+        "betas": BETAS,
+        "eps": 1e-8,
+        "weight_decay": WEIGHT_DECAY,
+        "step": 3,
     }
     _assert_dp_identical(rank, _snapshot(params))
     _assert_dp_identical(rank, {"exp_avg." + k: v for k, v in state["exp_avg"].items()})  # returned on every DP rank
@@ -212,7 +232,9 @@ def _check_training(rank: Rank) -> None:
     names = [name for name, _ in opt.layout()]
     assert names == list(params) and slices[0]["start"] == 0 and slices[-1]["stop"] == opt.space.numel
     assert all(a["stop"] == b["start"] for a, b in zip(slices, slices[1:]))
-    assert all(s["stop"] - s["start"] == -(-opt.space.numel // rank.dp) for s in slices[:-1])  # the padding is not saved
+    assert all(
+        s["stop"] - s["start"] == -(-opt.space.numel // rank.dp) for s in slices[:-1]
+    )  # the padding is not saved
     for key in ("exp_avg", "exp_avg_sq"):
         flat = torch.cat([s[key] for s in slices])
         assert torch.equal(flat, torch.cat([state[key][name].reshape(-1) for name in names]))
@@ -248,8 +270,9 @@ def _check_training(rank: Rank) -> None:
     # an in-memory snapshot has no gradients: loading one clears what an interrupted step left behind
     rank.backward(params, 0)
     assert opt.grads.buffer.any()
-    opt.load_local_state({key: value.clone() if torch.is_tensor(value) else value
-                          for key, value in opt.local_state().items()})
+    opt.load_local_state(
+        {key: value.clone() if torch.is_tensor(value) else value for key, value in opt.local_state().items()}
+    )
     assert not opt.grads.buffer.any() and all(p.grad is None or not p.grad.any() for p in params.values())
     _assert_states_equal(opt.full_state(), state)
 
@@ -300,8 +323,9 @@ def _check_dp_resharding(rank: Rank) -> None:
         for name, param in alone.items():
             param.copy_(weights[name])
     single.load_full_state(saved)
-    from_files = rank.optimizer(rank.params({name: torch.zeros(shape) for name, shape in SHAPES.items()}),
-                                dp_group=rank.alone)
+    from_files = rank.optimizer(
+        rank.params({name: torch.zeros(shape) for name, shape in SHAPES.items()}), dp_group=rank.alone
+    )
     from_files.load_flat_state(files.step, files.layout, files.flat)  # the DP size 2 run's slice files, at DP size 1
     _assert_states_equal(from_files.full_state(), saved)
     grads = [torch.autograd.grad(_loss(alone, 1, d, 1, 0), list(alone.values())) for d in range(rank.dp)]
@@ -402,7 +426,9 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("shard_gradients", [True, False], ids=["sharded_gradients", "whole_gradients"])
 def test_dp2_tp2_matches_adamw_with_clipping_deterministic_resumable_and_skips_non_finite(shard_gradients) -> None:
-    mp.spawn(_worker, args=(4, _free_port(), 2, 2, "training", shard_gradients), nprocs=4)  # raises with the rank's traceback
+    mp.spawn(
+        _worker, args=(4, _free_port(), 2, 2, "training", shard_gradients), nprocs=4
+    )  # raises with the rank's traceback
 
 
 def test_dp2_state_reshards_to_dp1_bitwise_and_bad_state_is_named() -> None:

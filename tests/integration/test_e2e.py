@@ -28,7 +28,9 @@ REQUIRED_METRICS = {
 
 def rollout_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     worker = trainer.rollout_group.workers[0]
-    return ray.get(worker.__ray_call__.remote(lambda self: {k: v.clone() for k, v in self.engine.model.state_dict().items()}))
+    return ray.get(
+        worker.__ray_call__.remote(lambda self: {k: v.clone() for k, v in self.engine.model.state_dict().items()})
+    )
 
 
 def test_training_changes_weights_syncs_rollout_and_logs_every_metric(ray_session, tmp_path):

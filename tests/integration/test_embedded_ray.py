@@ -26,9 +26,19 @@ from conftest import TINY_MODEL, read_metrics
 
 pytestmark = pytest.mark.slow
 
-RUN = ["runner.logger.progress_bar=false", "runner.logger.backends=[]", "data.batch_size=4", "algorithm.group_size=4",
-       "actor.micro_batch_size=4", "cluster.num_cpus=2", "rollout.max_new_tokens=2", "data.synthetic.num_problems=26",
-       "runner.save_interval=1000", *TINY_MODEL, "data.synthetic.val_size=0"]
+RUN = [
+    "runner.logger.progress_bar=false",
+    "runner.logger.backends=[]",
+    "data.batch_size=4",
+    "algorithm.group_size=4",
+    "actor.micro_batch_size=4",
+    "cluster.num_cpus=2",
+    "rollout.max_new_tokens=2",
+    "data.synthetic.num_problems=26",
+    "runner.save_interval=1000",
+    *TINY_MODEL,
+    "data.synthetic.val_size=0",
+]
 B_STEPS = 50
 EMBEDDED = "ray_setup: started an embedded local Ray"
 JOINED = "ray_setup: connected to the"
@@ -71,16 +81,29 @@ def kill_marked(marker: str) -> None:
 
 def start_driver(env: dict, output_dir: Path, log: Path, *overrides: str) -> subprocess.Popen:
     with log.open("w") as out:
-        return subprocess.Popen([sys.executable, "-m", "rlrunner.main_grpo", *RUN, f"runner.output_dir={output_dir}",
-                                 "runner.experiment_name=test", *overrides],
-                                env=env, stdout=subprocess.DEVNULL, stderr=out)
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rlrunner.main_grpo",
+                *RUN,
+                f"runner.output_dir={output_dir}",
+                "runner.experiment_name=test",
+                *overrides,
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=out,
+        )
 
 
 def wait_for(condition, what: str, drivers: dict[str, tuple[subprocess.Popen, Path]], timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         for name, (process, log) in drivers.items():
-            assert process.poll() is None, f"run {name} exited with code {process.returncode}:\n{log.read_text()[-3000:]}"
+            assert process.poll() is None, (
+                f"run {name} exited with code {process.returncode}:\n{log.read_text()[-3000:]}"
+            )
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
 
@@ -132,10 +155,14 @@ def test_a_stale_ray_start_address_falls_back_to_an_embedded_ray_at_once(driver_
     bootstrap = Path(driver_env["RAY_TMPDIR"]) / "ray" / "ray_current_cluster"
     bootstrap.parent.mkdir(parents=True)
     bootstrap.write_text(f"127.0.0.1:{port}")
-    code = ("import logging; logging.basicConfig(level=logging.INFO); "
-            "from rlrunner.cluster.ray_setup import init_ray; print(init_ray(None, 1))")
+    code = (
+        "import logging; logging.basicConfig(level=logging.INFO); "
+        "from rlrunner.cluster.ray_setup import init_ray; print(init_ray(None, 1))"
+    )
     # Ray's own connect would retry the dead address for many minutes before giving up.
     result = subprocess.run([sys.executable, "-c", code], env=driver_env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.split() == ["embedded"], result.stdout + result.stderr[-3000:]
-    assert ("not joining the `ray start` cluster recorded on this machine, "
-            f"the Ray cluster's head node (GCS at 127.0.0.1:{port}) is gone") in result.stderr
+    assert (
+        "not joining the `ray start` cluster recorded on this machine, "
+        f"the Ray cluster's head node (GCS at 127.0.0.1:{port}) is gone"
+    ) in result.stderr

@@ -13,23 +13,31 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import TINY_MODEL_CFG, assert_bit_equal
-from megatron_models import free_port
 from rlrunner.backends.fsdp.worker import decoder_layers, fill_own_rows, shard_model
 from rlrunner.models.hf_tensors import SeededInit
 from rlrunner.models.loading import build_hf_config, meta_model, restore_buffers
 from rlrunner.models.tokenizer import build_char_tokenizer
+
+from conftest import TINY_MODEL_CFG, assert_bit_equal
+from megatron_models import free_port
 
 WORLD = 2
 LAYERS = 2
 LINEARS_PER_LAYER = 7  # q, k, v, o; gate, up, down
 
 
-VARIANTS = {"decoder_layer": ("decoder_layer", False), "linear": ("linear", False), "recompute": ("decoder_layer", True)}
+VARIANTS = {
+    "decoder_layer": ("decoder_layer", False),
+    "linear": ("linear", False),
+    "recompute": ("decoder_layer", True),
+}
 
 
 def _sharded(unit: str, recompute: bool) -> torch.nn.Module:
-    model_cfg = {**TINY_MODEL_CFG, "override_config": {**TINY_MODEL_CFG["override_config"], "num_hidden_layers": LAYERS}}
+    model_cfg = {
+        **TINY_MODEL_CFG,
+        "override_config": {**TINY_MODEL_CFG["override_config"], "num_hidden_layers": LAYERS},
+    }
     config = build_hf_config(model_cfg, build_char_tokenizer())
     model = meta_model(config, "eager", torch.float32)
     tensors = SeededInit(model, config, seed=3)

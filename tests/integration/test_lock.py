@@ -14,15 +14,21 @@ import uuid
 
 import pytest
 
+from rlrunner.errors import ExperimentLockedError
 from rlrunner.experiment import lease as lock_module
-from lease_fakes import FakeClock, StampedStorage
 from rlrunner.experiment.lease import Clock
 from rlrunner.experiment.lock import ExperimentLock, describe_holder
-from rlrunner.errors import ExperimentLockedError
 from rlrunner.storage import open_storage
 
-FAST = {"heartbeat_s": 0.25, "stale_after_s": 2.0}  # stale once the store's clock says > 3 s (1 s slack for whole seconds)
+from lease_fakes import FakeClock, StampedStorage
+
+FAST = {
+    "heartbeat_s": 0.25,
+    "stale_after_s": 2.0,
+}  # stale once the store's clock says > 3 s (1 s slack for whole seconds)
 PAST_STALE_S = 4.2  # long enough for a lease that stopped beating to look stale
+
+
 def remote(s3_store):
     url, options = s3_store
     storage = open_storage(url, options)
@@ -39,11 +45,14 @@ def faked(s3_store):
 
 def generations(storage, experiment) -> dict[int, dict]:
     lock_dir = storage.join(experiment, ".rlrunner.lock")
-    return {int(name[:12]): json.loads(storage.read_bytes(storage.join(lock_dir, name))) for name in storage.list(lock_dir)}
+    return {
+        int(name[:12]): json.loads(storage.read_bytes(storage.join(lock_dir, name))) for name in storage.list(lock_dir)
+    }
 
 
 def freeze(holder: ExperimentLock) -> None:
-    """Stop a holder's heartbeat without releasing: a process that froze, or whose host vanished, while it held the lock."""
+    """Stop a holder's heartbeat without releasing: a process that froze, or whose host vanished, while it held the
+    lock."""
     holder._impl._halt.set()
     holder._impl._thread.join()
 
@@ -64,13 +73,16 @@ def acquire_when_free(lock: ExperimentLock, clock: Clock, deadline_s: float = 15
 def spawn_holder(storage, experiment, env):
     """A separate process that takes the lock (stale_after_s=300) and sleeps."""
     code = (
-        "import sys, time, json; from rlrunner.storage import open_storage; from rlrunner.experiment.lock import ExperimentLock; "
+        "import sys, time, json; from rlrunner.storage import open_storage; "
+        "from rlrunner.experiment.lock import ExperimentLock; "
         "s = open_storage(sys.argv[1], json.loads(sys.argv[2])); ExperimentLock(s, sys.argv[3], 1.0, 300.0).acquire(); "
         "print('locked', flush=True); time.sleep(120)"
     )
     return subprocess.Popen(
         [sys.executable, "-c", code, storage.url, json.dumps(storage.storage_options, default=str), experiment],
-        stdout=subprocess.PIPE, text=True, env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     )
 
 
@@ -94,9 +106,18 @@ def test_a_second_run_on_the_same_experiment_is_refused(tmp_path):
 
 def test_a_killed_holder_does_not_leave_the_lock_stuck(tmp_path, subprocess_env):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from rlrunner.storage import open_storage; from rlrunner.experiment.lock import ExperimentLock; "
-         "ExperimentLock(open_storage(sys.argv[1]), sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(60)", str(tmp_path)],
-        stdout=subprocess.PIPE, text=True, env=subprocess_env,
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from rlrunner.storage import open_storage; "
+            "from rlrunner.experiment.lock import ExperimentLock; "
+            "ExperimentLock(open_storage(sys.argv[1]), sys.argv[1]).acquire(); "
+            "print('locked', flush=True); time.sleep(60)",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=subprocess_env,
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -128,9 +149,13 @@ def test_a_lease_is_taken_released_and_taken_again(s3_store):
     assert first.lost() is None
     held = generations(storage, experiment)
     assert list(held) == [1] and held[1]["pid"] == os.getpid() and held[1]["released"] is False
-    assert describe_holder(storage, experiment, clock=clock).startswith(f"pid {os.getpid()} on {held[1]['host']}, since ")
+    assert describe_holder(storage, experiment, clock=clock).startswith(
+        f"pid {os.getpid()} on {held[1]['host']}, since "
+    )
     clock.sleep(0.7)  # a few heartbeats
-    assert generations(storage, experiment)[1]["heartbeat_unix"] == held[1]["heartbeat_unix"] + 0.5  # the beats at 0.25 s and 0.5 s
+    assert (
+        generations(storage, experiment)[1]["heartbeat_unix"] == held[1]["heartbeat_unix"] + 0.5
+    )  # the beats at 0.25 s and 0.5 s
     assert first.lost() is None
     first.release()
     assert generations(storage, experiment)[1]["released"] is True
@@ -153,7 +178,9 @@ def test_a_second_holder_is_refused_while_the_first_beats(s3_store):
         with pytest.raises(ExperimentLockedError) as error:
             ExperimentLock(storage, experiment, **FAST, clock=clock).acquire()
     message = str(error.value)
-    assert message.startswith(f"experiment folder {experiment} is in use by another run (pid {os.getpid()} on {os.uname().nodename}, since ")
+    assert message.startswith(
+        f"experiment folder {experiment} is in use by another run (pid {os.getpid()} on {os.uname().nodename}, since "
+    )
     assert "last heartbeat" in message and "by the store's clock" in message and "lease generation 1" in message
     assert "\n" not in message
     assert list(generations(storage, experiment)) == [1]
@@ -171,7 +198,9 @@ def test_a_stale_lease_is_taken_over_and_the_old_holder_learns_it(s3_store):
     assert generations(storage, experiment)[1]["released"] is False  # taken over, not released
     assert "no successful heartbeat" in frozen.lost()  # it knows before its next beat that it may have lost it
     assert frozen._impl._beat() is False  # its next beat (were it to wake up) sees who took over
-    assert frozen.lost().startswith(f"the experiment lock {storage.join(experiment, '.rlrunner.lock')} was taken over by pid {os.getpid()}")
+    assert frozen.lost().startswith(
+        f"the experiment lock {storage.join(experiment, '.rlrunner.lock')} was taken over by pid {os.getpid()}"
+    )
     assert "lease generation 2" in frozen.lost()
     frozen.release()  # writes nothing: generation 1 is no longer ours
     assert generations(storage, experiment)[1]["released"] is False
@@ -202,7 +231,9 @@ def test_exactly_one_of_two_racers_takes_over_a_stale_lease(s3_store):
     frozen = ExperimentLock(storage, experiment, **FAST, clock=clock)
     frozen.acquire()
     freeze(frozen)
-    stores = [on_clock(open_storage(storage.url, storage.storage_options)) for _ in range(2)]  # one connection per racer
+    stores = [
+        on_clock(open_storage(storage.url, storage.storage_options)) for _ in range(2)
+    ]  # one connection per racer
     for store in stores:
         store.list(experiment)  # connected before the race, so that they start together
     clock.sleep(PAST_STALE_S)  # stale by the store's clock
@@ -273,7 +304,9 @@ def test_a_holder_with_a_skewed_clock_keeps_its_lease(s3_store):
         freeze(holder)
         url = storage.join(experiment, ".rlrunner.lock", "000000000001.json")
         record = json.loads(storage.read_bytes(url))
-        storage.write_bytes(url, json.dumps({**record, "heartbeat_unix": time.time() - 3600}).encode())  # a beat, skewed
+        storage.write_bytes(
+            url, json.dumps({**record, "heartbeat_unix": time.time() - 3600}).encode()
+        )  # a beat, skewed
         with pytest.raises(ExperimentLockedError, match="s ago by the store's clock"):
             ExperimentLock(storage, experiment, **FAST).acquire()
 
@@ -300,7 +333,13 @@ def test_storage_errors_while_beating_lose_the_lease_only_after_stale_after_s(mo
     import boto3
 
     _, options = s3_store
-    s3 = boto3.client("s3", endpoint_url=moto_endpoint, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1")
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=moto_endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
     bucket = f"rlrunner-lock-{uuid.uuid4().hex[:8]}"
     s3.create_bucket(Bucket=bucket)
     storage = open_storage(f"s3://{bucket}", options)

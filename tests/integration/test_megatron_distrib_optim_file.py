@@ -18,28 +18,38 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import actor_worker_kwargs, assert_bit_equal, run_config
-from megatron_models import free_port
 from rlrunner.backends.megatron import moment_save
 from rlrunner.backends.megatron.file_writes import write_state_file, write_tracker
 from rlrunner.backends.megatron.files import load_file, rank_file
 from rlrunner.backends.megatron.moment_files import MOMENTS, moment_file, moment_slice_state, optimizer_file
 from rlrunner.storage import open_storage
 
+from conftest import actor_worker_kwargs, assert_bit_equal, run_config
+from megatron_models import free_port
+
 STEP = 4
 CHUNK = 777  # elements: a slice of the tiny model's moments is many chunks
 
 
 def _kwargs(tmp_path: Path, tp: int, world: int, *overrides: str) -> dict:
-    cfg = run_config(tmp_path, "actor.training_backend=megatron", "model.override_config.num_key_value_heads=2",
-                     f"actor.tensor_model_parallel_size={tp}", f"actor.num_workers={world}", *overrides)
+    cfg = run_config(
+        tmp_path,
+        "actor.training_backend=megatron",
+        "model.override_config.num_key_value_heads=2",
+        f"actor.tensor_model_parallel_size={tp}",
+        f"actor.num_workers={world}",
+        *overrides,
+    )
     return actor_worker_kwargs(cfg)
 
 
 def _expected(tp_rank: int, numel: int) -> dict[str, torch.Tensor]:
-    """The flat moments of tensor-parallel rank `tp_rank` the saving run holds (random, distinct per moment and rank)."""
-    return {key: torch.randn(numel, generator=torch.Generator().manual_seed(100 * tp_rank + index))
-            for index, key in enumerate(MOMENTS)}
+    """The flat moments of tensor-parallel rank `tp_rank` the saving run holds (random, distinct per moment and
+    rank)."""
+    return {
+        key: torch.randn(numel, generator=torch.Generator().manual_seed(100 * tp_rank + index))
+        for index, key in enumerate(MOMENTS)
+    }
 
 
 def _run(rank: int, world: int, port: int, kwargs: dict, job) -> None:
@@ -88,8 +98,10 @@ def _save(worker, folders: dict[str, str]) -> None:
 def _load(worker, folders: list[str]) -> None:
     """Each folder's moments, loaded at this data-parallel size, are the saved ones bit for bit."""
     opt = worker.optimizer
-    expected = {key: dict(zip(opt.names, opt.space.views(flat))) for key, flat in
-                _expected(worker.tp_rank, opt.space.numel).items()}
+    expected = {
+        key: dict(zip(opt.names, opt.space.views(flat)))
+        for key, flat in _expected(worker.tp_rank, opt.space.numel).items()
+    }
     for url in folders:
         opt.moments["exp_avg"].zero_()
         opt.moments["exp_avg_sq"].zero_()
@@ -124,8 +136,18 @@ def _as_slice_files(source: Path, target: Path, tp: int, dp: int) -> None:
         size = -(-numel // dp)
         for d in range(dp):
             lo, hi = min(d * size, numel), min((d + 1) * size, numel)
-            piece = moment_slice_state(STEP, tp, dp, d, STEP, layout, lo, hi, state["exp_avg"][lo:hi].clone(),
-                                       state["exp_avg_sq"][lo:hi].clone())
+            piece = moment_slice_state(
+                STEP,
+                tp,
+                dp,
+                d,
+                STEP,
+                layout,
+                lo,
+                hi,
+                state["exp_avg"][lo:hi].clone(),
+                state["exp_avg_sq"][lo:hi].clone(),
+            )
             write_state_file(storage, str(target), moment_file(STEP, tp_rank, d), piece)
 
 

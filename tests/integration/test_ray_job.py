@@ -56,8 +56,23 @@ def head_env(temp_dir: Path, marker: str) -> dict[str, str]:
 
 
 def start_head(ray: Path, temp_dir: Path, env: dict[str, str], ports: dict[str, int]) -> subprocess.Popen:
-    command = [str(ray), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--dashboard-host", "127.0.0.1",
-               "--num-cpus", "2", "--temp-dir", str(temp_dir / "ray"), "--disable-usage-stats", "--include-log-monitor", "false"]
+    command = [
+        str(ray),
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--dashboard-host",
+        "127.0.0.1",
+        "--num-cpus",
+        "2",
+        "--temp-dir",
+        str(temp_dir / "ray"),
+        "--disable-usage-stats",
+        "--include-log-monitor",
+        "false",
+    ]
     for flag, port in ports.items():
         command += [f"--{flag}", str(port)]
     with open(temp_dir / "head.log", "wb") as log:  # the child keeps its own copy of the handle
@@ -97,7 +112,8 @@ def marked_pids(marker: str) -> list[int]:
 
 
 def stop_head(head: subprocess.Popen, marker: str) -> list[int]:
-    """SIGTERM `ray start --block` (it stops what it started), then SIGKILL whatever of ours is left; returns survivors."""
+    """SIGTERM `ray start --block` (it stops what it started), then SIGKILL whatever of ours is left; returns
+    survivors."""
     if head.poll() is None:
         head.send_signal(signal.SIGTERM)
         try:
@@ -130,7 +146,9 @@ def _text(output: str | bytes | None) -> str:
 def job_logs(temp_dir: Path, submission_id: str) -> str:
     """The job driver's log as the head wrote it (readable even when the dashboard is gone), and the head's log."""
     parts = []
-    for path in sorted((temp_dir / "ray").glob(f"session_latest/logs/job-driver-{submission_id}.log")) + [temp_dir / "head.log"]:
+    for path in sorted((temp_dir / "ray").glob(f"session_latest/logs/job-driver-{submission_id}.log")) + [
+        temp_dir / "head.log"
+    ]:
         parts.append(f"--- {path}\n{path.read_text(errors='replace')[-8000:]}")
     return "\n".join(parts)
 
@@ -142,8 +160,17 @@ def test_ray_job_submit_runs_the_launch_script(repo_root: Path, tmp_path: Path):
     temp_dir = Path(tempfile.mkdtemp(prefix="rlrj-", dir="/tmp"))
     marker = secrets.token_hex(8)
     env = head_env(temp_dir, marker)
-    names = ["port", "dashboard-port", "ray-client-server-port", "node-manager-port", "object-manager-port",
-             "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port"]
+    names = [
+        "port",
+        "dashboard-port",
+        "ray-client-server-port",
+        "node-manager-port",
+        "object-manager-port",
+        "dashboard-agent-listen-port",
+        "dashboard-agent-grpc-port",
+        "runtime-env-agent-port",
+        "metrics-export-port",
+    ]
     ports = dict(zip(names, free_ports(len(names))))
     dashboard = f"http://127.0.0.1:{ports['dashboard-port']}"
     submission_id = f"rlrunner-test-{marker}"
@@ -154,18 +181,49 @@ def test_ray_job_submit_runs_the_launch_script(repo_root: Path, tmp_path: Path):
         cli_env = {k: v for k, v in env.items() if k != _MARKER}  # the CLI is ours to wait for, not the head's
         # Without RAY_AUTH_MODE=token the CLI sends no token and the dashboard refuses it (what the README says).
         without_mode = {k: v for k, v in cli_env.items() if k != "RAY_AUTH_MODE"}
-        refused = subprocess.run([str(ray), "job", "list", "--address", dashboard], env=without_mode,
-                                 capture_output=True, text=True, timeout=left(deadline))
-        assert refused.returncode != 0 and "Unauthorized" in refused.stdout + refused.stderr, refused.stdout + refused.stderr
+        refused = subprocess.run(
+            [str(ray), "job", "list", "--address", dashboard],
+            env=without_mode,
+            capture_output=True,
+            text=True,
+            timeout=left(deadline),
+        )
+        assert refused.returncode != 0 and "Unauthorized" in refused.stdout + refused.stderr, (
+            refused.stdout + refused.stderr
+        )
 
-        overrides = [*TINY_MODEL, "data.synthetic.val_size=0", "runner.max_steps=2", "data.batch_size=4", "algorithm.group_size=4", "actor.micro_batch_size=4",
-                     f"runner.output_dir={tmp_path}", "runner.logger.progress_bar=false"]
+        overrides = [
+            *TINY_MODEL,
+            "data.synthetic.val_size=0",
+            "runner.max_steps=2",
+            "data.batch_size=4",
+            "algorithm.group_size=4",
+            "actor.micro_batch_size=4",
+            f"runner.output_dir={tmp_path}",
+            "runner.logger.progress_bar=false",
+        ]
         runtime_env = {"env_vars": {"PYTHON": sys.executable, "RLRUNNER_MAX_RESTARTS": "0"}}
-        command = [str(ray), "job", "submit", "--address", dashboard, "--submission-id", submission_id,
-                   "--working-dir", str(repo_root), "--runtime-env-json", json.dumps(runtime_env),
-                   "--", "bash", "launch/run_main_grpo.sh", *overrides]
+        command = [
+            str(ray),
+            "job",
+            "submit",
+            "--address",
+            dashboard,
+            "--submission-id",
+            submission_id,
+            "--working-dir",
+            str(repo_root),
+            "--runtime-env-json",
+            json.dumps(runtime_env),
+            "--",
+            "bash",
+            "launch/run_main_grpo.sh",
+            *overrides,
+        ]
         try:
-            result = subprocess.run(command, env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=left(deadline))
+            result = subprocess.run(
+                command, env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=left(deadline)
+            )
             submit_output = result.stdout + result.stderr
         except subprocess.TimeoutExpired as exc:
             submit_output = "".join(_text(part) for part in (exc.stdout, exc.stderr))

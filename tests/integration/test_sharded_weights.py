@@ -14,10 +14,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from rlrunner.backends.megatron.distrib_optim import DistributedAdamW
-from rlrunner.backends.megatron.weight_units import UnitCursor
 from rlrunner.backends.megatron.layout import hf_to_megatron_rank
 from rlrunner.backends.megatron.model import TPQwen2ForCausalLM
+from rlrunner.backends.megatron.weight_units import UnitCursor
 from rlrunner.backends.megatron.worker import parallel_groups, replicated_names
+
 from conftest import assert_bit_equal
 from megatron_models import SHAPES, build_test_model, free_port
 
@@ -31,9 +32,20 @@ def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def _build(config, tp_group, dp_group, shard, tp_rank: int, shard_weights: bool):
     model = TPQwen2ForCausalLM(config, tp_group, device="meta")
-    optimizer = DistributedAdamW(list(model.named_parameters()), dp_group, tp_group, replicated_names(model), lr=0.05,
-                                 betas=(0.9, 0.95), weight_decay=0.1, step_chunk_elements=300, bucket_elements=1000,
-                                 shard_weights=shard_weights, units=model.weight_unit_names(), device="cpu")
+    optimizer = DistributedAdamW(
+        list(model.named_parameters()),
+        dp_group,
+        tp_group,
+        replicated_names(model),
+        lr=0.05,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+        step_chunk_elements=300,
+        bucket_elements=1000,
+        shard_weights=shard_weights,
+        units=model.weight_unit_names(),
+        device="cpu",
+    )
     assert optimizer.shard_weights == shard_weights
     if shard_weights:
         model.weight_units = optimizer.units
@@ -105,7 +117,9 @@ def _check(rank: int, shape: str, recompute: bool, bf16: bool) -> None:
 
 @pytest.mark.parametrize("shape,recompute,bf16", [("gqa", True, False), ("gqa", False, True), ("tied", True, False)])
 def test_sharded_weights_train_bitwise_like_whole_ones(shape: str, recompute: bool, bf16: bool) -> None:
-    mp.spawn(_worker, args=(DP * TP, free_port(), shape, recompute, bf16), nprocs=DP * TP)  # raises with a rank's traceback
+    mp.spawn(
+        _worker, args=(DP * TP, free_port(), shape, recompute, bf16), nprocs=DP * TP
+    )  # raises with a rank's traceback
 
 
 def test_units_must_be_consecutive_runs_covering_every_parameter() -> None:

@@ -9,7 +9,10 @@ import sys
 import pytest
 
 # 135M parameters (540 MB of float32 weights): large against the process's own allocations during set-up
-BIG = "+model.override_config={hidden_size:1024,num_hidden_layers:12,intermediate_size:2816,num_attention_heads:16,num_key_value_heads:4}"
+BIG = (
+    "+model.override_config={hidden_size:1024,num_hidden_layers:12,intermediate_size:2816,"
+    "num_attention_heads:16,num_key_value_heads:4}"
+)
 
 
 def _rss_bytes(field: str) -> int:
@@ -50,10 +53,11 @@ def test_each_rank_builds_only_its_part_of_the_model(ray_session, tmp_path, back
     from ray import cloudpickle
     from transformers import AutoModelForCausalLM
 
-    from conftest import actor_worker_kwargs, run_config
     from rlrunner.backends.registry import get_backend
     from rlrunner.cluster.worker_group import WorkerGroup
     from rlrunner.models.loading import build_hf_config, build_tokenizer
+
+    from conftest import actor_worker_kwargs, run_config
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import this module by name
     overrides = [BIG, "actor.num_workers=2", f"actor.training_backend={backend}"]
@@ -67,8 +71,9 @@ def test_each_rank_builds_only_its_part_of_the_model(ray_session, tmp_path, back
     assert whole > 300e6
 
     worker_class = get_backend(backend).worker_class
-    group = WorkerGroup("actor", worker_class, 2, worker_kwargs=kwargs, cpus_per_worker=0.5, distributed=True,
-                        call_timeout_s=300)
+    group = WorkerGroup(
+        "actor", worker_class, 2, worker_kwargs=kwargs, cpus_per_worker=0.5, distributed=True, call_timeout_s=300
+    )
     try:
         measured = group.get([w.__ray_call__.remote(_measured_setup) for w in group.workers])
     finally:

@@ -22,8 +22,15 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 # Where botocore looks for credentials besides the storage options; IMDS is turned off so nothing leaves 127.0.0.1.
 _CREDENTIAL_VARIABLES = (
-    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE",
-    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_PROFILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_ROLE_ARN",
 )
 
 
@@ -36,7 +43,10 @@ class NodeWorker(Worker):
         for name in _CREDENTIAL_VARIABLES:
             os.environ.pop(name, None)
         os.environ.update(
-            AWS_EC2_METADATA_DISABLED="true", AWS_SHARED_CREDENTIALS_FILE=os.devnull, AWS_CONFIG_FILE=os.devnull, NO_PROXY="127.0.0.1"
+            AWS_EC2_METADATA_DISABLED="true",
+            AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+            AWS_CONFIG_FILE=os.devnull,
+            NO_PROXY="127.0.0.1",
         )
         if rank != without_credentials:
             os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
@@ -75,7 +85,10 @@ def test_a_node_that_cannot_see_the_local_probe_says_so(tmp_path):
         f"node 10.0.0.7 cannot read {tmp_path}/.probe-abc (No such file or directory)"
     )
     (tmp_path / ".probe-abc").write_text("other")
-    assert answer_probe(local, str(tmp_path), "abc", "10.0.0.7") == f"node 10.0.0.7 reads other content in {tmp_path}/.probe-abc"
+    assert (
+        answer_probe(local, str(tmp_path), "abc", "10.0.0.7")
+        == f"node 10.0.0.7 reads other content in {tmp_path}/.probe-abc"
+    )
     (tmp_path / ".probe-abc").write_text("abc")
     assert answer_probe(local, str(tmp_path), "abc", "10.0.0.7") is None
     assert len(list(tmp_path.glob(".probe-abc-10.0.0.7-*"))) == 1
@@ -98,7 +111,8 @@ def test_a_node_without_credentials_is_named(workers, s3_store, moto_endpoint):
     message = str(caught.value)
     assert re.fullmatch(
         rf"the checkpoint storage {url} is not reachable from every node: node {re.escape(node())} cannot read "
-        rf"{url}/\.probe-[0-9a-f]+ \(NoCredentialsError: Unable to locate credentials\); every node that hosts a worker "
+        rf"{url}/\.probe-[0-9a-f]+ \(NoCredentialsError: Unable to locate credentials\); "
+        r"every node that hosts a worker "
         r"needs the store's fsspec package, network access to its endpoint and credentials .*",
         message,
     ), message
@@ -117,8 +131,10 @@ def test_an_unreachable_endpoint_is_named(workers, s3_store):
         check_shared_folder(open_storage(url, options), join(url, "checkpoints"), [workers])
     message = str(caught.value)
     assert re.match(
-        rf"the checkpoint storage {url}/checkpoints is not reachable from every node: the driver on node {re.escape(node())} "
-        rf"cannot write {url}/checkpoints/\.probe-[0-9a-f]+ \(EndpointConnectionError: Could not connect to the endpoint URL",
+        rf"the checkpoint storage {url}/checkpoints is not reachable from every node: "
+        rf"the driver on node {re.escape(node())} "
+        rf"cannot write {url}/checkpoints/\.probe-[0-9a-f]+ "
+        r"\(EndpointConnectionError: Could not connect to the endpoint URL",
         message,
     ), message
     assert "\n" not in message
@@ -127,4 +143,6 @@ def test_an_unreachable_endpoint_is_named(workers, s3_store):
 def test_a_node_lacking_the_store_package_is_named(workers):
     """What a worker answers when it cannot even open the store (here: a protocol fsspec does not know)."""
     answer = workers.call_rank(0, "probe_storage", "nosuchproto://bucket/x", {}, "nosuchproto://bucket/x", "abc")
-    assert re.fullmatch(rf"node {re.escape(node())} cannot open nosuchproto://bucket/x \(.*fsspec knows no protocol.*\)", answer), answer
+    assert re.fullmatch(
+        rf"node {re.escape(node())} cannot open nosuchproto://bucket/x \(.*fsspec knows no protocol.*\)", answer
+    ), answer

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from rlrunner.backends.megatron.layout import hf_to_megatron_rank
 from rlrunner.backends.megatron.model import TPQwen2ForCausalLM
+
 from conftest import assert_bit_equal
 from megatron_models import SHAPES, build_test_model, free_port
 

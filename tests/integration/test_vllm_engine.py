@@ -24,18 +24,19 @@ import torch
 from omegaconf import OmegaConf
 from ray import cloudpickle
 
-from conftest import Inspect, actor_worker_kwargs, assert_bit_equal, read_metrics, run_config, without_time
 from rlrunner.algorithms.grpo import group_advantages
 from rlrunner.backends.fsdp.worker import FSDPActorWorker
 from rlrunner.cluster.worker_group import WorkerGroup
 from rlrunner.errors import ConfigError
 from rlrunner.rewards.scorer import RewardSettings
-from rlrunner.rollout.worker import RolloutWorker
 from rlrunner.rollout.vllm_engine import VLLMEngine, _probe
+from rlrunner.rollout.worker import RolloutWorker
 from rlrunner.runner.batching import build_actor_batch, shard_actor_batch
 from rlrunner.runner.supervisor import Supervisor
 from rlrunner.tools.convert import load_model_weights
 from rlrunner.weight_sync.driver import connect_weight_sync, sync_weights
+
+from conftest import Inspect, actor_worker_kwargs, assert_bit_equal, read_metrics, run_config, without_time
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -65,9 +66,9 @@ def engine_core_pids(worker) -> list[int]:
 
 
 def kill_at_call(call: int, owner_of: Callable[[Any], Any], name: str, victims: Callable[[Any], list[int]]):
-    """Run inside a worker: the `call`-th call of `owner_of(worker).<name>` first SIGKILLs `victims(worker)` (the worker's
-    own process, or its engine core) and then goes on as if nothing had happened. Returns the victims' pids as they
-    are when patched."""
+    """Run inside a worker: the `call`-th call of `owner_of(worker).<name>` first SIGKILLs `victims(worker)` (the
+    worker's own process, or its engine core) and then goes on as if nothing had happened. Returns the victims' pids as
+    they are when patched."""
 
     def patch(worker) -> list[int]:
         owner, calls = owner_of(worker), []
@@ -117,49 +118,94 @@ def test_weights_pushed_into_vllm_give_the_hf_engines_greedy_output(ray_session,
     """The actor's weights reach both engines through the weight sync; greedy decoding then agrees token for token,
     also after an update (so vLLM's loader took the new weights and no KV state of the old ones was reused: the long
     prompt fills several KV blocks that its prefix cache would otherwise serve again)."""
-    cfg = run_config(tmp_path, "actor.num_workers=1", "actor.optim.lr=0.05", "rollout.temperature=0",
-                     "rollout.max_new_tokens=6", "rollout.val.max_new_tokens=2", *VLLM, *HEAD_32)
+    cfg = run_config(
+        tmp_path,
+        "actor.num_workers=1",
+        "actor.optim.lr=0.05",
+        "rollout.temperature=0",
+        "rollout.max_new_tokens=6",
+        "rollout.val.max_new_tokens=2",
+        *VLLM,
+        *HEAD_32,
+    )
     actor_kwargs = actor_worker_kwargs(cfg)
     groups = []
     try:
-        actors = WorkerGroup("actor", FSDPActorWorker, 1, worker_kwargs=actor_kwargs, cpus_per_worker=0.5, distributed=True,
-                             call_timeout_s=120, wait=False)
+        actors = WorkerGroup(
+            "actor",
+            FSDPActorWorker,
+            1,
+            worker_kwargs=actor_kwargs,
+            cpus_per_worker=0.5,
+            distributed=True,
+            call_timeout_s=120,
+            wait=False,
+        )
         groups.append(actors)
         rollouts = {}
         for engine in ("hf", "vllm"):
-            kwargs = {"model_cfg": plain(cfg.model), "rollout_cfg": {**plain(cfg.rollout), "engine": engine}, "group_size": 1,
-                      "reward": RewardSettings.builtin("arithmetic"), "seed": 7}
-            rollouts[engine] = WorkerGroup(f"rollout-{engine}", RolloutWorker, 1, worker_kwargs=kwargs, cpus_per_worker=0.25,
-                                           call_timeout_s=120, wait=False)
+            kwargs = {
+                "model_cfg": plain(cfg.model),
+                "rollout_cfg": {**plain(cfg.rollout), "engine": engine},
+                "group_size": 1,
+                "reward": RewardSettings.builtin("arithmetic"),
+                "seed": 7,
+            }
+            rollouts[engine] = WorkerGroup(
+                f"rollout-{engine}",
+                RolloutWorker,
+                1,
+                worker_kwargs=kwargs,
+                cpus_per_worker=0.25,
+                call_timeout_s=120,
+                wait=False,
+            )
             groups.append(rollouts[engine])
         for group in groups:
             group.wait_ready()
         actors.call_all("setup")
 
-        tokenizer_text = ["What is 3+4? ", "Add these two numbers and say only the sum, nothing else at all. " * 3 + "2+2="]
+        tokenizer_text = [
+            "What is 3+4? ",
+            "Add these two numbers and say only the sum, nothing else at all. " * 3 + "2+2=",
+        ]
         from rlrunner.models.loading import build_tokenizer
 
         tokenizer = build_tokenizer(cfg.model)
-        records = [{"index": i, "prompt_ids": tokenizer.encode(text), "answer": "7", "data_source": "arithmetic",
-                    "extra_info": {}} for i, text in enumerate(tokenizer_text)]
+        records = [
+            {
+                "index": i,
+                "prompt_ids": tokenizer.encode(text),
+                "answer": "7",
+                "data_source": "arithmetic",
+                "extra_info": {},
+            }
+            for i, text in enumerate(tokenizer_text)
+        ]
         assert len(records[1]["prompt_ids"]) > 128  # several KV-cache blocks
 
         def generate() -> dict[str, list[list[int]]]:
             for group in rollouts.values():  # an actor rank has one set of channels: joined again for each group
                 connect_weight_sync(actors, group, timeout_s=60)
                 sync_weights(actors, group)
-            return {name: [s["response_ids"] for s in group.call_rank(0, "generate", 1, [records])]
-                    for name, group in rollouts.items()}
+            return {
+                name: [s["response_ids"] for s in group.call_rank(0, "generate", 1, [records])]
+                for name, group in rollouts.items()
+            }
 
         first = generate()
         assert first["vllm"] == first["hf"], first
         # the validation's sampling (rollout.val.*: greedy, 2 new tokens) through each engine, then vLLM's prefix
         # cache dropped: the same greedy prefixes of the same output, and training's generation unchanged after it
-        validated = {name: [s["response_ids"] for s in group.call_rank(0, "generate", 1, [records], 0, True)]
-                     for name, group in rollouts.items()}
+        validated = {
+            name: [s["response_ids"] for s in group.call_rank(0, "generate", 1, [records], 0, True)]
+            for name, group in rollouts.items()
+        }
         assert validated["vllm"] == validated["hf"] == [ids[:2] for ids in first["hf"]], validated
-        assert {name: [s["response_ids"] for s in group.call_rank(0, "generate", 1, [records])]
-                for name, group in rollouts.items()} == first
+        assert {
+            name: [s["response_ids"] for s in group.call_rank(0, "generate", 1, [records])]
+            for name, group in rollouts.items()
+        } == first
         # an update that changes the greedy output, then the same prompts again
         samples = rollouts["hf"].call_rank(0, "generate", 1, [records * 2])
         advantages = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2, True)
@@ -174,7 +220,9 @@ def test_weights_pushed_into_vllm_give_the_hf_engines_greedy_output(ray_session,
             group.shutdown()
 
 
-def test_runs_are_the_same_for_any_rollout_worker_count_after_a_killed_rollout_worker_and_actor_rank(reference, tmp_path):
+def test_runs_are_the_same_for_any_rollout_worker_count_after_a_killed_rollout_worker_and_actor_rank(
+    reference, tmp_path
+):
     """Two rollout workers instead of one, the second killed in step 2's generation: the rollout group alone is
     replaced (no checkpoint loaded, no step lost). Then actor rank 1 is killed in step 3's update: the rank alone is
     replaced (the rollout workers and their vLLM engines are kept) and loads the in-memory snapshot of step 2, so no
@@ -186,11 +234,16 @@ def test_runs_are_the_same_for_any_rollout_worker_count_after_a_killed_rollout_w
     out = tmp_path / "two"
     # the second rollout worker dies inside its second generate (step 2's); each actor rank's update has 2
     # micro-batches (8 rows of 4), so its 5th log-probs call is step 3's first
-    rollout_kill, killed_rollout = patched_at_the_first_start("rollout", 1, kill_at_call(2, lambda w: w.engine, "generate", own_process))
+    rollout_kill, killed_rollout = patched_at_the_first_start(
+        "rollout", 1, kill_at_call(2, lambda w: w.engine, "generate", own_process)
+    )
     actor_kill, killed_actor = patched_at_the_first_start(
-        "actor", 1, kill_at_call(5, lambda w: sys.modules["rlrunner.backends.actor"], "token_log_probs", own_process))
-    runner = Supervisor(run_config(out, *RUN, "rollout.num_workers=2", "rollout.generation_batch_size=1"),
-                        callbacks=[rollout_kill, actor_kill])
+        "actor", 1, kill_at_call(5, lambda w: sys.modules["rlrunner.backends.actor"], "token_log_probs", own_process)
+    )
+    runner = Supervisor(
+        run_config(out, *RUN, "rollout.num_workers=2", "rollout.generation_batch_size=1"),
+        callbacks=[rollout_kill, actor_kill],
+    )
     runner.run()
     assert killed_rollout and not psutil.pid_exists(killed_rollout[0][0]), "the rollout worker was not killed"
     assert killed_actor and not psutil.pid_exists(killed_actor[0][0]), "the actor rank was not killed"
@@ -213,9 +266,13 @@ def test_a_killed_engine_core_ends_its_rollout_worker_repaired_like_a_lost_one(r
     generate), it would leave that generate hung until the step's time bound: the engine's watcher thread makes the
     rollout worker exit at once instead, a lost rollout worker, whose group alone is replaced, and the run ends exactly
     as the uninterrupted one (multiprocessing changes nothing in what is generated)."""
-    callback, cores = patched_at_the_first_start("rollout", 0, kill_at_call(3, lambda w: w.engine, "generate", engine_core_pids))
-    runner = Supervisor(run_config(tmp_path, *RUN, "rollout.vllm.multiprocessing=true", "runner.recovery.step_timeout_s=10"),
-                        callbacks=[callback])
+    callback, cores = patched_at_the_first_start(
+        "rollout", 0, kill_at_call(3, lambda w: w.engine, "generate", engine_core_pids)
+    )
+    runner = Supervisor(
+        run_config(tmp_path, *RUN, "rollout.vllm.multiprocessing=true", "runner.recovery.step_timeout_s=10"),
+        callbacks=[callback],
+    )
     runner.run()
     assert cores and len(cores[0]) == 1, f"the rollout worker has no engine core process of its own: {cores}"
     assert not psutil.pid_exists(cores[0][0]), "the engine core was not killed"
@@ -223,9 +280,13 @@ def test_a_killed_engine_core_ends_its_rollout_worker_repaired_like_a_lost_one(r
     assert repair["step"] == 3, repair
     assert repair["cause"].startswith("worker lost") and "rollout rank 0" in repair["cause"], repair  # not a hang
     # every step's metrics once, as the uninterrupted run logged them
-    assert without_time(read_metrics(tmp_path / "test" / "metrics.jsonl")) == without_time(read_metrics(reference / "metrics.jsonl"))
-    final, expected = load_model_weights(tmp_path / "test" / "checkpoints" / "global_step_4"), load_model_weights(
-        reference / "checkpoints" / "global_step_4")
+    assert without_time(read_metrics(tmp_path / "test" / "metrics.jsonl")) == without_time(
+        read_metrics(reference / "metrics.jsonl")
+    )
+    final, expected = (
+        load_model_weights(tmp_path / "test" / "checkpoints" / "global_step_4"),
+        load_model_weights(reference / "checkpoints" / "global_step_4"),
+    )
     assert_bit_equal(final, expected)
 
 
@@ -233,8 +294,17 @@ def test_the_default_task_is_learnt_with_vllm(ray_session, tmp_path):
     """The default job's model, task and batch (16 prompts x 16 samples), generated by vLLM: the reward climbs."""
     from rlrunner.config import load_config
 
-    cfg = load_config([f"runner.output_dir={tmp_path}", "runner.experiment_name=test", "runner.max_steps=60",
-                       "runner.save_interval=60", "runner.logger.progress_bar=false", "data.synthetic.val_size=0", *VLLM])
+    cfg = load_config(
+        [
+            f"runner.output_dir={tmp_path}",
+            "runner.experiment_name=test",
+            "runner.max_steps=60",
+            "runner.save_interval=60",
+            "runner.logger.progress_bar=false",
+            "data.synthetic.val_size=0",
+            *VLLM,
+        ]
+    )
     Supervisor(cfg).run()
     rewards = [m["rollout/reward_mean"] for m in read_metrics(tmp_path / "test" / "metrics.jsonl")]
     first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
@@ -250,8 +320,11 @@ def test_bad_vllm_input_is_refused_in_one_line_before_any_worker(tmp_path, monke
     config = build_hf_config(tiny.model, build_tokenizer(tiny.model))
     before = _probe.cache_info()
     for _ in range(2):  # the second check takes the first one's answer: one probe per process and PYTHONPATH
-        with pytest.raises(ConfigError, match=r"^rollout.engine=vllm on CPU: vLLM's CPU attention has no kernel for "
-                                              r"the model's head size 16 \(it has 32, 64, "):
+        with pytest.raises(
+            ConfigError,
+            match=r"^rollout.engine=vllm on CPU: vLLM's CPU attention has no kernel for "
+            r"the model's head size 16 \(it has 32, 64, ",
+        ):
             VLLMEngine.check(tiny, config)
     after = _probe.cache_info()
     assert after.misses - before.misses <= 1 and after.hits - before.hits >= 1, (before, after)
@@ -260,7 +333,9 @@ def test_bad_vllm_input_is_refused_in_one_line_before_any_worker(tmp_path, monke
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'vllm'\", name='vllm')\n")
     monkeypatch.setenv("PYTHONPATH", f"{shadow.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    with pytest.raises(ConfigError, match=r"^rollout.engine=vllm needs vLLM, which is not installed: bash launch/install_vllm.sh"):
+    with pytest.raises(
+        ConfigError, match=r"^rollout.engine=vllm needs vLLM, which is not installed: bash launch/install_vllm.sh"
+    ):
         VLLMEngine.check(tiny, config)
     assert _probe.cache_info().misses == after.misses + 1  # another PYTHONPATH: asked again
     assert "vllm" not in sys.modules  # the checks ran in subprocesses: vLLM never entered this process

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_bit_equal
 from rlrunner.backends.fsdp.weights import FSDPWeightSource, local_block
 from rlrunner.rollout.hf import ModuleSink
+
+from conftest import assert_bit_equal
 
 # -- real processes, real gloo, real FSDP2 (no Ray) ------------------------------------------------
 
@@ -27,8 +28,8 @@ class Toy(torch.nn.Module):
     def __init__(self, seed: int):
         super().__init__()
         torch.manual_seed(seed)
-        self.emb = torch.nn.Embedding(7, 3)          # rows 3, 3, 1
-        self.small = torch.nn.Linear(3, 4)           # weight rows 2, 2, 0; bias 2, 2, 0
+        self.emb = torch.nn.Embedding(7, 3)  # rows 3, 3, 1
+        self.small = torch.nn.Linear(3, 4)  # weight rows 2, 2, 0; bias 2, 2, 0
         self.one = torch.nn.Parameter(torch.randn(1, 5))  # 1, 0, 0
         self.big = torch.nn.Parameter(torch.randn(9, 11) * 3)
         self.head = torch.nn.Linear(3, 7, bias=False)
@@ -59,8 +60,13 @@ def _child_body(role: str, index: int, port: int, out: Path, dtype: torch.dtype)
     if role == "actor":
         from torch.distributed.fsdp import fully_shard
 
-        dist.init_process_group("gloo", store=dist.PrefixStore("fsdp/", store), rank=index, world_size=NUM_ACTORS,
-                                timeout=timedelta(seconds=TIMEOUT_S))
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore("fsdp/", store),
+            rank=index,
+            world_size=NUM_ACTORS,
+            timeout=timedelta(seconds=TIMEOUT_S),
+        )
         model = fully_shard(Toy(seed=1))
         # FSDP2's chunk boundaries (rows), checked against the full tensors
         boundaries = {}
@@ -70,11 +76,14 @@ def _child_body(role: str, index: int, port: int, out: Path, dtype: torch.dtype)
             if block is not None:
                 assert block.dim == 0 and torch.equal(full[block.start : block.stop], block.tensor), name
                 boundaries[name] = (block.start, block.stop)
-        sync = WeightSender(store, index, NUM_ACTORS, NUM_ROLLOUTS, FSDPWeightSource(model), torch.device("cpu"), TIMEOUT_S,
-                            "127.0.0.1")
+        sync = WeightSender(
+            store, index, NUM_ACTORS, NUM_ROLLOUTS, FSDPWeightSource(model), torch.device("cpu"), TIMEOUT_S, "127.0.0.1"
+        )
         results = {"boundaries": boundaries, "full": []}
         for step in range(2):
-            full = {n: t.full_tensor() if hasattr(t, "full_tensor") else t.clone() for n, t in model.state_dict().items()}
+            full = {
+                n: t.full_tensor() if hasattr(t, "full_tensor") else t.clone() for n, t in model.state_dict().items()
+            }
             results["full"].append(full)
             results[f"stats{step}"] = sync.send(bucket_bytes=40)
             results[f"kept{step}"] = sum(b.numel() for channel in sync.channels for b in channel.buffers)
@@ -94,8 +103,9 @@ def _child_body(role: str, index: int, port: int, out: Path, dtype: torch.dtype)
         dist.destroy_process_group()
     else:
         model = Toy(seed=100 + index).to(dtype)
-        sync = WeightReceiver(store, index, NUM_ACTORS, NUM_ROLLOUTS, ModuleSink(model), torch.device("cpu"), TIMEOUT_S,
-                              "127.0.0.1")
+        sync = WeightReceiver(
+            store, index, NUM_ACTORS, NUM_ROLLOUTS, ModuleSink(model), torch.device("cpu"), TIMEOUT_S, "127.0.0.1"
+        )
         results = {"states": [], "layout": [spec.name for spec in sync.layout]}  # plain: weights_only
         for _ in range(2):
             results["stats"] = sync.receive(bucket_bytes=40)
@@ -121,8 +131,12 @@ def test_fsdp2_shards_to_rollouts_over_gloo_processes(tmp_path):
 
     server = serve_store("127.0.0.1", TIMEOUT_S)
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_child, args=("actor", r, server.port, str(tmp_path), dtype)) for r in range(NUM_ACTORS)]
-    procs += [ctx.Process(target=_child, args=("rollout", i, server.port, str(tmp_path), dtype)) for i in range(NUM_ROLLOUTS)]
+    procs = [
+        ctx.Process(target=_child, args=("actor", r, server.port, str(tmp_path), dtype)) for r in range(NUM_ACTORS)
+    ]
+    procs += [
+        ctx.Process(target=_child, args=("rollout", i, server.port, str(tmp_path), dtype)) for i in range(NUM_ROLLOUTS)
+    ]
     for proc in procs:
         proc.start()
     deadline = time.monotonic() + 120
@@ -172,8 +186,13 @@ def _update_shards(cfg, num_ranks: int) -> list[dict[str, torch.Tensor]]:
     samples, rewards = [], []
     for i in range(cfg.data.batch_size * cfg.algorithm.group_size):
         response = tokenizer.encode(str(i % 7)) + [ids.eos[0]]
-        samples.append({"prompt_ids": tokenizer.encode(f"What is {i % 5}+2? "), "response_ids": response,
-                        "logprobs": [-1.0] * len(response)})
+        samples.append(
+            {
+                "prompt_ids": tokenizer.encode(f"What is {i % 5}+2? "),
+                "response_ids": response,
+                "logprobs": [-1.0] * len(response),
+            }
+        )
         rewards.append(float(i % 2))
     advantages = group_advantages(torch.tensor(rewards), cfg.algorithm.group_size, cfg.algorithm.norm_adv_by_std)
     return shard_actor_batch(build_actor_batch(samples, advantages, ids.pad), num_ranks, 1)
@@ -189,12 +208,13 @@ def test_ray_groups_sync_bit_exact_and_fail_fast(ray_session, tmp_path):
     from omegaconf import OmegaConf
     from ray import cloudpickle
 
-    from conftest import actor_worker_kwargs, run_config
-    from rlrunner.cluster.worker_group import WorkerGroup
-    from rlrunner.weight_sync.driver import connect_weight_sync, sync_weights
     from rlrunner.backends.fsdp.worker import FSDPActorWorker
+    from rlrunner.cluster.worker_group import WorkerGroup
     from rlrunner.rewards.scorer import RewardSettings
     from rlrunner.rollout.worker import RolloutWorker
+    from rlrunner.weight_sync.driver import connect_weight_sync, sync_weights
+
+    from conftest import actor_worker_kwargs, run_config
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import this module by name
     cfg = run_config(tmp_path, "actor.num_workers=2")
@@ -202,15 +222,35 @@ def test_ray_groups_sync_bit_exact_and_fail_fast(ray_session, tmp_path):
     actor_kwargs = actor_worker_kwargs(cfg)
     groups = []
     try:
-        actors = WorkerGroup("actor", FSDPActorWorker, 2, worker_kwargs=actor_kwargs, cpus_per_worker=0.5, distributed=True,
-                             call_timeout_s=60, wait=False)
+        actors = WorkerGroup(
+            "actor",
+            FSDPActorWorker,
+            2,
+            worker_kwargs=actor_kwargs,
+            cpus_per_worker=0.5,
+            distributed=True,
+            call_timeout_s=60,
+            wait=False,
+        )
         groups.append(actors)
         rollouts = {}
         for dtype in ("float32", "bfloat16"):
-            kwargs = {"model_cfg": {**plain(cfg.model), "dtype": dtype}, "rollout_cfg": plain(cfg.rollout), "group_size": 2,
-                      "reward": RewardSettings.builtin("arithmetic"), "seed": 7}
-            rollouts[dtype] = WorkerGroup(f"rollout-{dtype}", RolloutWorker, 2, worker_kwargs=kwargs, cpus_per_worker=0.25,
-                                          call_timeout_s=60, wait=False)
+            kwargs = {
+                "model_cfg": {**plain(cfg.model), "dtype": dtype},
+                "rollout_cfg": plain(cfg.rollout),
+                "group_size": 2,
+                "reward": RewardSettings.builtin("arithmetic"),
+                "seed": 7,
+            }
+            rollouts[dtype] = WorkerGroup(
+                f"rollout-{dtype}",
+                RolloutWorker,
+                2,
+                worker_kwargs=kwargs,
+                cpus_per_worker=0.25,
+                call_timeout_s=60,
+                wait=False,
+            )
             groups.append(rollouts[dtype])
         for group in groups:
             group.wait_ready()
@@ -227,7 +267,11 @@ def test_ray_groups_sync_bit_exact_and_fail_fast(ray_session, tmp_path):
             backends = connect_weight_sync(actors, group, timeout_s=30)
             assert backends == {"actor": ["gloo", "gloo"], "rollout": [["gloo", "gloo"]] * 2}
             stats = sync_weights(actors, group, bucket_bytes=64 << 10)  # several buckets per actor rank
-            assert stats["bytes"] == sum(t.numel() for t in expected(dtype).values()) * torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+            assert (
+                stats["bytes"]
+                == sum(t.numel() for t in expected(dtype).values())
+                * torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+            )
             for state in rollout_states(group):
                 assert_bit_equal(state, expected(dtype))
 
@@ -237,7 +281,9 @@ def test_ray_groups_sync_bit_exact_and_fail_fast(ray_session, tmp_path):
         before = rollout_states(group)[0]
         sync_weights(actors, group, bucket_bytes=64 << 10)
         after = rollout_states(group)
-        assert any(not torch.equal(before[n], after[0][n]) for n in before), "no rollout weight changed after the update"
+        assert any(not torch.equal(before[n], after[0][n]) for n in before), (
+            "no rollout weight changed after the update"
+        )
         for state in after:
             assert_bit_equal(state, expected("bfloat16"))
 

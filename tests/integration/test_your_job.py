@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import metrics_lines, once, read_metrics, run_config, without_time
 from rlrunner.errors import RewardFunctionError
 from rlrunner.runner.supervisor import Supervisor
+
+from conftest import metrics_lines, once, read_metrics, run_config, without_time
 
 pytestmark = pytest.mark.slow
 
@@ -41,12 +42,20 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 ALGORITHM = [
-    "algorithm.adv_estimator=rloo", "algorithm.policy_loss=gspo", "algorithm.clip_ratio=0.0003",
-    "algorithm.clip_ratio_high=0.0004", "algorithm.loss_agg_mode=seq-mean-token-sum-norm",
+    "algorithm.adv_estimator=rloo",
+    "algorithm.policy_loss=gspo",
+    "algorithm.clip_ratio=0.0003",
+    "algorithm.clip_ratio_high=0.0004",
+    "algorithm.loss_agg_mode=seq-mean-token-sum-norm",
     "algorithm.rollout_correction.tis_cap=2.0",
 ]
-JOB = [*ALGORITHM, "rollout.max_new_tokens=2", "rollout.generation_batch_size=2", "runner.save_interval=2",
-       "actor.optim.lr=0.01"]
+JOB = [
+    *ALGORITHM,
+    "rollout.max_new_tokens=2",
+    "rollout.generation_batch_size=2",
+    "runner.save_interval=2",
+    "actor.optim.lr=0.01",
+]
 SCORED_ZERO = ["reward.on_error=zero"]  # a response without a digit raises: scored 0 and counted
 VALIDATION = ["data.synthetic.val_size=6", "runner.val_interval=2", "rollout.val.max_new_tokens=3"]
 
@@ -54,8 +63,7 @@ VALIDATION = ["data.synthetic.val_size=6", "runner.val_interval=2", "rollout.val
 def reward_file(folder: Path, when_triggered: str = "pass", trigger: str = "never", picky: bool = True) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "my_reward.py"
-    path.write_text(textwrap.dedent(REWARD.format(trigger=trigger, when_triggered=when_triggered,
-                                                  picky=picky)))
+    path.write_text(textwrap.dedent(REWARD.format(trigger=trigger, when_triggered=when_triggered, picky=picky)))
     return path
 
 
@@ -68,7 +76,9 @@ def training(records: list[dict]) -> list[dict]:
 def reference(ray_session, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("reference")
     reward = reward_file(out / "user")
-    Supervisor(run_config(out, *JOB, *SCORED_ZERO, *VALIDATION, f"reward.function={reward}", "reward.num_workers=2")).run()
+    Supervisor(
+        run_config(out, *JOB, *SCORED_ZERO, *VALIDATION, f"reward.function={reward}", "reward.num_workers=2")
+    ).run()
     return out / "test"
 
 
@@ -106,7 +116,8 @@ def test_a_resumed_run_logs_the_same_steps_and_validations(reference, tmp_path):
     Supervisor(run_config(tmp_path, *job, "runner.max_steps=2")).run()  # its last step, 2, is validated anyway
     Supervisor(run_config(tmp_path, *job, "runner.resume_dir=auto")).run()
     assert without_time(read_metrics(tmp_path / "test" / "metrics.jsonl")) == without_time(
-        read_metrics(reference / "metrics.jsonl"))
+        read_metrics(reference / "metrics.jsonl")
+    )
 
 
 @pytest.mark.parametrize(
@@ -118,7 +129,8 @@ def test_a_resumed_run_logs_the_same_steps_and_validations(reference, tmp_path):
     ids=["raises", "hangs"],
 )
 def test_a_reward_function_that_fails_ends_the_run_in_one_line_after_its_emergency_checkpoint(
-        ray_session, tmp_path, when_triggered, options, error):
+    ray_session, tmp_path, when_triggered, options, error
+):
     """Armed once step 2 is logged: a later step's scoring fails. The run ends with one line naming the function, the
     step, the sample and the error; the steps before it are kept, the last one saved (the emergency checkpoint)."""
     user = tmp_path / "user"
@@ -128,12 +140,16 @@ def test_a_reward_function_that_fails_ends_the_run_in_one_line_after_its_emergen
     with pytest.raises(RewardFunctionError) as info:
         Supervisor(cfg).run()
     message = str(info.value)
-    pattern = (rf"reward function {re.escape(str(reward))} failed at step (\d+), sample (\d+) \(prompt \d+, response "
-               rf"\d+\): {error}; (saved global_step_(\d+)|global_step_(\d+) is already saved); fix the reward function")
+    pattern = (
+        rf"reward function {re.escape(str(reward))} failed at step (\d+), sample (\d+) \(prompt \d+, response "
+        rf"\d+\): {error}; (saved global_step_(\d+)|global_step_(\d+) is already saved); fix the reward function"
+    )
     match = re.match(pattern, message)
     assert match and "\n" not in message and info.value.exit_code == 4, message
     failed = int(match.group(1))
     assert failed >= 3 and int(match.group(4) or match.group(5)) == failed - 1, message
     assert [r["step"] for r in read_metrics(tmp_path / "test" / "metrics.jsonl")] == list(range(1, failed))
-    manifest = json.loads((tmp_path / "test" / "checkpoints" / f"global_step_{failed - 1}" / "manifest.json").read_text())
+    manifest = json.loads(
+        (tmp_path / "test" / "checkpoints" / f"global_step_{failed - 1}" / "manifest.json").read_text()
+    )
     assert manifest["step"] == failed - 1

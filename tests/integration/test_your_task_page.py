@@ -50,7 +50,11 @@ def wait_until(condition, timeout_s: float, what: str, process: subprocess.Popen
 
 def last_step(log_dir: Path) -> int:
     path = log_dir / "metrics.jsonl"
-    steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
+    steps = (
+        [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
+        if path.exists()
+        else []
+    )
     return max(steps, default=-1)
 
 
@@ -73,16 +77,29 @@ def untimed(metrics: dict) -> dict:
 def test_the_your_task_page_runs_with_validation_and_both_trackers_through_a_kill_and_a_stop(repo_root, tmp_path):
     for name in ("examples", "launch"):
         (tmp_path / name).symlink_to(repo_root / name)
-    env = {**os.environ, "PYTHON": sys.executable, "RLRUNNER_RESTART_BACKOFF_S": "0", "MLFLOW_DISABLE_TELEMETRY": "true",
-           "WANDB_SILENT": "true", "PYTHONPATH": str(repo_root)}
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "RLRUNNER_RESTART_BACKOFF_S": "0",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "WANDB_SILENT": "true",
+        "PYTHONPATH": str(repo_root),
+    }
     env.pop("WANDB_SERVICE", None)  # a service of this test process's own W&B runs: the drivers start their own
     make_data, launch = page_commands(repo_root)
-    assert make_data[:2] == ["python", "examples/your_task/make_data.py"] and launch[:2] == ["bash", "launch/run_main_grpo.sh"]
-    subprocess.run([sys.executable, *make_data[1:]], cwd=tmp_path, env=env, check=True, capture_output=True, timeout=120)
+    assert make_data[:2] == ["python", "examples/your_task/make_data.py"] and launch[:2] == [
+        "bash",
+        "launch/run_main_grpo.sh",
+    ]
+    subprocess.run(
+        [sys.executable, *make_data[1:]], cwd=tmp_path, env=env, check=True, capture_output=True, timeout=120
+    )
     command = [*launch, *SHORTER]
     log_dir = tmp_path / "logs" / "your-task"
 
-    script = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    script = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     try:
         wait_until(lambda: last_step(log_dir) >= 6, 300, "step 6", script)
         [first] = drivers(script)
@@ -99,8 +116,9 @@ def test_the_your_task_page_runs_with_validation_and_both_trackers_through_a_kil
     assert "restart 1 of 3 with runner.resume_dir=auto" in stderr
     stopped_at = last_step(log_dir)
     assert 9 <= stopped_at < 12
-    resumed = subprocess.run([*command, "runner.resume_dir=auto"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=600)
+    resumed = subprocess.run(
+        [*command, "runner.resume_dir=auto"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     records = read_metrics(log_dir / "metrics.jsonl")
@@ -109,7 +127,9 @@ def test_the_your_task_page_runs_with_validation_and_both_trackers_through_a_kil
     validated = [r["step"] for r in records if "val/reward_mean" in r]
     assert validated == [0, 4, 8, 12]
     for step in validated:  # both data sources of the page's files, in the validation metrics
-        assert {"val/add/reward_mean", "val/add/accuracy", "val/copy/reward_mean", "val/copy/accuracy"} <= set(by_step[step])
+        assert {"val/add/reward_mean", "val/add/accuracy", "val/copy/reward_mean", "val/copy/accuracy"} <= set(
+            by_step[step]
+        )
     assert "reward/acc" in by_step[12]  # the add scorer's dict key
 
     # MLflow: one run in the experiment's own store, every step of every metric once, with metrics.jsonl's values
@@ -126,7 +146,10 @@ def test_the_your_task_page_runs_with_validation_and_both_trackers_through_a_kil
         steps = sorted(m.step for m in history)
         assert steps == sorted(s for s, r in by_step.items() if key in r), key
         assert all(m.value == by_step[m.step][key] for m in history), key
-    assert client.get_run(runs[0].info.run_id).data.params["reward.function"] == "examples/your_task/reward.py:compute_score"
+    assert (
+        client.get_run(runs[0].info.run_id).data.params["reward.function"]
+        == "examples/your_task/reward.py:compute_score"
+    )
 
     # W&B offline: one folder per launch (three), all the same run; every step once across them, the same values
     from rlrunner.trackers.wandb_offline import offline_history

@@ -203,8 +203,9 @@ GSPO_ADV = [1.5, 2.0, -1.0, 0.7]
 
 
 def test_gspo_value_is_the_clipped_sequence_ratio() -> None:
-    terms = gspo(torch.tensor(GSPO_NEW), torch.tensor(GSPO_OLD), torch.tensor(GSPO_ADV), torch.tensor(GSPO_MASK),
-                 0.2, 0.2)
+    terms = gspo(
+        torch.tensor(GSPO_NEW), torch.tensor(GSPO_OLD), torch.tensor(GSPO_ADV), torch.tensor(GSPO_MASK), 0.2, 0.2
+    )
     loss, clipped = gspo_by_hand(GSPO_NEW, GSPO_OLD, GSPO_ADV, GSPO_MASK, 0.2, 0.2)
     assert close(terms.loss, loss)
     assert torch.equal(terms.clipped, torch.tensor(clipped))
@@ -214,8 +215,9 @@ def test_gspo_value_is_the_clipped_sequence_ratio() -> None:
 
 def test_gspo_asymmetric_clip_band() -> None:
     # clip_high 0.4: row 1's r = exp(0.3) = 1.34986 now lies inside the band; row 2 is still clipped at 1 - 0.2
-    terms = gspo(torch.tensor(GSPO_NEW), torch.tensor(GSPO_OLD), torch.tensor(GSPO_ADV), torch.tensor(GSPO_MASK),
-                 0.2, 0.4)
+    terms = gspo(
+        torch.tensor(GSPO_NEW), torch.tensor(GSPO_OLD), torch.tensor(GSPO_ADV), torch.tensor(GSPO_MASK), 0.2, 0.4
+    )
     loss, clipped = gspo_by_hand(GSPO_NEW, GSPO_OLD, GSPO_ADV, GSPO_MASK, 0.2, 0.4)
     assert close(terms.loss, loss)
     assert terms.loss[1, 0].item() == pytest.approx(-2.0 * math.exp(0.3), abs=TOL)
@@ -294,8 +296,15 @@ def test_loss_agg_modes_are_the_documented_ones() -> None:
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 @pytest.mark.parametrize("dp_size", [1, 2])
 def test_aggregate_loss_hand_batch(mode: str, dp_size: int) -> None:
-    loss = aggregate_loss(torch.tensor(HAND_PER_TOKEN), torch.tensor(HAND_MASK), mode, global_tokens=5.0,
-                          global_sequences=2.0, max_response_length=3, dp_size=dp_size)
+    loss = aggregate_loss(
+        torch.tensor(HAND_PER_TOKEN),
+        torch.tensor(HAND_MASK),
+        mode,
+        global_tokens=5.0,
+        global_sequences=2.0,
+        max_response_length=3,
+        dp_size=dp_size,
+    )
     assert loss.dim() == 0
     assert loss.item() == pytest.approx(HAND_EXPECTED[mode] * dp_size, abs=TOL)
     assert loss.item() == pytest.approx(aggregate_by_hand(HAND_PER_TOKEN, HAND_MASK, mode, 3) * dp_size, abs=TOL)
@@ -305,8 +314,9 @@ def test_aggregate_token_mean_is_bit_identical_to_the_old_expression() -> None:
     g = torch.Generator().manual_seed(4)
     per_token = torch.randn(5, 11, generator=g)
     mask = (torch.rand(5, 11, generator=g) > 0.4).float()
-    loss = aggregate_loss(per_token, mask, "token-mean", global_tokens=123.0, global_sequences=9.0,
-                          max_response_length=11, dp_size=4)
+    loss = aggregate_loss(
+        per_token, mask, "token-mean", global_tokens=123.0, global_sequences=9.0, max_response_length=11, dp_size=4
+    )
     assert torch.equal(loss, masked_sum(per_token, mask) * (4 / 123.0))
 
 
@@ -325,8 +335,9 @@ def test_aggregate_over_ranks_and_micro_batches_equals_the_whole_batch(mode: str
         total = torch.zeros(())
         for start in range(rank * rows_per_rank, (rank + 1) * rows_per_rank, rows_per_micro):
             index = slice(start, start + rows_per_micro)
-            total = total + aggregate_loss(per_token[index], mask[index], mode, **counts,
-                                           max_response_length=max_len, dp_size=dp_size)
+            total = total + aggregate_loss(
+                per_token[index], mask[index], mode, **counts, max_response_length=max_len, dp_size=dp_size
+            )
         rank_losses.append(total)
     averaged = sum(rank_losses) / dp_size  # what averaging the gradients over the ranks amounts to
     assert averaged.item() == pytest.approx(expected, abs=TOL)
@@ -334,8 +345,15 @@ def test_aggregate_over_ranks_and_micro_batches_equals_the_whole_batch(mode: str
 
 def test_aggregate_unknown_mode_raises_naming_it() -> None:
     with pytest.raises(ValueError, match="'seq-sum'"):
-        aggregate_loss(torch.ones(1, 1), torch.ones(1, 1), "seq-sum", global_tokens=1.0, global_sequences=1.0,
-                       max_response_length=1, dp_size=1)
+        aggregate_loss(
+            torch.ones(1, 1),
+            torch.ones(1, 1),
+            "seq-sum",
+            global_tokens=1.0,
+            global_sequences=1.0,
+            max_response_length=1,
+            dp_size=1,
+        )
 
 
 # --- tis_weights ------------------------------------------------------------------------
@@ -400,8 +418,9 @@ def test_every_estimator_takes_the_common_signature(name: str) -> None:
 
 @pytest.mark.parametrize("name", list(registry.POLICY_LOSSES))
 def test_every_policy_loss_takes_the_common_signature(name: str) -> None:
-    terms = registry.get_policy_loss(name)(torch.tensor(GSPO_NEW), torch.tensor(GSPO_OLD), torch.tensor(GSPO_ADV),
-                                           torch.tensor(GSPO_MASK), 0.2, 0.2)
+    terms = registry.get_policy_loss(name)(
+        torch.tensor(GSPO_NEW), torch.tensor(GSPO_OLD), torch.tensor(GSPO_ADV), torch.tensor(GSPO_MASK), 0.2, 0.2
+    )
     assert isinstance(terms, PolicyLossTerms)
     assert terms.loss.shape == terms.clipped.shape == terms.approx_kl.shape == (4, 4)
 

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import actor_worker_kwargs, run_config
 from rlrunner.backends import registry
 from rlrunner.backends.actor import ActorWorker
 from rlrunner.backends.base import TrainingBackend
+
+from conftest import actor_worker_kwargs, run_config
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
@@ -43,13 +44,16 @@ def test_the_guide_names_exactly_the_abstract_members() -> None:
 
 def guide_worker() -> type:
     """An actor worker with the guide's members, each doing nothing."""
-    members = {name: (property(lambda self: 1) if name == "data_parallel_size" else lambda self, *args: None)
-               for name in named_members(guide_step(2))}
+    members = {
+        name: (property(lambda self: 1) if name == "data_parallel_size" else lambda self, *args: None)
+        for name in named_members(guide_step(2))
+    }
     return type("GuideWorker", (ActorWorker,), members)
 
 
-def test_a_backend_written_from_the_guide_is_made_from_its_registry_line(monkeypatch: pytest.MonkeyPatch,
-                                                                        tmp_path: Path) -> None:
+def test_a_backend_written_from_the_guide_is_made_from_its_registry_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     worker = guide_worker()
     members = {name: (lambda self, *args: None) for name in named_members(guide_step(4))}
     members.update(name="guide", checkpoint_format="guide", worker_class=property(lambda self: worker))
@@ -62,8 +66,11 @@ def test_a_backend_written_from_the_guide_is_made_from_its_registry_line(monkeyp
         backend = registry.get_backend("guide")
         assert isinstance(backend, module.GuideBackend) and registry.get_backend("guide") is backend
         assert backend.rank_map({"num_workers": 4, "tensor_model_parallel_size": 2}) == registry.get_backend(
-            "fsdp").rank_map({"num_workers": 4, "tensor_model_parallel_size": 2})
-        made = backend.worker_class(0, 1, **actor_worker_kwargs(run_config(tmp_path)))  # abstract members missing would raise TypeError here
+            "fsdp"
+        ).rank_map({"num_workers": 4, "tensor_model_parallel_size": 2})
+        made = backend.worker_class(
+            0, 1, **actor_worker_kwargs(run_config(tmp_path))
+        )  # abstract members missing would raise TypeError here
         assert made.data_parallel_size == 1
     finally:
         registry.get_backend.cache_clear()

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from conftest import assert_bit_equal
 from rlrunner.backends.base import RankMap
 from rlrunner.runner.batching import build_actor_batch, chunk, shard_actor_batch, split_evenly
+
+from conftest import assert_bit_equal
 
 # --- chunk / split_evenly ---------------------------------------------------------
 
@@ -177,8 +178,9 @@ def test_validation_chunks_hold_as_many_rows_as_training_ones_and_name_their_fir
 
     from rlrunner.runner.batching import first_samples, generation_chunking
 
-    cfg = OmegaConf.create({"algorithm": {"group_size": 16},
-                            "rollout": {"generation_batch_size": 8, "val": {"num_samples": 4}}})
+    cfg = OmegaConf.create(
+        {"algorithm": {"group_size": 16}, "rollout": {"generation_batch_size": 8, "val": {"num_samples": 4}}}
+    )
     assert generation_chunking(cfg, validation=False) == (16, 8)  # 128 rows a chunk
     assert generation_chunking(cfg, validation=True) == (4, 32)  # 32 prompts x 4 samples: 128 rows too
     cfg.rollout.val.num_samples = 1000

@@ -11,15 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint_fakes import FINGERPRINT, FileBackend, make_handler, save_steps
 from rlrunner.checkpoint import layout
 from rlrunner.checkpoint.manifest import file_record, read_manifest
 from rlrunner.checkpoint.status import COMPLETE, CORRUPT, INCOMPLETE, scan_checkpoints
 from rlrunner.errors import CheckpointError, CheckpointSaveError
 
+from checkpoint_fakes import FINGERPRINT, FileBackend, make_handler, save_steps
+
+
 def test_save_commits_the_layout_with_manifest_written_last(store):
     handler = store.handler()
-    url = handler.save(4, store.backend(), {"runner": {"global_step": 4}}, write_extra=lambda d: Path(d, "extra.txt").write_text("x"))
+    url = handler.save(
+        4, store.backend(), {"runner": {"global_step": 4}}, write_extra=lambda d: Path(d, "extra.txt").write_text("x")
+    )
     assert url == store.storage.join(store.experiment, "checkpoints", "global_step_4")
     assert store.storage.list(url) == ["actor", "data", "extra.txt", "manifest.json"]
     manifest = read_manifest(store.storage, url)
@@ -27,7 +31,9 @@ def test_save_commits_the_layout_with_manifest_written_last(store):
     assert set(manifest["files"]) == {"actor/rank_0.pt", "actor/rank_1.pt", "data/data.pt", "extra.txt"}
     assert manifest["files"]["data/data.pt"] == file_record(store.storage, url + "/data/data.pt")
     assert manifest["fingerprint"] == FINGERPRINT
-    assert torch.load(io.BytesIO(store.read(url + "/data/data.pt")), weights_only=True) == {"runner": {"global_step": 4}}
+    assert torch.load(io.BytesIO(store.read(url + "/data/data.pt")), weights_only=True) == {
+        "runner": {"global_step": 4}
+    }
     assert store.storage.list(handler.root) == ["global_step_4"]  # no staging or trash left behind
 
 
@@ -84,9 +90,16 @@ def test_scan_reports_complete_incomplete_and_corrupt(store):
     store.write(shard, data[:-10])  # a truncated object
     store.partial_folder(store.url(handler, "global_step_8"))
     statuses = {s.name: s for s in scan_checkpoints(store.storage, handler.root)}
-    assert [s.status for s in scan_checkpoints(store.storage, handler.root)] == [INCOMPLETE, CORRUPT, INCOMPLETE, COMPLETE]
+    assert [s.status for s in scan_checkpoints(store.storage, handler.root)] == [
+        INCOMPLETE,
+        CORRUPT,
+        INCOMPLETE,
+        COMPLETE,
+    ]
     assert "no manifest.json" in statuses["global_step_4"].reasons[0]
-    assert statuses["global_step_6"].reasons == [f"actor/rank_1.pt: {len(data) - 10} bytes, the manifest says {len(data)} (truncated or rewritten)"]
+    assert statuses["global_step_6"].reasons == [
+        f"actor/rank_1.pt: {len(data) - 10} bytes, the manifest says {len(data)} (truncated or rewritten)"
+    ]
 
 
 def test_a_flipped_byte_is_caught_by_the_checksum_only(store):
@@ -108,7 +121,9 @@ def test_null_resume_dir_starts_fresh_only_without_checkpoints(store):
     handler = store.handler()
     assert handler.find_resume(None) is None
     save_steps(handler, [2])
-    with pytest.raises(CheckpointError, match="already has checkpoints \\(newest global_step_2\\) and runner.resume_dir is null"):
+    with pytest.raises(
+        CheckpointError, match="already has checkpoints \\(newest global_step_2\\) and runner.resume_dir is null"
+    ):
         handler.find_resume(None)
 
 

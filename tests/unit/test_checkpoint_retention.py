@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint_fakes import BackgroundBackend, Store, make_handler, save_steps, steps_of
 from rlrunner.checkpoint import layout
 from rlrunner.checkpoint.manifest import read_manifest
 from rlrunner.checkpoint.status import COMPLETE, INCOMPLETE, scan_checkpoints
 from rlrunner.errors import CheckpointSaveError
 from rlrunner.storage import open_storage
+
+from checkpoint_fakes import BackgroundBackend, Store, make_handler, save_steps, steps_of
 
 # -- retention --------------------------------------------------------------------------------
 
@@ -29,7 +30,11 @@ def test_retention_holds_across_restarts_and_keeps_the_newest(store):
     handler = store.handler(keep=2)
     store.partial_folder(store.url(handler, "global_step_7"))
     save_steps(handler, [8])
-    assert [(s.step, s.status) for s in scan_checkpoints(store.storage, handler.root)] == [(8, COMPLETE), (7, INCOMPLETE), (6, COMPLETE)]
+    assert [(s.step, s.status) for s in scan_checkpoints(store.storage, handler.root)] == [
+        (8, COMPLETE),
+        (7, INCOMPLETE),
+        (6, COMPLETE),
+    ]
     save_steps(store.handler(keep=1), [10])
     assert steps_of(handler, complete_only=True) == [10]
 
@@ -44,7 +49,9 @@ def test_a_background_save_commits_only_once_written_and_only_then_retains(store
     assert steps_of(handler, complete_only=True) == [2]
     backend.done = True
     assert handler.finish_save(pending, wait=False) == store.url(handler, "global_step_4")
-    assert [(s.step, s.status) for s in scan_checkpoints(store.storage, handler.root, checksums=True)] == [(4, COMPLETE)]
+    assert [(s.step, s.status) for s in scan_checkpoints(store.storage, handler.root, checksums=True)] == [
+        (4, COMPLETE)
+    ]
     # the data position is the one at the time the save began
     data = store.read(store.url(handler, "global_step_4", "data", "data.pt"))
     assert torch.load(io.BytesIO(data), weights_only=True) == {"runner": {"global_step": 4}}
@@ -58,7 +65,9 @@ def test_a_background_write_that_fails_never_commits(store):
     handler = store.handler()
     save_steps(handler, [2])
     pending = handler.begin_save(4, FailingBackground(store.storage), {})
-    with pytest.raises(CheckpointSaveError, match="saving global_step_4 failed: OSError: .*No space left on device") as error:
+    with pytest.raises(
+        CheckpointSaveError, match="saving global_step_4 failed: OSError: .*No space left on device"
+    ) as error:
         handler.finish_save(pending, wait=False)
     assert error.value.exit_code == 4
     assert steps_of(handler) == [2] and store.storage.list(handler.root) == ["global_step_2"]
@@ -82,7 +91,10 @@ def test_an_explicit_resume_from_an_older_checkpoint_starts_a_new_branch(store, 
     moved_to = store.url(handler, layout.ABANDONED_DIR, stamp)
     assert store.storage.list(moved_to) == ["global_step_4", "global_step_5", "global_step_6"]
     assert read_manifest(store.storage, moved_to + "/global_step_6")["step"] == 6  # moved whole, never deleted
-    assert f"moved the old branch's newer checkpoints global_step_4, global_step_5, global_step_6 to {moved_to}" in caplog.text
+    assert (
+        f"moved the old branch's newer checkpoints global_step_4, global_step_5, global_step_6 to {moved_to}"
+        in caplog.text
+    )
     # the live branch is all that discovery and retention see now
     assert steps_of(handler) == [2]
     handler.max_keep = 1
@@ -130,7 +142,10 @@ def test_unfinished_folders_on_an_object_store_are_removed_at_start(s3_store):
 
 
 def test_schedule_description_mentions_disabled_periodic_saves(tmp_path):
-    assert "periodic checkpoints are off (the last step is still saved)" in make_handler(tmp_path, interval=0).describe_schedule()
+    assert (
+        "periodic checkpoints are off (the last step is still saved)"
+        in make_handler(tmp_path, interval=0).describe_schedule()
+    )
     assert "every 50 steps" in make_handler(tmp_path, interval=50, keep=3).describe_schedule()
 
 

@@ -13,20 +13,39 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from rlrunner.backends.fsdp.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeMetadataError, read_metadata
 from rlrunner.checkpoint.diagnostics import root_cause
 from rlrunner.checkpoint.inspect import main as checkpoint_cli
-from rlrunner.checkpoint.manifest import ManifestError, build_manifest, file_record, read_manifest, verify_files, write_manifest
+from rlrunner.checkpoint.manifest import (
+    ManifestError,
+    build_manifest,
+    file_record,
+    read_manifest,
+    verify_files,
+    write_manifest,
+)
 from rlrunner.checkpoint.policy import fingerprint_differences, flatten, should_save, steps_to_delete
 from rlrunner.checkpoint.status import COMPLETE, INCOMPLETE, scan_checkpoints
-from rlrunner.backends.fsdp.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeMetadataError, read_metadata
-from conftest import LOCAL
+
 from checkpoint_fakes import make_handler, save_steps  # a real CheckpointHandler with a small file backend
+from conftest import LOCAL
 
 
 @pytest.mark.parametrize(
     "step, interval, last, expected",
-    [(50, 50, 200, True), (100, 50, 200, True), (49, 50, 200, False), (51, 50, 200, False), (200, 50, 200, True),
-     (7, 50, 7, True), (3, 0, 10, False), (10, 0, 10, True), (5, -1, 10, False), (10, -1, 10, True), (1, 1, 10, True)],
+    [
+        (50, 50, 200, True),
+        (100, 50, 200, True),
+        (49, 50, 200, False),
+        (51, 50, 200, False),
+        (200, 50, 200, True),
+        (7, 50, 7, True),
+        (3, 0, 10, False),
+        (10, 0, 10, True),
+        (5, -1, 10, False),
+        (10, -1, 10, True),
+        (1, 1, 10, True),
+    ],
 )
 def test_should_save(step, interval, last, expected):
     assert should_save(step, interval, last) is expected
@@ -68,9 +87,13 @@ def test_manifest_round_trip_and_verification(tmp_path):
 
 @pytest.mark.parametrize(
     "content, expected",
-    [(None, "no manifest.json"), ("{", "unreadable"), ('{"format": "other"}', "not an rlrunner checkpoint manifest"),
-     ('{"format": "rlrunner.checkpoint", "version": 99}', "has version 99"),
-     ('{"format": "rlrunner.checkpoint", "version": 1, "step": 1}', "lacks 'world_size'")],
+    [
+        (None, "no manifest.json"),
+        ("{", "unreadable"),
+        ('{"format": "other"}', "not an rlrunner checkpoint manifest"),
+        ('{"format": "rlrunner.checkpoint", "version": 99}', "has version 99"),
+        ('{"format": "rlrunner.checkpoint", "version": 1, "step": 1}', "lacks 'world_size'"),
+    ],
 )
 def test_bad_manifests(tmp_path, content, expected):
     if content is not None:
@@ -102,15 +125,27 @@ def _files(record) -> dict:
         ("fingerprint", ["k", 1], "manifest.json: 'fingerprint' must be an object, got list"),
         ("files", ["actor/a.distcp"], "manifest.json: 'files' must be an object, got list"),
         ("files", _files(3), "manifest.json: 'files' entry 'actor/a.distcp' must be an object, got int"),
-        ("files", _files({"crc32": "0000abcd"}), "'files' entry 'actor/a.distcp' must have a non-negative integer 'size', got null"),
+        (
+            "files",
+            _files({"crc32": "0000abcd"}),
+            "'files' entry 'actor/a.distcp' must have a non-negative integer 'size', got null",
+        ),
         ("files", _files({"size": "3", "crc32": "0000abcd"}), "must have a non-negative integer 'size', got str"),
         ("files", _files({"size": False, "crc32": "0000abcd"}), "must have a non-negative integer 'size', got bool"),
         ("files", _files({"size": -3, "crc32": "0000abcd"}), "must have a non-negative integer 'size', got -3"),
         ("files", _files({"size": 3}), "'files' entry 'actor/a.distcp' must have a 'crc32' of 8 hex digits, got null"),
         ("files", _files({"size": 3, "crc32": 43981}), "must have a 'crc32' of 8 hex digits, got int"),
         ("files", _files({"size": 3, "crc32": "abc"}), "must have a 'crc32' of 8 hex digits, got 'abc'"),
-        ("files", {"../outside.bin": {"size": 3, "crc32": "0000abcd"}}, "not a relative path inside the checkpoint: '../outside.bin'"),
-        ("files", {"/etc/passwd": {"size": 3, "crc32": "0000abcd"}}, "not a relative path inside the checkpoint: '/etc/passwd'"),
+        (
+            "files",
+            {"../outside.bin": {"size": 3, "crc32": "0000abcd"}},
+            "not a relative path inside the checkpoint: '../outside.bin'",
+        ),
+        (
+            "files",
+            {"/etc/passwd": {"size": 3, "crc32": "0000abcd"}},
+            "not a relative path inside the checkpoint: '/etc/passwd'",
+        ),
     ],
 )
 def test_manifests_with_wrong_types_are_refused_naming_the_field(tmp_path, field, value, expected):
@@ -135,7 +170,10 @@ def test_scan_list_and_auto_resume_report_a_tampered_manifest_instead_of_crashin
     manifest = json.loads(manifest_path.read_text())
     manifest_path.write_text(json.dumps({**manifest, "step": "four"}))
     statuses = scan_checkpoints(handler.storage, handler.root)
-    assert [(s.name, s.status, s.step) for s in statuses] == [("global_step_4", INCOMPLETE, 4), ("global_step_2", COMPLETE, 2)]
+    assert [(s.name, s.status, s.step) for s in statuses] == [
+        ("global_step_4", INCOMPLETE, 4),
+        ("global_step_2", COMPLETE, 2),
+    ]
     assert statuses[0].reasons == ["manifest.json: 'step' must be an integer, got str"]
     assert handler.find_resume("auto").step == 2
     assert checkpoint_cli(["list", str(tmp_path / "exp")]) == 0
@@ -155,7 +193,10 @@ def _load_dcp(folder: Path, state: dict) -> None:
 
 
 def test_safe_reading_of_a_genuine_dcp_folder(tmp_path):
-    _save_dcp(tmp_path, {"w": torch.arange(6.0).view(2, 3), "sched": {"last_epoch": 3, "lrs": [0.1]}, "rng": (3, (1, 2), None)})
+    _save_dcp(
+        tmp_path,
+        {"w": torch.arange(6.0).view(2, 3), "sched": {"last_epoch": 3, "lrs": [0.1]}, "rng": (3, (1, 2), None)},
+    )
     assert sorted(read_metadata(tmp_path).state_dict_metadata) == ["rng", "sched.last_epoch", "sched.lrs", "w"]
     target = {"w": torch.zeros(2, 3), "sched": {"last_epoch": 0, "lrs": [0.0]}, "rng": None}
     _load_dcp(tmp_path, target)

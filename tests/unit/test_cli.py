@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from conftest import error_line
 from rlrunner.main_grpo import main
+
+from conftest import error_line
 
 
 def test_print_config_writes_nothing(tmp_path, monkeypatch, capsys):
@@ -23,16 +24,29 @@ def test_print_config_writes_nothing(tmp_path, monkeypatch, capsys):
     [
         (["runner.max_steps=abc"], "bad value for config key 'runner.max_steps'"),
         (["actorr.num_workers=2"], "unknown config key 'actorr'"),
-        (["data.batch_size=6"], "(data.batch_size 6 x algorithm.group_size 16 / actor.num_workers 2 = 48) must be a multiple of actor.micro_batch_size (32)"),
+        (
+            ["data.batch_size=6"],
+            "(data.batch_size 6 x algorithm.group_size 16 / actor.num_workers 2 = 48) "
+            "must be a multiple of actor.micro_batch_size (32)",
+        ),
         (["actor.num_workers=3"], "must be divisible by actor.num_workers (3)"),
-        (["data.batch_size=16", "actor.mini_batch_size=5"], "data.batch_size (16) must be a multiple of actor.mini_batch_size (5)"),
+        (
+            ["data.batch_size=16", "actor.mini_batch_size=5"],
+            "data.batch_size (16) must be a multiple of actor.mini_batch_size (5)",
+        ),
         (["algorithm.group_size=1"], "algorithm.group_size must be at least 2"),
         (["reward.verifier=nope"], "reward.verifier must be one of arithmetic, math or null, got 'nope'"),
         (["reward.on_error=skip"], "reward.on_error must be 'raise' or 'zero', got 'skip'"),
         (["reward.function=my reward"], "reward.function must be 'path/to/file.py:name' or 'package.module:name'"),
-        (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator must be one of grpo, rloo, reinforce_plus_plus_baseline, got 'ppo'"),
+        (
+            ["algorithm.adv_estimator=ppo"],
+            "algorithm.adv_estimator must be one of grpo, rloo, reinforce_plus_plus_baseline, got 'ppo'",
+        ),
         (["algorithm.loss_agg_mode=mean"], "algorithm.loss_agg_mode must be one of token-mean, seq-mean-token-sum"),
-        (["runner.logger.backends=[neptune]"], "runner.logger.backends: unknown tracker 'neptune' (choose from tensorboard, wandb, mlflow)"),
+        (
+            ["runner.logger.backends=[neptune]"],
+            "runner.logger.backends: unknown tracker 'neptune' (choose from tensorboard, wandb, mlflow)",
+        ),
         (["rollout.val.num_samples=0"], "rollout.val.num_samples must be >= 1, got 0"),
         (["actor.fsdp.unit=layer"], "actor.fsdp.unit must be one of decoder_layer, linear, got 'layer'"),
         (["actor.fsdp_unit=linear"], "config key 'actor.fsdp_unit' is now 'actor.fsdp.unit'"),
@@ -75,8 +89,6 @@ def test_bad_resume_dir_is_reported_before_ray_starts(tmp_path, capsys):
     assert main([f"runner.output_dir={tmp_path}", f"runner.resume_dir={missing}", "runner.logger.backends=[]"]) == 2
     assert error_line(capsys) == f"rlrunner: error: runner.resume_dir does not exist: {missing}"
     assert not ray.is_initialized(), "the error must come before Ray's start-up"
-
-
 
 
 def test_a_reward_function_that_cannot_load_is_refused_before_ray_starts(tmp_path, capsys):

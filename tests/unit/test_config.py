@@ -44,8 +44,16 @@ def test_the_default_yaml_composes_to_exactly_the_schema_defaults():
     differences = sorted(k for k in set(schema) | set(composed) if schema.get(k, _MISSING) != composed.get(k, _MISSING))
     assert differences == [], [(k, schema.get(k, _MISSING), composed.get(k, _MISSING)) for k in differences]
     # The default job as it has always run (tests/test_cli.py relies on group size 16, micro batch 32).
-    assert (schema["runner.max_steps"], schema["algorithm.group_size"], schema["actor.micro_batch_size"]) == (800, 16, 32)
-    assert (schema["actor.optim.lr"], schema["rollout.max_new_tokens"], schema["data.synthetic.max_operand"]) == (3e-4, 4, 4)
+    assert (schema["runner.max_steps"], schema["algorithm.group_size"], schema["actor.micro_batch_size"]) == (
+        800,
+        16,
+        32,
+    )
+    assert (schema["actor.optim.lr"], schema["rollout.max_new_tokens"], schema["data.synthetic.max_operand"]) == (
+        3e-4,
+        4,
+        4,
+    )
 
 
 def test_the_default_yaml_repeats_no_values(repo_root: Path):
@@ -104,18 +112,25 @@ def _same(documented: Any, actual: Any) -> bool:
     return documented == actual
 
 
-@pytest.mark.parametrize("page, heading, at_least", [("README.md", "Configuration", 10), ("docs/configuration.md", "Every key", 60)])
+@pytest.mark.parametrize(
+    "page, heading, at_least", [("README.md", "Configuration", 10), ("docs/configuration.md", "Every key", 60)]
+)
 def test_the_configuration_tables_show_the_schema_defaults(repo_root: Path, page: str, heading: str, at_least: int):
-    """The README's table of the keys people change and the docs' table of every key name real keys and their defaults."""
+    """The README's table of the keys people change and the docs' table of every key name real keys and their
+    defaults."""
     schema = schema_tree(resolve=False)  # log_path is documented as its interpolation
     checked, wrong = [], []
     for key_cell, default_cell in _table_rows((repo_root / page).read_text(), heading):
         keys = _keys(key_cell)
-        assert all(lookup(schema, key) is not _MISSING for key in keys), f"{page} names a key the schema lacks: {key_cell}"
+        assert all(lookup(schema, key) is not _MISSING for key in keys), (
+            f"{page} names a key the schema lacks: {key_cell}"
+        )
         values = _literals(default_cell)
         if values is None:
             continue  # e.g. "0.2 (null = same)": prose, not a literal
-        assert len(values) in (1, len(keys)), f"{page}: a row has {len(keys)} keys and {len(values)} defaults: {key_cell}"
+        assert len(values) in (1, len(keys)), (
+            f"{page}: a row has {len(keys)} keys and {len(values)} defaults: {key_cell}"
+        )
         for key, value in zip(keys, values * len(keys) if len(values) == 1 else values):
             checked.append(key)
             if not _same(value, lookup(schema, key)):
@@ -125,11 +140,15 @@ def test_the_configuration_tables_show_the_schema_defaults(repo_root: Path, page
 
 
 def test_checking_a_config_imports_no_torch(repo_root: Path):
-    """The registries keep each backend's and engine's heavy parts lazy: `--cfg` and the driver's checks load no torch."""
+    """The registries keep each backend's and engine's heavy parts lazy: `--cfg` and the driver's checks load no
+    torch."""
     import subprocess
     import sys
 
-    code = "import sys; from rlrunner.config import load_config; load_config(); print(sorted(m for m in sys.modules if m == 'torch'))"
+    code = (
+        "import sys; from rlrunner.config import load_config; load_config(); "
+        "print(sorted(m for m in sys.modules if m == 'torch'))"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=repo_root, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
@@ -139,6 +158,10 @@ def test_a_config_file_with_a_moved_key_is_refused_with_its_new_name(tmp_path: P
     (tmp_path / "mine.yaml").write_text("defaults:\n  - grpo_schema\n  - _self_\nactor:\n  shard_weights: false\n")
     with pytest.raises(ConfigError, match=r"^config key 'actor.shard_weights' is now 'actor.megatron.shard_weights'"):
         load_config(config_name="mine", config_dir=tmp_path)
-    (tmp_path / "mine.yaml").write_text("defaults:\n  - grpo_schema\n  - _self_\nactor:\n  megatron:\n    shard_weights: false\n")
+    (tmp_path / "mine.yaml").write_text(
+        "defaults:\n  - grpo_schema\n  - _self_\nactor:\n  megatron:\n    shard_weights: false\n"
+    )
     assert load_config(["actor.training_backend=megatron"], config_name="mine", config_dir=tmp_path).actor.megatron == {
-        "shard_gradients": True, "shard_weights": False}
+        "shard_gradients": True,
+        "shard_weights": False,
+    }

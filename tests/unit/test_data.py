@@ -93,7 +93,10 @@ def test_load_parquet_with_dotted_answer_key(tmp_path: Path) -> None:
         {"question": "What is 1+2?", "reward_model": {"ground_truth": "3", "style": "rule"}},
     ]
     path = write_parquet(tmp_path / "train.parquet", records)
-    assert [{k: r[k] for k in ("prompt", "answer")} for r in load_prompt_files(str(path), "question", "reward_model.ground_truth")] == [
+    assert [
+        {k: r[k] for k in ("prompt", "answer")}
+        for r in load_prompt_files(str(path), "question", "reward_model.ground_truth")
+    ] == [
         {"prompt": "What is 6*7?", "answer": "42"},
         {"prompt": "What is 1+2?", "answer": "3"},
     ]
@@ -106,21 +109,35 @@ def test_load_jsonl_dotted_keys_and_chat_prompts(tmp_path: Path) -> None:
         [{"extra": {"messages": chat}, "reward_model": {"ground_truth": 4}}],
     )
     assert load_prompt_files(str(path), "extra.messages", "reward_model.ground_truth") == [
-        {"prompt": chat, "answer": 4, "data_source": "chat",
-         "extra_info": {"extra": {"messages": chat}, "reward_model": {"ground_truth": 4}}}
+        {
+            "prompt": chat,
+            "answer": 4,
+            "data_source": "chat",
+            "extra_info": {"extra": {"messages": chat}, "reward_model": {"ground_truth": 4}},
+        }
     ]
 
 
 def test_verl_records_give_their_data_source_and_extra_info(tmp_path: Path) -> None:
     """verl's parquet layout: `data_source` picks the scorer, `extra_info`'s own fields are on top of the others."""
-    record = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1+1?"}], "ability": "math",
-              "reward_model": {"style": "rule", "ground_truth": "2"}, "extra_info": {"split": "train", "index": 7}}
+    record = {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": "1+1?"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "2"},
+        "extra_info": {"split": "train", "index": 7},
+    }
     second = {**record, "data_source": None, "extra_info": None}  # parquet's null: no source, no extra fields
     path = write_parquet(tmp_path / "mixed.parquet", [record, second])
     first, other = load_prompt_files(str(path), "prompt", "reward_model.ground_truth")
     assert first["data_source"] == "openai/gsm8k" and first["answer"] == "2"
-    assert first["extra_info"] == {"prompt": record["prompt"], "ability": "math", "reward_model": record["reward_model"],
-                                   "split": "train", "index": 7}
+    assert first["extra_info"] == {
+        "prompt": record["prompt"],
+        "ability": "math",
+        "reward_model": record["reward_model"],
+        "split": "train",
+        "index": 7,
+    }
     assert other["data_source"] == "mixed"  # the file's name
     assert "split" not in other["extra_info"] and other["extra_info"]["ability"] == "math"
     source_key = load_prompt_files(str(path), "prompt", "reward_model.ground_truth", data_source_key="ability")
@@ -221,8 +238,13 @@ def test_prompt_dataset_drops_long_prompts(tokenizer) -> None:
     ]
     dataset = PromptDataset(records, tokenizer, max_prompt_length=4, apply_chat_template=True)
     assert len(dataset) == 2
-    assert dataset[0] == {"index": 0, "prompt_ids": tokenizer("1+2=")["input_ids"], "answer": "3", "data_source": "unknown",
-                          "extra_info": {}}
+    assert dataset[0] == {
+        "index": 0,
+        "prompt_ids": tokenizer("1+2=")["input_ids"],
+        "answer": "3",
+        "data_source": "unknown",
+        "extra_info": {},
+    }
     assert dataset[1]["index"] == 1
     assert dataset[1]["answer"] == "81"
     assert tokenizer.decode(dataset[1]["prompt_ids"]) == "9*9="
@@ -257,9 +279,14 @@ def plain_ids(tokenizer, text: str) -> list[int]:
 
 
 @pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
-def test_verl_chat_prompt_files_build_a_dataset_with_the_embedded_tokenizer(tmp_path: Path, tokenizer, suffix: str) -> None:
+def test_verl_chat_prompt_files_build_a_dataset_with_the_embedded_tokenizer(
+    tmp_path: Path, tokenizer, suffix: str
+) -> None:
     records = [
-        {"prompt": [{"role": "user", "content": f"{i}+1="}], "reward_model": {"ground_truth": str(i + 1), "style": "rule"}}
+        {
+            "prompt": [{"role": "user", "content": f"{i}+1="}],
+            "reward_model": {"ground_truth": str(i + 1), "style": "rule"},
+        }
         for i in range(4)
     ]
     write = write_jsonl if suffix == "jsonl" else write_parquet
@@ -283,10 +310,14 @@ def test_a_multi_turn_prompt_renders_joined_by_newlines_with_eos_after_assistant
     text = tokenizer.apply_chat_template(MULTI_TURN, tokenize=False, add_generation_prompt=True)
     assert text == MULTI_TURN_TEXT
     assert tokenizer.apply_chat_template(MULTI_TURN, tokenize=False, add_generation_prompt=False) == text
-    dataset = PromptDataset([{"prompt": MULTI_TURN, "answer": "5"}], tokenizer, max_prompt_length=64, apply_chat_template=True)
+    dataset = PromptDataset(
+        [{"prompt": MULTI_TURN, "answer": "5"}], tokenizer, max_prompt_length=64, apply_chat_template=True
+    )
     ids = dataset[0]["prompt_ids"]
     assert ids.count(tokenizer.eos_token_id) == 1 and tokenizer.unk_token_id not in ids
-    assert ids == plain_ids(tokenizer, "Answer with a number.\n1+1=\n2") + [tokenizer.eos_token_id] + plain_ids(tokenizer, "\n2+3=")
+    assert ids == plain_ids(tokenizer, "Answer with a number.\n1+1=\n2") + [tokenizer.eos_token_id] + plain_ids(
+        tokenizer, "\n2+3="
+    )
 
 
 def test_the_chat_template_survives_save_and_load(tmp_path: Path, tokenizer) -> None:
@@ -296,8 +327,12 @@ def test_the_chat_template_survives_save_and_load(tmp_path: Path, tokenizer) -> 
     loaded = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
     assert loaded.chat_template == tokenizer.chat_template
     assert loaded.apply_chat_template(MULTI_TURN, tokenize=False, add_generation_prompt=True) == MULTI_TURN_TEXT
-    dataset = PromptDataset([{"prompt": MULTI_TURN, "answer": "5"}], loaded, max_prompt_length=64, apply_chat_template=True)
-    assert dataset[0]["prompt_ids"] == plain_ids(tokenizer, "Answer with a number.\n1+1=\n2") + [1] + plain_ids(tokenizer, "\n2+3=")
+    dataset = PromptDataset(
+        [{"prompt": MULTI_TURN, "answer": "5"}], loaded, max_prompt_length=64, apply_chat_template=True
+    )
+    assert dataset[0]["prompt_ids"] == plain_ids(tokenizer, "Answer with a number.\n1+1=\n2") + [1] + plain_ids(
+        tokenizer, "\n2+3="
+    )
 
 
 def data_cfg(**changes):

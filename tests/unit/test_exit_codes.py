@@ -1,4 +1,5 @@
-"""The exit codes are defined once (rlrunner.errors.EXIT_CODES): the launch script, the README and --help agree with it."""
+"""The exit codes are defined once (rlrunner.errors.EXIT_CODES): the launch script, the README and --help agree
+with it."""
 
 from __future__ import annotations
 

@@ -99,10 +99,16 @@ def test_a_failed_upload_is_a_warning_and_is_retried(s3_store, moto_endpoint, tm
     with caplog.at_level(logging.WARNING, logger="rlrunner.runner.experiment_logs"):
         assert logs.upload() == []
     warning = caplog.records[-1].getMessage()
-    assert f"to s3://{bucket}/runs/exp (The specified bucket does not exist), nor 1 more log files; will retry" in warning
+    assert (
+        f"to s3://{bucket}/runs/exp (The specified bucket does not exist), nor 1 more log files; will retry" in warning
+    )
 
     boto3.client(
-        "s3", endpoint_url=moto_endpoint, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
+        "s3",
+        endpoint_url=moto_endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
     ).create_bucket(Bucket=bucket)
     assert sorted(logs.upload())[-1] == "metrics.jsonl"  # the next call uploads what failed
     assert open_storage(logs.url, options).exists(join(logs.url, "metrics.jsonl"))

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_bit_equal
 from rlrunner.models import hf_tensors
 from rlrunner.models.hf_tensors import SafetensorsFolder, SeededInit, StateDict
 from rlrunner.models.loading import build_hf_config, build_model, build_tokenizer, meta_model
+
+from conftest import assert_bit_equal
 
 TINY = {"path": None, "dtype": "float32", "attn_implementation": "sdpa", "override_config": {}}
 
@@ -23,7 +24,11 @@ def test_seeded_init_slices_are_the_whole_tensors_rows_and_columns(monkeypatch):
     monkeypatch.setattr(hf_tensors, "BLOCK_ELEMENTS", 300)  # several blocks per tensor at this tiny size
     config = _config()
     init = SeededInit(meta_model(config, "sdpa", torch.float32), config, seed=5)
-    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.bias"):
+    for name in (
+        "model.embed_tokens.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.1.self_attn.q_proj.bias",
+    ):
         whole = init.read(name)
         assert whole.shape == init.shape(name)
         rows = whole.shape[0]

@@ -47,8 +47,12 @@ def package_cycles(graph: dict[str, dict[str, str]]) -> list[str]:
                     todo.append(nxt)
         return False
 
-    return [f"{a} -> {b} ({where})" for a, targets in sorted(graph.items()) for b, where in sorted(targets.items())
-            if reaches(b, a)]
+    return [
+        f"{a} -> {b} ({where})"
+        for a, targets in sorted(graph.items())
+        for b, where in sorted(targets.items())
+        if reaches(b, a)
+    ]
 
 
 def test_no_package_imports_one_that_imports_it_back() -> None:
@@ -59,8 +63,11 @@ def test_no_package_imports_one_that_imports_it_back() -> None:
 
 def test_a_cycle_through_a_lazy_import_is_found(tmp_path: Path) -> None:
     pkg = tmp_path / "pkg"
-    for folder, text in {"a": "from pkg.b.x import f\n", "b": "def f():\n    from pkg.c import g\n",
-                         "c": "import pkg.a.y\n"}.items():
+    for folder, text in {
+        "a": "from pkg.b.x import f\n",
+        "b": "def f():\n    from pkg.c import g\n",
+        "c": "import pkg.a.y\n",
+    }.items():
         (pkg / folder).mkdir(parents=True)
         (pkg / folder / "__init__.py").write_text(text)
     (pkg / "__init__.py").write_text("")

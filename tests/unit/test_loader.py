@@ -7,7 +7,6 @@ import torch
 
 from rlrunner.data.loader import EpochShuffleSampler, PromptLoader
 
-
 # --- EpochShuffleSampler ---------------------------------------------------------------------------
 
 
@@ -26,7 +25,12 @@ def test_sampler_order_depends_only_on_seed_and_epoch() -> None:
     consumed = [list(a) for _ in range(3)]
     fresh = EpochShuffleSampler(20, seed=3)
     assert [fresh.order(e) for e in range(3)] == consumed
-    assert [fresh.order(e) for e in (2, 0, 2, 1)] == [consumed[2], consumed[0], consumed[2], consumed[1]]  # any order asked
+    assert [fresh.order(e) for e in (2, 0, 2, 1)] == [
+        consumed[2],
+        consumed[0],
+        consumed[2],
+        consumed[1],
+    ]  # any order asked
     assert EpochShuffleSampler(20, seed=4).order(0) != consumed[0]
     assert EpochShuffleSampler(20, seed=3, shuffle=False).order(5) == list(range(20))
 
@@ -102,7 +106,12 @@ def test_loader_order_depends_only_on_seed() -> None:
     c = run(PromptLoader(make_dataset(), BATCH, SEED + 1), 6)
     assert a == b
     assert a != c
-    assert run(PromptLoader(make_dataset(), BATCH, SEED, shuffle=False), 4) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [0, 1, 2]]
+    assert run(PromptLoader(make_dataset(), BATCH, SEED, shuffle=False), 4) == [
+        [0, 1, 2],
+        [3, 4, 5],
+        [6, 7, 8],
+        [0, 1, 2],
+    ]
 
 
 @pytest.mark.parametrize("taken_after", [0, 1, 2, 3, 4, 5, 7])

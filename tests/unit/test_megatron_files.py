@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_bit_equal, load_toolkit
-from megatron_models import GQA, TIED, save_hf_folder
 from rlrunner.backends.megatron import file_writes as mfw
 from rlrunner.backends.megatron import files as mf
 from rlrunner.backends.megatron.layout import hf_to_megatron
 from rlrunner.storage import open_storage
 from rlrunner.utils.rng import capture_rng, restore_rng
 
+from conftest import assert_bit_equal, load_toolkit
+from megatron_models import GQA, TIED, save_hf_folder
 
 # --- the per-rank files -----------------------------------------------------------------------------
 
@@ -62,16 +62,31 @@ def _rank_file_round_trip(storage, root, model) -> None:
     assert records[name] == storage.checksum(storage.join(root, name))  # size and CRC-32 computed while writing
     for mmap in (False, True):
         state = mf.read_rank_file(storage, storage.join(root, name), mmap=mmap)
-        assert set(state) == {"args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler", "rng_state"}
+        assert set(state) == {
+            "args",
+            "checkpoint_version",
+            "iteration",
+            "model",
+            "optimizer",
+            "opt_param_scheduler",
+            "rng_state",
+        }
         assert (state["checkpoint_version"], state["iteration"], state["opt_param_scheduler"]) == (3.0, 50, scheduler)
         assert state["args"] == args
         assert list(state["model"]) == list(shards[1])
         assert [k for k, v in state["model"].items() if v is None] == [k for k, v in shards[1].items() if v is None]
-        assert_bit_equal({k: v for k, v in state["model"].items() if v is not None},
-                         {k: v for k, v in shards[1].items() if v is not None})
+        assert_bit_equal(
+            {k: v for k, v in state["model"].items() if v is not None},
+            {k: v for k, v in shards[1].items() if v is not None},
+        )
         assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
         assert isinstance(state["rng_state"], list) and len(state["rng_state"]) == 1
-        assert set(state["rng_state"][0]) >= {"random_rng_state", "np_rng_state", "torch_rng_state", "rng_tracker_states"}
+        assert set(state["rng_state"][0]) >= {
+            "random_rng_state",
+            "np_rng_state",
+            "torch_rng_state",
+            "rng_tracker_states",
+        }
         restore_rng(mf.rng_from_megatron_entry(state["rng_state"][0]))
         assert (random.random(), np.random.rand(), torch.rand(1)) == draws
 
@@ -110,7 +125,9 @@ def test_a_file_holding_another_class_is_refused_and_not_run(tmp_path) -> None:
     marker = tmp_path / "pwned"
     for name, payload in (("planted.pt", _Planted(str(marker))), ("fraction.pt", Fraction(1, 3))):
         with open(tmp_path / name, "wb") as handle:
-            torch.save({"args": argparse.Namespace(tensor_model_parallel_size=1), "model": {}, "extra": payload}, handle)
+            torch.save(
+                {"args": argparse.Namespace(tensor_model_parallel_size=1), "model": {}, "extra": payload}, handle
+            )
         for mmap in (False, True):
             with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
                 mf.read_rank_file(storage, str(tmp_path / name), mmap=mmap)
@@ -134,8 +151,11 @@ def test_reading_checks_tracker_ranks_and_iteration(tmp_path, megatron_models) -
     storage = open_storage(str(tmp_path))
     root = storage.url
     records = mfw.write_model_checkpoint(storage, root, model.state_dict(), model.config, tp=2, iteration=3)
-    assert sorted(records) == ["iter_0000003/mp_rank_00/model_optim_rng.pt", "iter_0000003/mp_rank_01/model_optim_rng.pt",
-                               "latest_checkpointed_iteration.txt"]
+    assert sorted(records) == [
+        "iter_0000003/mp_rank_00/model_optim_rng.pt",
+        "iter_0000003/mp_rank_01/model_optim_rng.pt",
+        "latest_checkpointed_iteration.txt",
+    ]
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "3"
     iteration, states = mf.read_rank_states(storage, root)
     assert iteration == 3 and [s["args"].tensor_model_parallel_size for s in states] == [2, 2]
@@ -173,8 +193,9 @@ def test_a_file_written_a_tensor_at_a_time_is_torch_save_s_own(tmp_path) -> None
     real = {"a.weight": torch.randn(700, 9), "b.bias": torch.randn(33), "c.weight": torch.randn(5, 4)}
     stand_ins = {key: torch.empty(t.shape, dtype=t.dtype) for key, t in real.items()}
     rng = [{"torch_rng_state": torch.arange(20, dtype=torch.uint8), "random_rng_state": (3, (1, 2), None)}]
-    state = mf.rank_state(7, {**stand_ins, "a._extra_state": None}, argparse.Namespace(hidden_size=9),
-                          {"lr": 0.1}, {"num_steps": 7}, rng)
+    state = mf.rank_state(
+        7, {**stand_ins, "a._extra_state": None}, argparse.Namespace(hidden_size=9), {"lr": 0.1}, {"num_steps": 7}, rng
+    )
     asked: list[str] = []
     held: list[torch.Tensor] = []
 
@@ -193,10 +214,18 @@ def test_a_file_written_a_tensor_at_a_time_is_torch_save_s_own(tmp_path) -> None
     assert list(loaded["model"]) == list(state["model"]) and loaded["model"]["a._extra_state"] is None
     assert_bit_equal({k: v for k, v in loaded["model"].items() if v is not None}, real)
     assert torch.equal(loaded["rng_state"][0]["torch_rng_state"], rng[0]["torch_rng_state"])
-    assert loaded["iteration"] == 7 and loaded["args"].hidden_size == 9 and loaded["opt_param_scheduler"] == {"num_steps": 7}
+    assert (
+        loaded["iteration"] == 7
+        and loaded["args"].hidden_size == 9
+        and loaded["opt_param_scheduler"] == {"num_steps": 7}
+    )
     plain = io.BytesIO()  # torch.save into a stream, as the streamed save's (the records' folder is then "archive")
-    torch.save(mf.rank_state(7, {**real, "a._extra_state": None}, argparse.Namespace(hidden_size=9), {"lr": 0.1},
-                             {"num_steps": 7}, rng), plain)
+    torch.save(
+        mf.rank_state(
+            7, {**real, "a._extra_state": None}, argparse.Namespace(hidden_size=9), {"lr": 0.1}, {"num_steps": 7}, rng
+        ),
+        plain,
+    )
     assert (tmp_path / "streamed.pt").stat().st_size == len(plain.getvalue())  # the same records, in the same places
     # a value that does not fit its stand-in is refused, naming it
     bad = {id(stand_ins["b.bias"]): lambda: torch.zeros(34)}
@@ -220,7 +249,10 @@ def test_a_tensor_written_a_part_at_a_time_is_torch_save_s_own(tmp_path) -> None
             asked.append((key, index))
             yield part.clone()
 
-    deferred = {id(stand_ins["exp_avg"]): lambda: parts("exp_avg", 300), id(stand_ins["exp_avg_sq"]): lambda: parts("exp_avg_sq", 5)}
+    deferred = {
+        id(stand_ins["exp_avg"]): lambda: parts("exp_avg", 300),
+        id(stand_ins["exp_avg_sq"]): lambda: parts("exp_avg_sq", 5),
+    }
     mfw.write_state_file(storage, str(tmp_path), "parts.pt", state, deferred)
     assert asked == [("exp_avg", i) for i in range(4)] + [("exp_avg_sq", i) for i in range(8)]
     loaded = mf.load_file(str(tmp_path / "parts.pt"))
@@ -228,9 +260,11 @@ def test_a_tensor_written_a_part_at_a_time_is_torch_save_s_own(tmp_path) -> None
     plain = io.BytesIO()
     torch.save({"format": "x", "step": 3, **real}, plain)
     assert (tmp_path / "parts.pt").stat().st_size == len(plain.getvalue())
-    for given, message in ((lambda: iter([torch.zeros(1000), torch.zeros(1)]), "more than the 4000 bytes"),
-                           (lambda: iter([torch.zeros(999)]), "3996 bytes for a record of 4000"),
-                           (lambda: iter([torch.zeros(1000, dtype=torch.float64)]), "a part of torch.float64 given")):
+    for given, message in (
+        (lambda: iter([torch.zeros(1000), torch.zeros(1)]), "more than the 4000 bytes"),
+        (lambda: iter([torch.zeros(999)]), "3996 bytes for a record of 4000"),
+        (lambda: iter([torch.zeros(1000, dtype=torch.float64)]), "a part of torch.float64 given"),
+    ):
         with pytest.raises(ValueError, match=message):
             mfw.write_state_file(storage, str(tmp_path), "bad.pt", state, {id(stand_ins["exp_avg"]): given})
         assert not (tmp_path / "bad.pt").exists()
@@ -241,8 +275,13 @@ def test_streamed_safetensors_file_is_what_safetensors_reads(tmp_path) -> None:
     from safetensors.torch import load_file
 
     tool = load_toolkit("convert_megatron_to_hf")
-    state = {"b.weight": torch.randn(3, 5).to(torch.bfloat16), "a.bias": torch.arange(7, dtype=torch.int64),
-             "c.scale": torch.randn(()), "d.empty": torch.zeros(0, 4, dtype=torch.float16), "e.t": torch.randn(4, 6).t()}
+    state = {
+        "b.weight": torch.randn(3, 5).to(torch.bfloat16),
+        "a.bias": torch.arange(7, dtype=torch.int64),
+        "c.scale": torch.randn(()),
+        "d.empty": torch.zeros(0, 4, dtype=torch.float16),
+        "e.t": torch.randn(4, 6).t(),
+    }
     record = tool.write_safetensors(open_storage(str(tmp_path)), str(tmp_path / "w.safetensors"), list(state.items()))
     assert record == open_storage(str(tmp_path)).checksum(str(tmp_path / "w.safetensors"))
     loaded = load_file(str(tmp_path / "w.safetensors"))
@@ -250,11 +289,19 @@ def test_streamed_safetensors_file_is_what_safetensors_reads(tmp_path) -> None:
     with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as reader:
         assert reader.metadata() == {"format": "pt"}  # what transformers checks before loading
     with pytest.raises(ValueError, match="x has dtype torch.complex64, which this writer does not store"):
-        tool.write_safetensors(open_storage(str(tmp_path)), str(tmp_path / "bad.safetensors"), [("x", torch.zeros(2, dtype=torch.complex64))])
+        tool.write_safetensors(
+            open_storage(str(tmp_path)),
+            str(tmp_path / "bad.safetensors"),
+            [("x", torch.zeros(2, dtype=torch.complex64))],
+        )
     layout = [("a", torch.zeros(2, device="meta")), ("b", torch.zeros(3, device="meta"))]
     with pytest.raises(ValueError, match=r"expected b torch.float32 \(3,\) next, got c"):
-        tool.write_safetensors(open_storage(str(tmp_path)), str(tmp_path / "bad.safetensors"), layout,
-                               iter([("a", torch.ones(2)), ("c", torch.ones(3))]))
+        tool.write_safetensors(
+            open_storage(str(tmp_path)),
+            str(tmp_path / "bad.safetensors"),
+            layout,
+            iter([("a", torch.ones(2)), ("c", torch.ones(3))]),
+        )
     assert not (tmp_path / "bad.safetensors").exists()  # a failed write leaves no file
 
 
@@ -263,8 +310,12 @@ def _assert_same_model(folder: Path, model) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     weights = load_file(str(folder / "model.safetensors"))
-    expected = {k: v for k, v in model.state_dict().items() if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
-    assert_bit_equal(dict(sorted(weights.items())), dict(sorted(expected.items())))  # safetensors stores the names sorted
+    expected = {
+        k: v for k, v in model.state_dict().items() if not (model.config.tie_word_embeddings and k == "lm_head.weight")
+    }
+    assert_bit_equal(
+        dict(sorted(weights.items())), dict(sorted(expected.items()))
+    )  # safetensors stores the names sorted
     reloaded = AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa").eval()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     ids = torch.tensor([tokenizer("12+30=42\n", add_special_tokens=False)["input_ids"]])
@@ -276,27 +327,44 @@ def test_converters_end_to_end_local(tmp_path, capsys) -> None:
     to_megatron, to_hf = load_toolkit("convert_hf_to_megatron"), load_toolkit("convert_megatron_to_hf")
     hf, model = save_hf_folder(tmp_path / "hf", TIED)
     actor = tmp_path / "global_step_0" / "actor"
-    assert to_megatron.main(["--hf_path", str(hf), "--output_path", str(actor), "--tensor_model_parallel_size", "4"]) == 0
+    assert (
+        to_megatron.main(["--hf_path", str(hf), "--output_path", str(actor), "--tensor_model_parallel_size", "4"]) == 0
+    )
     files = sorted(str(p.relative_to(actor)) for p in actor.rglob("*") if p.is_file())
     assert [f for f in files if not f.startswith("huggingface/")] == [
-        f"iter_0000000/mp_rank_0{r}/model_optim_rng.pt" for r in range(4)] + ["latest_checkpointed_iteration.txt"]
+        f"iter_0000000/mp_rank_0{r}/model_optim_rng.pt" for r in range(4)
+    ] + ["latest_checkpointed_iteration.txt"]
     assert {"huggingface/config.json", "huggingface/tokenizer.json"} <= set(files)
     assert not any(f.endswith(".safetensors") for f in files)
     state = mf.load_file(str(actor / "iter_0000000/mp_rank_03/model_optim_rng.pt"))
-    assert state["args"].padded_vocab_size == 512 and state["model"]["embedding.word_embeddings.weight"].shape == (128, 32)
+    assert state["args"].padded_vocab_size == 512 and state["model"]["embedding.word_embeddings.weight"].shape == (
+        128,
+        32,
+    )
     out = tmp_path / "exported"
     assert to_hf.main(["--ckpt_path", str(tmp_path / "global_step_0"), "--output_path", str(out)]) == 0
     _assert_same_model(out, model)
     capsys.readouterr()
     # refusals: one line each, exit code 2
     assert to_hf.main(["--ckpt_path", str(tmp_path / "global_step_0"), "--output_path", str(out)]) == 2
-    assert capsys.readouterr().err.strip() == f"convert_megatron_to_hf: error: {out} exists and is not an empty folder " \
-                                              "(stale weight files would mix with the new ones)"
-    assert to_megatron.main(["--hf_path", str(hf), "--output_path", str(actor), "--tensor_model_parallel_size", "2"]) == 2
+    assert (
+        capsys.readouterr().err.strip() == f"convert_megatron_to_hf: error: {out} exists and is not an empty folder "
+        "(stale weight files would mix with the new ones)"
+    )
+    assert (
+        to_megatron.main(["--hf_path", str(hf), "--output_path", str(actor), "--tensor_model_parallel_size", "2"]) == 2
+    )
     assert "already holds a Megatron checkpoint" in capsys.readouterr().err
-    assert to_megatron.main(["--hf_path", str(hf), "--output_path", str(tmp_path / "x"), "--tensor_model_parallel_size", "8"]) == 2
-    assert capsys.readouterr().err.strip() == ("convert_hf_to_megatron: error: cannot split num_attention_heads=4 over "
-                                              "tensor_model_parallel_size=8: not divisible")
+    assert (
+        to_megatron.main(
+            ["--hf_path", str(hf), "--output_path", str(tmp_path / "x"), "--tensor_model_parallel_size", "8"]
+        )
+        == 2
+    )
+    assert capsys.readouterr().err.strip() == (
+        "convert_hf_to_megatron: error: cannot split num_attention_heads=4 over "
+        "tensor_model_parallel_size=8: not divisible"
+    )
     assert not (tmp_path / "x").exists()
 
 
@@ -307,7 +375,9 @@ def test_converters_end_to_end_on_s3(tmp_path, s3_store) -> None:
     to_megatron, to_hf = load_toolkit("convert_hf_to_megatron"), load_toolkit("convert_megatron_to_hf")
     hf, model = save_hf_folder(tmp_path / "hf", GQA)
     flags = ["--storage_options", json.dumps(options)]
-    assert to_megatron.main(["--hf_path", str(hf), "--output_path", url, "--tensor_model_parallel_size", "2", *flags]) == 0
+    assert (
+        to_megatron.main(["--hf_path", str(hf), "--output_path", url, "--tensor_model_parallel_size", "2", *flags]) == 0
+    )
     storage = open_storage(url, options)
     assert storage.read_bytes(storage.join(url, "latest_checkpointed_iteration.txt")) == b"0"
     out = tmp_path / "exported"

@@ -3,15 +3,10 @@ and the converters: test_megatron_files.py)."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TINY_MODEL_CFG, assert_bit_equal
-from megatron_models import SHAPES, build_test_model, model_cfg
-from rlrunner.models.loading import build_hf_config
-from rlrunner.backends.megatron.weights import hf_blocks
 from rlrunner.backends.megatron.layout import (
     Qwen2Dims,
     check_splittable,
@@ -22,7 +17,12 @@ from rlrunner.backends.megatron.layout import (
     padded_vocab_size,
 )
 from rlrunner.backends.megatron.to_hf import MegatronShards, iter_megatron_to_hf, megatron_to_hf
+from rlrunner.backends.megatron.weights import hf_blocks
+from rlrunner.models.loading import build_hf_config
 from rlrunner.models.tokenizer import build_char_tokenizer
+
+from conftest import TINY_MODEL_CFG, assert_bit_equal
+from megatron_models import SHAPES, build_test_model, model_cfg
 
 # --- vocabulary padding and the split's preconditions ------------------------------------------------
 
@@ -39,17 +39,28 @@ def test_padded_vocab_size_is_megatrons() -> None:
 @pytest.mark.parametrize(
     "overrides, tp, message",
     [
-        ({"num_attention_heads": 4, "num_key_value_heads": 2}, 4,
-         r"cannot split num_key_value_heads \(query groups\)=2 over tensor_model_parallel_size=4: not divisible"),
-        ({"num_attention_heads": 6, "num_key_value_heads": 6, "hidden_size": 48}, 4,
-         "cannot split num_attention_heads=6 over tensor_model_parallel_size=4"),
-        ({"intermediate_size": 66, "num_key_value_heads": 4}, 4, "cannot split intermediate_size=66 over tensor_model_parallel_size=4"),
+        (
+            {"num_attention_heads": 4, "num_key_value_heads": 2},
+            4,
+            r"cannot split num_key_value_heads \(query groups\)=2 over tensor_model_parallel_size=4: not divisible",
+        ),
+        (
+            {"num_attention_heads": 6, "num_key_value_heads": 6, "hidden_size": 48},
+            4,
+            "cannot split num_attention_heads=6 over tensor_model_parallel_size=4",
+        ),
+        (
+            {"intermediate_size": 66, "num_key_value_heads": 4},
+            4,
+            "cannot split intermediate_size=66 over tensor_model_parallel_size=4",
+        ),
         ({}, 0, "tensor_model_parallel_size must be a positive integer, got 0"),
     ],
 )
 def test_unsplittable_configs_are_named(overrides, tp, message) -> None:
-    config = build_hf_config(model_cfg({**TINY_MODEL_CFG["override_config"], "num_attention_heads": 4, **overrides}),
-                             build_char_tokenizer())
+    config = build_hf_config(
+        model_cfg({**TINY_MODEL_CFG["override_config"], "num_attention_heads": 4, **overrides}), build_char_tokenizer()
+    )
     with pytest.raises(ValueError, match=message):
         check_splittable(Qwen2Dims.from_config(config), tp)
 
@@ -68,7 +79,9 @@ def test_other_model_families_and_incomplete_states_are_refused(megatron_models)
         hf_to_megatron(model.state_dict(), llama, 1)
     state = dict(model.state_dict())
     del state["model.layers.1.self_attn.k_proj.bias"]
-    with pytest.raises(ValueError, match=r"lacks 1 key\(s\) of a Qwen2 model, e.g. \['model.layers.1.self_attn.k_proj.bias'\]"):
+    with pytest.raises(
+        ValueError, match=r"lacks 1 key\(s\) of a Qwen2 model, e.g. \['model.layers.1.self_attn.k_proj.bias'\]"
+    ):
         hf_to_megatron(state, model.config, 1)
     state = {**model.state_dict(), "model.layers.0.self_attn.q_norm.weight": torch.ones(8)}  # a Qwen3 key
     with pytest.raises(ValueError, match="has 1 key\\(s\\) this layout does not map"):
@@ -85,31 +98,45 @@ def test_rank_dict_has_megatron_core_local_spec_names_and_shapes(megatron_models
     # megatron-core's GPTModel(local spec).state_dict() names, for the last layer and the model's ends
     assert [k for k in shards[1] if k.startswith(layer)] == [
         layer + "input_layernorm.weight",
-        layer + "self_attention.linear_proj.weight", layer + "self_attention.linear_proj._extra_state",
-        layer + "self_attention.linear_qkv.weight", layer + "self_attention.linear_qkv.bias",
+        layer + "self_attention.linear_proj.weight",
+        layer + "self_attention.linear_proj._extra_state",
+        layer + "self_attention.linear_qkv.weight",
+        layer + "self_attention.linear_qkv.bias",
         layer + "self_attention.linear_qkv._extra_state",
         layer + "pre_mlp_layernorm.weight",
-        layer + "mlp.linear_fc1.weight", layer + "mlp.linear_fc1._extra_state",
-        layer + "mlp.linear_fc2.weight", layer + "mlp.linear_fc2._extra_state",
+        layer + "mlp.linear_fc1.weight",
+        layer + "mlp.linear_fc1._extra_state",
+        layer + "mlp.linear_fc2.weight",
+        layer + "mlp.linear_fc2._extra_state",
     ]
     assert list(shards[0])[0] == "embedding.word_embeddings.weight"
-    assert list(shards[0])[-3:] == ["decoder.final_layernorm.weight", "output_layer.weight", "output_layer._extra_state"]
+    assert list(shards[0])[-3:] == [
+        "decoder.final_layernorm.weight",
+        "output_layer.weight",
+        "output_layer._extra_state",
+    ]
     tied = megatron_models["tied"]
     assert list(hf_to_megatron(tied.state_dict(), tied.config, 2)[1])[-2:] == [
-        "decoder.final_layernorm.weight", "output_layer._extra_state"]  # as megatron-core's tied GPTModel has them
+        "decoder.final_layernorm.weight",
+        "output_layer._extra_state",
+    ]  # as megatron-core's tied GPTModel has them
     assert all(shards[r][k] is None for r in range(2) for k in shards[r] if k.endswith("_extra_state"))
     shapes = {k: tuple(v.shape) for k, v in shards[1].items() if v is not None}
     # 8 query heads in 4 groups of head_dim 8: each rank holds 2 groups = 2 x (2 q + 1 k + 1 v) heads = 64 rows
     assert shapes[layer + "self_attention.linear_qkv.weight"] == (64, 64)
     assert shapes[layer + "self_attention.linear_proj.weight"] == (64, 32)
     assert shapes[layer + "mlp.linear_fc1.weight"] == (128, 64) and shapes[layer + "mlp.linear_fc2.weight"] == (64, 64)
-    assert shapes["embedding.word_embeddings.weight"] == shapes["output_layer.weight"] == (128, 64)  # 256 padded rows / 2
+    assert (
+        shapes["embedding.word_embeddings.weight"] == shapes["output_layer.weight"] == (128, 64)
+    )  # 256 padded rows / 2
     # the vocabulary's 99 rows sit on rank 0; rank 1 holds only padding, all zero
     embed = model.state_dict()["model.embed_tokens.weight"]
     assert torch.equal(shards[0]["embedding.word_embeddings.weight"][:99], embed)
     assert not shards[0]["embedding.word_embeddings.weight"][99:].any() and not shards[1]["output_layer.weight"].any()
     # every tensor has its own storage: torch.save of a view would write the whole HF tensor
-    assert all(v.untyped_storage().nbytes() == v.numel() * v.element_size() for v in shards[1].values() if v is not None)
+    assert all(
+        v.untyped_storage().nbytes() == v.numel() * v.element_size() for v in shards[1].values() if v is not None
+    )
 
 
 def test_fused_qkv_is_interleaved_per_query_group_and_fc1_is_gate_then_up_per_rank(megatron_models) -> None:
@@ -121,12 +148,20 @@ def test_fused_qkv_is_interleaved_per_query_group_and_fc1_is_gate_then_up_per_ra
     for rank in range(2):
         rows, bias = [], []
         for group in (2 * rank, 2 * rank + 1):  # 4 groups, 2 per rank; query heads 2g and 2g+1 use key head g
-            rows += [q[2 * group * d:(2 * group + 2) * d], k[group * d:(group + 1) * d], v[group * d:(group + 1) * d]]
-            bias += [qb[2 * group * d:(2 * group + 2) * d], kb[group * d:(group + 1) * d], vb[group * d:(group + 1) * d]]
+            rows += [
+                q[2 * group * d : (2 * group + 2) * d],
+                k[group * d : (group + 1) * d],
+                v[group * d : (group + 1) * d],
+            ]
+            bias += [
+                qb[2 * group * d : (2 * group + 2) * d],
+                kb[group * d : (group + 1) * d],
+                vb[group * d : (group + 1) * d],
+            ]
         assert torch.equal(shards[rank]["decoder.layers.0.self_attention.linear_qkv.weight"], torch.cat(rows))
         assert torch.equal(shards[rank]["decoder.layers.0.self_attention.linear_qkv.bias"], torch.cat(bias))
         gate, up = state["model.layers.0.mlp.gate_proj.weight"], state["model.layers.0.mlp.up_proj.weight"]
-        expected = torch.cat([gate[64 * rank:64 * (rank + 1)], up[64 * rank:64 * (rank + 1)]])
+        expected = torch.cat([gate[64 * rank : 64 * (rank + 1)], up[64 * rank : 64 * (rank + 1)]])
         assert torch.equal(shards[rank]["decoder.layers.0.mlp.linear_fc1.weight"], expected)
 
 
@@ -191,7 +226,9 @@ def test_a_rank_of_another_tp_size_reads_its_part_from_the_saved_shards(megatron
         expected = hf_to_megatron_rank(state, model.config, tp, rank)
         assert list(read) == list(expected)
         assert [k for k, v in read.items() if v is None] == [k for k, v in expected.items() if v is None]
-        assert_bit_equal({k: v for k, v in read.items() if v is not None}, {k: v for k, v in expected.items() if v is not None})
+        assert_bit_equal(
+            {k: v for k, v in read.items() if v is not None}, {k: v for k, v in expected.items() if v is not None}
+        )
 
 
 def test_a_slice_reads_only_the_saved_ranks_it_overlaps(megatron_models) -> None:
@@ -200,10 +237,14 @@ def test_a_slice_reads_only_the_saved_ranks_it_overlaps(megatron_models) -> None
     model = megatron_models["gqa"]
     state = model.state_dict()
     shards = hf_to_megatron(state, model.config, 2)
-    tensors = MegatronShards([shards[0], {k: v if v is None else v.to("meta") for k, v in shards[1].items()}],
-                             model.config)
-    gate, q, o = ("model.layers.0.mlp.gate_proj.weight", "model.layers.1.self_attn.q_proj.weight",
-                  "model.layers.0.self_attn.o_proj.weight")
+    tensors = MegatronShards(
+        [shards[0], {k: v if v is None else v.to("meta") for k, v in shards[1].items()}], model.config
+    )
+    gate, q, o = (
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+    )
     assert torch.equal(tensors.read(gate, 0, 3, 60), state[gate][3:60])  # rows 0..63 of 128 are rank 0's
     assert torch.equal(tensors.read(q, 0, 8, 32), state[q][8:32])  # query groups 0 and 1: rows 0..31 of 64
     assert torch.equal(tensors.read(o, 1, 0, 32), state[o][:, :32])  # input columns 0..31 of 64
@@ -229,14 +270,21 @@ def test_megatron_to_hf_names_inconsistent_shards(megatron_models) -> None:
         megatron_to_hf(shards + [shards[0]], model.config)
     bad = [dict(shards[0]), shards[1]]
     bad[0]["decoder.layers.0.pre_mlp_layernorm.weight"] = bad[0]["decoder.layers.0.pre_mlp_layernorm.weight"] + 1
-    with pytest.raises(ValueError, match="decoder.layers.0.pre_mlp_layernorm.weight is replicated but tensor-parallel rank 1 differs"):
+    with pytest.raises(
+        ValueError, match="decoder.layers.0.pre_mlp_layernorm.weight is replicated but tensor-parallel rank 1 differs"
+    ):
         megatron_to_hf(bad, model.config)
-    with pytest.raises(ValueError, match=r"rank 0: decoder.layers.0.self_attention.linear_proj.weight has shape \(64, 64\), "
-                                         r"expected \(64, 32\) for this config split 2 ways"):
+    with pytest.raises(
+        ValueError,
+        match=r"rank 0: decoder.layers.0.self_attention.linear_proj.weight has shape \(64, 64\), "
+        r"expected \(64, 32\) for this config split 2 ways",
+    ):
         megatron_to_hf([hf_to_megatron_rank(model.state_dict(), model.config, 1, 0), shards[1]], model.config)
     missing = dict(shards[1])
     del missing["decoder.final_layernorm.weight"]
-    with pytest.raises(ValueError, match=r"tensor-parallel rank 1 lacks 1 key\(s\), e.g. \['decoder.final_layernorm.weight'\]"):
+    with pytest.raises(
+        ValueError, match=r"tensor-parallel rank 1 lacks 1 key\(s\), e.g. \['decoder.final_layernorm.weight'\]"
+    ):
         megatron_to_hf([shards[0], missing], model.config)
 
 
@@ -264,14 +312,22 @@ def test_tp2_shards_compute_the_hf_decoder_layer_embedding_and_logits(megatron_m
         attn_out = mlp_out = 0
         normed = rms(x, shards[0][layer + "input_layernorm.weight"])
         for shard in shards:  # attention: each rank owns whole query groups, so it attends on its own
-            qkv = F.linear(normed, shard[layer + "self_attention.linear_qkv.weight"], shard[layer + "self_attention.linear_qkv.bias"])
+            qkv = F.linear(
+                normed,
+                shard[layer + "self_attention.linear_qkv.weight"],
+                shard[layer + "self_attention.linear_qkv.bias"],
+            )
             qkv = qkv.view(2, 5, -1, 4 * d)  # [batch, seq, local groups, (2 q + k + v heads) x head_dim]
             q, k, v = qkv.split([2 * d, d, d], dim=-1)
             q = q.reshape(2, 5, -1, d).transpose(1, 2)
             k, v = k.transpose(1, 2), v.transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            local = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
-            attn_out = attn_out + F.linear(local.transpose(1, 2).reshape(2, 5, -1), shard[layer + "self_attention.linear_proj.weight"])
+            local = F.scaled_dot_product_attention(
+                q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True
+            )
+            attn_out = attn_out + F.linear(
+                local.transpose(1, 2).reshape(2, 5, -1), shard[layer + "self_attention.linear_proj.weight"]
+            )
         h = x + attn_out
         normed = rms(h, shards[0][layer + "pre_mlp_layernorm.weight"])
         for shard in shards:
@@ -289,7 +345,11 @@ def test_tp2_shards_compute_the_hf_decoder_layer_embedding_and_logits(megatron_m
         for rank, shard in enumerate(shards):
             local_ids = ids - rank * rows
             inside = (local_ids >= 0) & (local_ids < rows)
-            embedded = embedded + F.embedding(local_ids.clamp(0, rows - 1), shard["embedding.word_embeddings.weight"]) * inside[..., None]
+            embedded = (
+                embedded
+                + F.embedding(local_ids.clamp(0, rows - 1), shard["embedding.word_embeddings.weight"])
+                * inside[..., None]
+            )
         assert torch.equal(embedded, model.model.embed_tokens(ids))
         # vocab-parallel output layer: logits concatenated over ranks, padding columns cut
         logits = torch.cat([F.linear(x, shard["output_layer.weight"]) for shard in shards], dim=-1)

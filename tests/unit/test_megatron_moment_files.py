@@ -12,7 +12,6 @@ import math
 import pytest
 import torch
 
-from conftest import assert_bit_equal
 from rlrunner.backends.megatron import file_writes as mfw
 from rlrunner.backends.megatron import files as mf
 from rlrunner.backends.megatron.moment_files import (
@@ -25,6 +24,8 @@ from rlrunner.backends.megatron.moment_files import (
     read_moments,
 )
 from rlrunner.storage import open_storage
+
+from conftest import assert_bit_equal
 
 LAYOUT = [("a.weight", (3, 4)), ("b.bias", (5,)), ("c.weight", (2, 3))]  # 12 + 5 + 6 = 23 elements: odd
 NUMEL = 23
@@ -44,8 +45,18 @@ def _write_slices(root: str, dp: int, iteration: int = 5, tp_rank: int = 0, step
     size = -(-NUMEL // dp)
     for dp_rank in range(dp):
         start, stop = min(dp_rank * size, NUMEL), min((dp_rank + 1) * size, NUMEL)
-        state = moment_slice_state(iteration, 1, dp, dp_rank, step, LAYOUT, start, stop,
-                                   MOMENTS["exp_avg"][start:stop], MOMENTS["exp_avg_sq"][start:stop])
+        state = moment_slice_state(
+            iteration,
+            1,
+            dp,
+            dp_rank,
+            step,
+            LAYOUT,
+            start,
+            stop,
+            MOMENTS["exp_avg"][start:stop],
+            MOMENTS["exp_avg_sq"][start:stop],
+        )
         mfw.write_state_file(storage, root, moment_file(iteration, tp_rank, dp_rank), state)
 
 
@@ -102,15 +113,22 @@ def test_a_rank_opens_its_own_slice_file_first_and_only_what_it_reads(tmp_path) 
     moments = read_moments(open_storage(root), root, 5, 0, dp_rank=5)
     assert sorted(moments.opened) == [0] and torch.equal(moments.flat("exp_avg", 0, NUMEL), MOMENTS["exp_avg"])
     (tmp_path / moment_file(5, 0, 0)).unlink()  # file 0 is not needed by a rank whose own file is there
-    assert torch.equal(read_moments(open_storage(root), root, 5, 0, dp_rank=1).flat("exp_avg", 8, 16),
-                       MOMENTS["exp_avg"][8:16])
+    assert torch.equal(
+        read_moments(open_storage(root), root, 5, 0, dp_rank=1).flat("exp_avg", 8, 16), MOMENTS["exp_avg"][8:16]
+    )
 
 
 def test_the_earlier_single_file_layout_is_read_the_same_way(tmp_path) -> None:
     root = str(tmp_path)
     storage = open_storage(root)
-    legacy = {"format": LEGACY_FORMAT, "iteration": 5, "tensor_model_parallel_size": 1, "data_parallel_size": 2,
-              "step": 7, **{key: _per_parameter(flat.clone()) for key, flat in MOMENTS.items()}}
+    legacy = {
+        "format": LEGACY_FORMAT,
+        "iteration": 5,
+        "tensor_model_parallel_size": 1,
+        "data_parallel_size": 2,
+        "step": 7,
+        **{key: _per_parameter(flat.clone()) for key, flat in MOMENTS.items()},
+    }
     mfw.write_state_file(storage, root, optimizer_file(5, 0), legacy)
     moments = read_moments(storage, root, 5, 0)
     assert moments.step == 7 and moments.layout == LAYOUT
@@ -136,7 +154,9 @@ def test_missing_stray_and_inconsistent_slices_are_named(tmp_path) -> None:
     moments = read_moments(storage, root, 5, 0)
     assert torch.equal(moments.flat("exp_avg", 0, 16), MOMENTS["exp_avg"][:16])  # ranks 0 and 1 need only theirs
     assert sorted(moments.opened) == [0, 1]
-    with pytest.raises(FileNotFoundError, match=r"distrib_optim_dp_002.pt is missing \(saved at data-parallel size 3\)"):
+    with pytest.raises(
+        FileNotFoundError, match=r"distrib_optim_dp_002.pt is missing \(saved at data-parallel size 3\)"
+    ):
         moments.flat("exp_avg", 15, 17)
 
     root = case("stray")  # another run's slice (another data-parallel size) in place of rank 1's
@@ -189,10 +209,21 @@ def _save(root: str, dp: int, chunk: int, rank0_parts=None, rank0_files=None, tp
     from rlrunner.backends.megatron.rank_state import MegatronRankState
 
     channels = [queue.Queue(maxsize=1) for _ in range(dp)]  # sender's rank -> its chunks to rank 0
-    saves = [MomentSave(5, 2, tp_rank, LAYOUT, _own(dp, d), chunk_elements=chunk, dp=dp, dp_rank=d,
-                        send=lambda tensor, to, d=d: channels[d].put(tensor.clone(), timeout=10),
-                        receive=lambda into, src: into.copy_(channels[src].get(timeout=10)))
-             for d in range(dp)]
+    saves = [
+        MomentSave(
+            5,
+            2,
+            tp_rank,
+            LAYOUT,
+            _own(dp, d),
+            chunk_elements=chunk,
+            dp=dp,
+            dp_rank=d,
+            send=lambda tensor, to, d=d: channels[d].put(tensor.clone(), timeout=10),
+            receive=lambda into, src: into.copy_(channels[src].get(timeout=10)),
+        )
+        for d in range(dp)
+    ]
     results: list = [None] * dp
 
     def rank(d: int) -> None:
@@ -225,8 +256,14 @@ def test_one_file_per_tensor_parallel_rank_from_every_data_parallel_slice(tmp_pa
     path = tmp_path / optimizer_file(5, 1)
     assert results[0][optimizer_file(5, 1)].size == path.stat().st_size
     state = mf.load_file(str(path))  # torch.load(weights_only=True)
-    assert state == {**state, "format": FLAT_FORMAT, "iteration": 5, "tensor_model_parallel_size": 2, "step": 7,
-                     "params": [[name, list(shape)] for name, shape in LAYOUT]}
+    assert state == {
+        **state,
+        "format": FLAT_FORMAT,
+        "iteration": 5,
+        "tensor_model_parallel_size": 2,
+        "step": 7,
+        "params": [[name, list(shape)] for name, shape in LAYOUT],
+    }
     assert_bit_equal({key: state[key] for key in MOMENTS}, MOMENTS)
     plain = io.BytesIO()  # torch.save's own file: the same records in the same places
     torch.save(dict(state), plain)
@@ -283,14 +320,24 @@ def test_a_truncated_or_foreign_file_is_named_in_one_line(tmp_path) -> None:
         message = str(error.value)
         assert "\n" not in message and message.startswith(f"{path} cannot be read (truncated or corrupt?): "), message
     mfw.write_state_file(open_storage(root), root, optimizer_file(5, 0), {"format": "something else"})
-    with pytest.raises(ValueError, match="not a distributed-optimizer file of format rlrunner.distrib_optim/3 or "
-                                         "rlrunner.distrib_optim/1"):
+    with pytest.raises(
+        ValueError,
+        match="not a distributed-optimizer file of format rlrunner.distrib_optim/3 or rlrunner.distrib_optim/1",
+    ):
         read_moments(open_storage(root), root, 5, 0)
-    state = {"format": FLAT_FORMAT, "iteration": 5, "tensor_model_parallel_size": 1, "step": 7,
-             "params": [[name, list(shape)] for name, shape in LAYOUT], "exp_avg": MOMENTS["exp_avg"][:20],
-             "exp_avg_sq": MOMENTS["exp_avg_sq"]}
+    state = {
+        "format": FLAT_FORMAT,
+        "iteration": 5,
+        "tensor_model_parallel_size": 1,
+        "step": 7,
+        "params": [[name, list(shape)] for name, shape in LAYOUT],
+        "exp_avg": MOMENTS["exp_avg"][:20],
+        "exp_avg_sq": MOMENTS["exp_avg_sq"],
+    }
     mfw.write_state_file(open_storage(root), root, optimizer_file(5, 0), state)
-    with pytest.raises(ValueError, match=r"distrib_optim.pt: exp_avg is torch.float32 \(20,\), not the float32 \(23,\)"):
+    with pytest.raises(
+        ValueError, match=r"distrib_optim.pt: exp_avg is torch.float32 \(20,\), not the float32 \(23,\)"
+    ):
         read_moments(open_storage(root), root, 5, 0)
 
 

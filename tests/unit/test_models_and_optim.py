@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlrunner.backends.optim import LRSchedule
 from rlrunner.errors import ConfigError
 from rlrunner.models.loading import TokenIds, build_model, build_tokenizer, check_model_folder, token_ids
 from rlrunner.models.tokenizer import build_char_tokenizer
-from rlrunner.backends.optim import LRSchedule
-from conftest import TINY_MODEL_CFG as TINY, assert_bit_equal
 
+from conftest import TINY_MODEL_CFG as TINY
+from conftest import assert_bit_equal
 
 TEXT = "Hello, World! 12+3=15\n  {x: [1, 2]} ~`|\\"
 
@@ -50,7 +51,9 @@ def test_char_tokenizer_save_and_autotokenizer_reload(tmp_path: Path, tokenizer)
 
     tokenizer.save_pretrained(tmp_path)
     reloaded = AutoTokenizer.from_pretrained(str(tmp_path))
-    assert reloaded(TEXT, add_special_tokens=False)["input_ids"] == tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    assert (
+        reloaded(TEXT, add_special_tokens=False)["input_ids"] == tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    )
     assert reloaded(TEXT)["input_ids"] == tokenizer(TEXT)["input_ids"]
     assert reloaded.decode(reloaded(TEXT, add_special_tokens=False)["input_ids"]) == TEXT
     assert (reloaded.pad_token_id, reloaded.eos_token_id) == (0, 1)
@@ -131,7 +134,9 @@ def test_build_model_is_seeded(tokenizer) -> None:
     c = build_model(TINY, tokenizer, seed=4).state_dict()
     assert_bit_equal(b, a)
     assert c.keys() == a.keys()
-    assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"]), "seeds 3 and 4 built the same embedding"
+    assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"]), (
+        "seeds 3 and 4 built the same embedding"
+    )
 
 
 def test_build_model_applies_overrides_and_dtype(tokenizer) -> None:
@@ -194,7 +199,13 @@ def test_lr_cosine() -> None:
 
 def test_lr_cosine_min_ratio_zero_without_warmup() -> None:
     schedule = LRSchedule(warmup_steps=0, total_steps=4, kind="cosine")
-    assert [round(schedule(s), 6) for s in range(5)] == [1.0, round(0.5 * (1 + math.cos(math.pi / 4)), 6), 0.5, round(0.5 * (1 + math.cos(3 * math.pi / 4)), 6), 0.0]
+    assert [round(schedule(s), 6) for s in range(5)] == [
+        1.0,
+        round(0.5 * (1 + math.cos(math.pi / 4)), 6),
+        0.5,
+        round(0.5 * (1 + math.cos(3 * math.pi / 4)), 6),
+        0.0,
+    ]
 
 
 def test_lr_schedule_drives_lambda_lr() -> None:
@@ -213,7 +224,14 @@ def test_a_restored_scheduler_keeps_this_run_s_schedule_from_its_first_step() ->
     from rlrunner.backends.optim import apply_schedule, build_optimizer
 
     def build(total_steps: int, param: torch.nn.Parameter):
-        cfg = {"lr": 1.0, "betas": [0.9, 0.99], "weight_decay": 0.0, "warmup_steps": 0, "lr_schedule": "cosine", "min_lr_ratio": 0.0}
+        cfg = {
+            "lr": 1.0,
+            "betas": [0.9, 0.99],
+            "weight_decay": 0.0,
+            "warmup_steps": 0,
+            "lr_schedule": "cosine",
+            "min_lr_ratio": 0.0,
+        }
         return build_optimizer([param], cfg, total_steps)
 
     param = torch.nn.Parameter(torch.zeros(2))
@@ -244,8 +262,14 @@ def test_adamw_is_fused_on_cuda_and_the_per_tensor_loop_on_the_cpu() -> None:
 
     assert adamw_implementation(torch.device("cuda", 0)) == "fused"
     assert adamw_implementation(torch.device("cpu")) == "for-loop"
-    cfg = {"lr": 0.1, "betas": [0.9, 0.99], "weight_decay": 0.01, "warmup_steps": 0, "lr_schedule": "constant",
-           "min_lr_ratio": 0.0}
+    cfg = {
+        "lr": 0.1,
+        "betas": [0.9, 0.99],
+        "weight_decay": 0.01,
+        "warmup_steps": 0,
+        "lr_schedule": "constant",
+        "min_lr_ratio": 0.0,
+    }
     whole = torch.nn.Parameter(torch.arange(6, dtype=torch.float32))
     halves = [torch.nn.Parameter(whole.detach()[:3].clone()), torch.nn.Parameter(whole.detach()[3:].clone())]
     optimizers = [build_optimizer([whole], cfg, 4)[0], build_optimizer(halves, cfg, 4)[0]]

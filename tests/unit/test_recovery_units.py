@@ -13,10 +13,10 @@ from rlrunner.errors import (
     CheckpointSaveError,
     RecoveryExhaustedError,
     WorkerError,
+    describe,
     exception_chain,
     is_storage_full_or_forbidden,
 )
-from rlrunner.errors import describe
 from rlrunner.runner.recovery import RestartBudget, failure_cause, ranks_to_replace, same_failure
 from rlrunner.runner.stopping import DUPLICATE_WINDOW_S, StopRequest
 
@@ -32,13 +32,21 @@ def raised_from(outer: BaseException, inner: BaseException) -> BaseException:
 
 
 def test_failure_cause_classifies_what_can_be_repaired():
-    assert failure_cause(CallTimeoutError("the actor group did not answer within 5s")).startswith("hang: the actor group")
+    assert failure_cause(CallTimeoutError("the actor group did not answer within 5s")).startswith(
+        "hang: the actor group"
+    )
     assert failure_cause(ray.exceptions.GetTimeoutError()).startswith("hang:")
     assert failure_cause(ray.exceptions.ActorDiedError()).startswith("worker lost: ActorDiedError")
-    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [10.0.0.2]:5000: Connection reset by peer")
-    assert failure_cause(gloo).startswith("collective failed (a peer is gone or stuck): RuntimeError: [../third_party/gloo")
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [10.0.0.2]:5000: Connection reset by peer"
+    )
+    assert failure_cause(gloo).startswith(
+        "collective failed (a peer is gone or stuck): RuntimeError: [../third_party/gloo"
+    )
     # a save that failed because a worker died is repairable; one that failed on a full disk is not
-    assert failure_cause(raised_from(CheckpointSaveError("saving global_step_4 failed"), ray.exceptions.ActorDiedError()))
+    assert failure_cause(
+        raised_from(CheckpointSaveError("saving global_step_4 failed"), ray.exceptions.ActorDiedError())
+    )
     disk_full = raised_from(CheckpointSaveError("saving global_step_4 failed"), OSError(28, "No space left on device"))
     assert failure_cause(disk_full) is None
     assert failure_cause(ValueError("shapes do not match")) is None
@@ -55,7 +63,10 @@ def test_exception_chain_reaches_wrapped_and_per_rank_errors():
 
 
 def test_describe_strips_ray_colour_codes_and_keeps_the_first_line():
-    assert describe(RuntimeError("\x1b[36mray::ActorWorker.update()\x1b[39m (pid=1)\nmore")) == "RuntimeError: ray::ActorWorker.update() (pid=1)"
+    assert (
+        describe(RuntimeError("\x1b[36mray::ActorWorker.update()\x1b[39m (pid=1)\nmore"))
+        == "RuntimeError: ray::ActorWorker.update() (pid=1)"
+    )
 
 
 def test_stop_request_from_a_signal_and_its_duplicate():
@@ -99,7 +110,9 @@ def test_same_failure_ignores_pids_ranks_and_ids():
 
 
 def test_lack_of_space_or_permission_is_recognised_through_wrapping():
-    assert is_storage_full_or_forbidden(raised_from(CheckpointSaveError("x"), OSError(errno.ENOSPC, "No space left on device")))
+    assert is_storage_full_or_forbidden(
+        raised_from(CheckpointSaveError("x"), OSError(errno.ENOSPC, "No space left on device"))
+    )
     assert is_storage_full_or_forbidden(PermissionError(errno.EACCES, "Permission denied"))
     assert not is_storage_full_or_forbidden(raised_from(CheckpointSaveError("x"), OSError(errno.EIO, "I/O error")))
 
@@ -110,8 +123,6 @@ def test_exit_codes_tell_the_launch_script_what_a_relaunch_can_mend():
     assert RecoveryExhaustedError("x", same_error=False).exit_code == 1
     assert CheckpointSaveError("x", permanent=True).exit_code == 4
     assert CheckpointSaveError("x").exit_code == 1
-
-
 
 
 def test_only_lost_processes_of_the_actor_group_are_replaced_alone():

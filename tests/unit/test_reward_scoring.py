@@ -16,7 +16,7 @@ from rlrunner.errors import ConfigError
 from rlrunner.rewards.function import RewardLoadError, load_function, parse_spec, read_result
 from rlrunner.rewards.scorer import RewardScorer, RewardSettings, ScoreRequest, check_reward_function
 
-REWARD = '''
+REWARD = """
 import os, time
 CALLS = []
 
@@ -35,7 +35,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonu
     return float(solution_str == str(ground_truth)) + bonus
 
 not_a_function = 3
-'''
+"""
 
 
 @pytest.fixture
@@ -70,18 +70,24 @@ def test_load_errors_name_the_file_and_the_problem(tmp_path: Path, reward_file: 
 
     assert error("missing.py") == f"reward.function: file not found: {tmp_path / 'missing.py'}"
     (tmp_path / "broken.py").write_text("import not_a_module_anywhere\n")
-    assert error("broken.py") == (f"reward.function: {tmp_path / 'broken.py'} does not import: "
-                                  "ModuleNotFoundError: No module named 'not_a_module_anywhere'")
+    assert error("broken.py") == (
+        f"reward.function: {tmp_path / 'broken.py'} does not import: "
+        "ModuleNotFoundError: No module named 'not_a_module_anywhere'"
+    )
     assert error("my_reward.py:compute_scor") == f"reward.function: {reward_file} has no 'compute_scor'"
     assert error("my_reward.py:not_a_function") == f"reward.function: 'not_a_function' in {reward_file} is not callable"
-    assert error("no_such_package.rewards:f") == ("reward.function: module no_such_package.rewards does not import: "
-                                                  "ModuleNotFoundError: No module named 'no_such_package'")
+    assert error("no_such_package.rewards:f") == (
+        "reward.function: module no_such_package.rewards does not import: "
+        "ModuleNotFoundError: No module named 'no_such_package'"
+    )
 
 
 def test_a_file_imports_its_own_helpers_beside_it(tmp_path: Path) -> None:
     (tmp_path / "helpers.py").write_text("def exact(a, b):\n    return float(a == b)\n")
-    (tmp_path / "score.py").write_text("from helpers import exact\n\ndef f(data_source, solution_str, ground_truth, "
-                                       "extra_info):\n    return exact(solution_str, ground_truth)\n")
+    (tmp_path / "score.py").write_text(
+        "from helpers import exact\n\ndef f(data_source, solution_str, ground_truth, "
+        "extra_info):\n    return exact(solution_str, ground_truth)\n"
+    )
     function = load_function(parse_spec(str(tmp_path / "score.py:f"), "/"))
     assert function("s", "4", "4", {}) == 1.0
 
@@ -89,10 +95,13 @@ def test_a_file_imports_its_own_helpers_beside_it(tmp_path: Path) -> None:
 def test_what_a_reward_function_returns() -> None:
     assert read_result(1) == (1.0, {}) and read_result(True) == (1.0, {}) and read_result(np.float32(0.5)) == (0.5, {})
     assert read_result({"score": 0.25, "acc": True, "pred": "7", "n": np.int64(3)}) == (0.25, {"acc": 1.0, "n": 3.0})
-    for bad, message in [({"acc": 1.0}, "returned a dict without 'score' (keys: acc)"),
-                         ("1.0", "returned str '1.0', not a number or a dict with 'score'"),
-                         (None, "returned NoneType None, not a number or a dict with 'score'"),
-                         (math.nan, "returned a score of nan"), (np.ones(2), "not a number")]:
+    for bad, message in [
+        ({"acc": 1.0}, "returned a dict without 'score' (keys: acc)"),
+        ("1.0", "returned str '1.0', not a number or a dict with 'score'"),
+        (None, "returned NoneType None, not a number or a dict with 'score'"),
+        (math.nan, "returned a score of nan"),
+        (np.ones(2), "not a number"),
+    ]:
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             read_result(bad)
 
@@ -136,8 +145,10 @@ def test_a_call_that_raises_hangs_or_kills_its_process_is_an_error_and_the_rest_
 
 
 def test_slow_calls_run_in_parallel(tmp_path: Path) -> None:
-    (tmp_path / "slow.py").write_text("import time\n\ndef compute_score(data_source, solution_str, ground_truth, "
-                                      "extra_info):\n    time.sleep(0.1)\n    return 1.0\n")
+    (tmp_path / "slow.py").write_text(
+        "import time\n\ndef compute_score(data_source, solution_str, ground_truth, "
+        "extra_info):\n    time.sleep(0.1)\n    return 1.0\n"
+    )
     scorer = RewardScorer(parse_spec(str(tmp_path / "slow.py"), "/"), {}, 4, timeout_s=30)
     try:
         scorer.ready()

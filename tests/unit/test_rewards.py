@@ -9,12 +9,12 @@ from rlrunner.rewards import (
     extract_answer,
     math_reward,
 )
-from rlrunner.utils.registry import import_attr
 from rlrunner.rewards.math_verifier import (
     ground_truth_answer,
     normalize_answer,
     parse_number,
 )
+from rlrunner.utils.registry import import_attr
 
 # --- extract_answer ---------------------------------------------------------
 
@@ -218,6 +218,8 @@ def test_builtin_verifiers_take_verls_signature() -> None:
     assert sorted(BUILTIN_VERIFIERS) == ["arithmetic", "math"]
     arithmetic, math = (import_attr(BUILTIN_VERIFIERS[name]) for name in ("arithmetic", "math"))
     assert arithmetic(data_source="arithmetic", solution_str="7", ground_truth="7", extra_info={}) == 1.0
-    assert arithmetic(data_source="arithmetic", solution_str="17", ground_truth=7, extra_info={}) == arithmetic_reward("17", "7")
+    assert arithmetic(data_source="arithmetic", solution_str="17", ground_truth=7, extra_info={}) == arithmetic_reward(
+        "17", "7"
+    )
     assert math(data_source="gsm8k", solution_str=r"so \boxed{72}", ground_truth=72, extra_info=None) == 1.0
     assert math(data_source="gsm8k", solution_str=r"so \boxed{71}", ground_truth="#### 72", extra_info=None) == 0.0

@@ -7,6 +7,7 @@ from rlrunner.models.loading import build_model
 from rlrunner.models.tokenizer import build_char_tokenizer
 from rlrunner.rollout import sampling
 from rlrunner.rollout.sampling import sample_tokens
+
 from conftest import TINY_MODEL_CFG as TINY
 
 # --- sample_tokens ------------------------------------------------------------------
@@ -109,7 +110,6 @@ def test_sample_tokens_temperature_scales_logits() -> None:
 
 
 # --- generate --------------------------------------------------------------------------
-
 
 
 @pytest.fixture(scope="module")

@@ -78,8 +78,13 @@ def test_a_rank_without_a_part_passes_its_reason_on():
 
 
 def test_a_serialized_part_reads_back_with_weights_only_and_is_a_copy():
-    live = {"model": {"w": torch.arange(6.0).view(2, 3)}, "optimizer": {"state": {0: {"step": torch.tensor(3.0)}},
-            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}]}}
+    live = {
+        "model": {"w": torch.arange(6.0).view(2, 3)},
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(3.0)}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}],
+        },
+    }
     part = serialize({"state": live, "rng": capture_rng()})
     live["model"]["w"].add_(1)  # the training goes on: the part must not change
     saved = torch.load(io.BytesIO(part), weights_only=True)

@@ -13,9 +13,10 @@ import zlib
 import pytest
 import torch
 
-from conftest import assert_bit_equal
 from rlrunner.errors import ConfigError
 from rlrunner.storage import ChecksumWriter, FileRecord, basename, is_url, join, open_storage, parent
+
+from conftest import assert_bit_equal
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -127,7 +128,7 @@ def test_large_multipart_write_and_abort(s3_store):
     data = os.urandom(11 << 20)
     with storage.open_write(storage.join(url, "big")) as writer:
         for start in range(0, len(data), 1 << 20):
-            writer.write(data[start:start + (1 << 20)])
+            writer.write(data[start : start + (1 << 20)])
     assert writer.record() == FileRecord.of(data) == storage.checksum(storage.join(url, "big"))
     with pytest.raises(RuntimeError):
         with storage.open_write(storage.join(url, "aborted")) as writer:
@@ -211,7 +212,7 @@ def test_listings_are_never_stale(s3_store):
     url, options = s3_store
     reader = open_storage(url, options)
     assert reader.list(url) == [] and not reader.exists(join(url, "global_step_5"))
-    bucket, prefix = url[len("s3://"):].split("/", 1)
+    bucket, prefix = url[len("s3://") :].split("/", 1)
     other = boto3.client("s3", endpoint_url=options["client_kwargs"]["endpoint_url"])
     other.put_object(Bucket=bucket, Key=f"{prefix}/global_step_5/manifest.json", Body=b"{}")
     assert reader.list(url) == ["global_step_5"] and reader.exists(join(url, "global_step_5", "manifest.json"))
@@ -268,7 +269,7 @@ def test_urls_of_another_store_are_refused(s3_store):
     with pytest.raises(ValueError):
         storage.exists("gs://elsewhere/x")
     with pytest.raises(ValueError, match="bucket"):
-        storage.delete_tree("s3://" + url[len("s3://"):].split("/")[0])
+        storage.delete_tree("s3://" + url[len("s3://") :].split("/")[0])
     with pytest.raises(ValueError):
         open_storage("/tmp").exists("s3://bucket/x")
 

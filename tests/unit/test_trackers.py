@@ -16,8 +16,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from rlrunner.schema import LoggerConfig
 from rlrunner.errors import ConfigError
+from rlrunner.schema import LoggerConfig
 from rlrunner.trackers.base import REDACTED, redact
 from rlrunner.trackers.registry import check_backends, missing_package
 from rlrunner.trackers.session import Trackers
@@ -365,7 +365,7 @@ def test_the_offline_reader_stops_at_a_cut_or_damaged_record(tmp_path, caplog):
         session.log(step, {"step_value": float(step), **big})
     session.close("finished")
     run_id = run_ids(tmp_path)["wandb"]
-    (folder, full), = offline_history(tmp_path / "wandb", run_id)
+    ((folder, full),) = offline_history(tmp_path / "wandb", run_id)
     assert [step for step, _ in full] == list(range(40)) and full[7][1] == {"step_value": 7.0, **big}
     assert offline_last_step(tmp_path / "wandb", run_id) == 39
     data = (Path(folder) / f"run-{run_id}.wandb").read_bytes()

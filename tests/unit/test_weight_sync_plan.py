@@ -8,7 +8,6 @@ import time
 import pytest
 import torch
 
-from conftest import assert_bit_equal
 from rlrunner.backends.fsdp.weights import FSDPWeightSource, shard_rows
 from rlrunner.rollout.hf import ModuleSink
 from rlrunner.weight_sync.plan import (
@@ -21,6 +20,8 @@ from rlrunner.weight_sync.plan import (
     pack_bucket,
     plan_buckets,
 )
+
+from conftest import assert_bit_equal
 
 
 def test_shard_rows_is_torch_chunk_with_empty_shards():
@@ -99,12 +100,12 @@ def test_pack_unpack_row_and_column_blocks_uneven_and_empty_cast_like_load_state
     weight), sent in tiny buckets, land bit-exact, whether the sink offers its own tensors or takes new ones."""
     gen = torch.Generator().manual_seed(0)
     full = {
-        "w": torch.randn(4, 3, generator=gen),       # rows 2, 2, 0
+        "w": torch.randn(4, 3, generator=gen),  # rows 2, 2, 0
         "e": torch.randn(7, 5, generator=gen) * 100,  # rows 3, 3, 1
-        "cols": torch.randn(5, 6, generator=gen),    # columns 2, 2, 2 (dim 1: not one run of elements)
-        "one": torch.randn(1, 6, generator=gen),     # rows 1, 0, 0
+        "cols": torch.randn(5, 6, generator=gen),  # columns 2, 2, 2 (dim 1: not one run of elements)
+        "one": torch.randn(1, 6, generator=gen),  # rows 1, 0, 0
         "ties": torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130, float("inf"), -0.0]),
-        "steps": torch.tensor([3, 4, 5]),             # an int64 buffer, sent by rank 0 as is
+        "steps": torch.tensor([3, 4, 5]),  # an int64 buffer, sent by rank 0 as is
     }
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         layout = [TensorSpec(n, tuple(t.shape), dtype if t.is_floating_point() else t.dtype) for n, t in full.items()]
@@ -167,9 +168,14 @@ def test_coverage_and_layout_checks():
     layout = [TensorSpec("a", (2, 2), f32), TensorSpec("b", (3,), f32)]
     good = [[Piece("a", (2, 2), 0, 0, 1, f32), Piece("b", (3,), 0, 0, 3, f32)], [Piece("a", (2, 2), 0, 1, 2, f32)]]
     check_coverage(layout, good)
-    check_coverage(layout, [[Piece("a", (2, 2), 1, 0, 1, f32), Piece("b", (3,), 0, 0, 3, f32)], [Piece("a", (2, 2), 1, 1, 2, f32)]])
+    check_coverage(
+        layout, [[Piece("a", (2, 2), 1, 0, 1, f32), Piece("b", (3,), 0, 0, 3, f32)], [Piece("a", (2, 2), 1, 1, 2, f32)]]
+    )
     with pytest.raises(WeightSyncError, match="do not tile"):
-        check_coverage(layout, [[Piece("a", (2, 2), 0, 0, 2, f32), Piece("b", (3,), 0, 0, 3, f32)], [Piece("a", (2, 2), 0, 1, 2, f32)]])
+        check_coverage(
+            layout,
+            [[Piece("a", (2, 2), 0, 0, 2, f32), Piece("b", (3,), 0, 0, 3, f32)], [Piece("a", (2, 2), 0, 1, 2, f32)]],
+        )
     with pytest.raises(WeightSyncError, match="send 1 of its 2 rows"):
         check_coverage(layout, [good[0]])
     with pytest.raises(WeightSyncError, match="rollout model has"):
@@ -177,7 +183,10 @@ def test_coverage_and_layout_checks():
     with pytest.raises(WeightSyncError, match="does not have"):
         check_coverage(layout, [[*good[0], Piece("c", (1,), 0, 0, 1, f32)], good[1]])
     with pytest.raises(WeightSyncError, match="different dimensions"):
-        check_coverage(layout, [[Piece("a", (2, 2), 0, 0, 1, f32), Piece("b", (3,), 0, 0, 3, f32)], [Piece("a", (2, 2), 1, 1, 2, f32)]])
+        check_coverage(
+            layout,
+            [[Piece("a", (2, 2), 0, 0, 1, f32), Piece("b", (3,), 0, 0, 3, f32)], [Piece("a", (2, 2), 1, 1, 2, f32)]],
+        )
     # tied weights are one tensor, wanted once under its first name
     tied = torch.nn.ModuleDict({"emb": torch.nn.Embedding(2, 2), "head": torch.nn.Linear(2, 2)})
     tied["head"].weight = tied["emb"].weight
@@ -208,7 +217,9 @@ def test_join_without_peers_times_out():
     started = time.monotonic()
     source = FSDPWeightSource(torch.nn.Linear(2, 2))
     with pytest.raises(WeightSyncError, match="no layout from rollout worker 0 within 1s"):
-        WeightSender(connect_store("127.0.0.1", server.port, 1.0), 0, 1, 1, source, torch.device("cpu"), 1.0, "127.0.0.1")
+        WeightSender(
+            connect_store("127.0.0.1", server.port, 1.0), 0, 1, 1, source, torch.device("cpu"), 1.0, "127.0.0.1"
+        )
     assert time.monotonic() - started < 10
 
 
@@ -220,15 +231,19 @@ def test_mismatched_bucket_size_is_caught_and_breaks_the_channels():
     actor_model, rollout_model = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3).to(torch.bfloat16)
     cpu = torch.device("cpu")
     actor, rollout = _in_threads(
-        lambda: WeightSender(connect_store("127.0.0.1", server.port, 2), 0, 1, 1, FSDPWeightSource(actor_model), cpu, 2,
-                             "127.0.0.1"),
-        lambda: WeightReceiver(connect_store("127.0.0.1", server.port, 2), 0, 1, 1, ModuleSink(rollout_model), cpu, 2,
-                               "127.0.0.1"),
+        lambda: WeightSender(
+            connect_store("127.0.0.1", server.port, 2), 0, 1, 1, FSDPWeightSource(actor_model), cpu, 2, "127.0.0.1"
+        ),
+        lambda: WeightReceiver(
+            connect_store("127.0.0.1", server.port, 2), 0, 1, 1, ModuleSink(rollout_model), cpu, 2, "127.0.0.1"
+        ),
     )
     assert actor.backend == "gloo" and rollout.backends == ["gloo"]
     sent, received = _in_threads(lambda: actor.send(16), lambda: rollout.receive(16))
     assert sent["bytes"] == received["bytes"] == 30 and received["buckets"] == 2  # 16 + 14 bytes
-    assert_bit_equal(dict(rollout_model.state_dict()), {n: t.to(torch.bfloat16) for n, t in actor_model.state_dict().items()})
+    assert_bit_equal(
+        dict(rollout_model.state_dict()), {n: t.to(torch.bfloat16) for n, t in actor_model.state_dict().items()}
+    )
     started = time.monotonic()
     _, received = _in_threads(lambda: actor.send(16), lambda: rollout.receive(64))
     assert time.monotonic() - started < 2 + 5  # the actor, whose buckets nobody takes, gives up after its timeout

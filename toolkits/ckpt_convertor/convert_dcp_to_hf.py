@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from rlrunner.tools.convert import export_hf  # noqa: E402
 from rlrunner.errors import ConfigError  # noqa: E402
 from rlrunner.storage import add_storage_options_argument  # noqa: E402
+from rlrunner.tools.convert import export_hf  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

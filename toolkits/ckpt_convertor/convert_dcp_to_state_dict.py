@@ -21,16 +21,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from rlrunner.tools.convert import load_model_weights  # noqa: E402
 from rlrunner.errors import ConfigError  # noqa: E402
 from rlrunner.storage import add_storage_options_argument, is_url  # noqa: E402
-
+from rlrunner.tools.convert import load_model_weights  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dcp_path", required=True,
-                        help="DCP folder (global_step_N/actor) or global_step_N: a local path or a URL (s3://...)")
+    parser.add_argument(
+        "--dcp_path",
+        required=True,
+        help="DCP folder (global_step_N/actor) or global_step_N: a local path or a URL (s3://...)",
+    )
     parser.add_argument("--output_path", required=True, help="local file to write (torch.save format)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="cast the weights")
     add_storage_options_argument(parser)

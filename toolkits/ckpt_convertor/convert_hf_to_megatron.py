@@ -25,12 +25,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from rlrunner.checkpoint.layout import HF_DIR  # noqa: E402
 from rlrunner.backends.megatron.file_writes import write_model_checkpoint  # noqa: E402
 from rlrunner.backends.megatron.files import TRACKER_FILE  # noqa: E402
+from rlrunner.backends.megatron.layout import DEFAULT_VOCAB_DIVISIBLE_BY, Qwen2Dims, check_splittable  # noqa: E402
+from rlrunner.checkpoint.layout import HF_DIR  # noqa: E402
 from rlrunner.errors import ConfigError  # noqa: E402
 from rlrunner.models.loading import check_model_folder  # noqa: E402
-from rlrunner.backends.megatron.layout import DEFAULT_VOCAB_DIVISIBLE_BY, Qwen2Dims, check_splittable  # noqa: E402
 from rlrunner.storage import Storage, add_storage_options_argument, open_storage  # noqa: E402
 
 # Files of an HF folder that are weights (or their indexes), not copied beside the shards.
@@ -66,8 +66,13 @@ def copy_hf_files(folder: Path, storage: Storage, target: str) -> list[str]:
     return copied
 
 
-def convert(hf_path: str, output: str, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
-            storage_options: dict | None = None) -> dict:
+def convert(
+    hf_path: str,
+    output: str,
+    tp: int,
+    divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
+    storage_options: dict | None = None,
+) -> dict:
     """Write the Megatron shards of `hf_path` under `output`; {relative file: size and CRC-32}."""
     from transformers import AutoConfig
 
@@ -87,17 +92,24 @@ def convert(hf_path: str, output: str, tp: int, divisible_by: int = DEFAULT_VOCA
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hf_path", required=True, help="a local Hugging Face Qwen2 folder (config, weights, tokenizer)")
+    parser.add_argument(
+        "--hf_path", required=True, help="a local Hugging Face Qwen2 folder (config, weights, tokenizer)"
+    )
     parser.add_argument("--output_path", required=True, help="folder to write: a local path or a URL (s3://...)")
     parser.add_argument("--tensor_model_parallel_size", type=int, required=True, help="number of tensor-parallel ranks")
-    parser.add_argument("--make_vocab_size_divisible_by", type=int, default=DEFAULT_VOCAB_DIVISIBLE_BY,
-                        help="pad the vocabulary to a multiple of this times the tensor-parallel size (Megatron's)")
+    parser.add_argument(
+        "--make_vocab_size_divisible_by",
+        type=int,
+        default=DEFAULT_VOCAB_DIVISIBLE_BY,
+        help="pad the vocabulary to a multiple of this times the tensor-parallel size (Megatron's)",
+    )
     add_storage_options_argument(parser)
     args = parser.parse_args(argv)
     options = args.storage_options
     try:
-        records = convert(args.hf_path, args.output_path, args.tensor_model_parallel_size,
-                          args.make_vocab_size_divisible_by, options)
+        records = convert(
+            args.hf_path, args.output_path, args.tensor_model_parallel_size, args.make_vocab_size_divisible_by, options
+        )
     except (ConfigError, OSError, ValueError, pickle.UnpicklingError) as exc:
         print(f"convert_hf_to_megatron: error: {exc}", file=sys.stderr)
         return 2

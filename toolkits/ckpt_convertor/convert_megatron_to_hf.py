@@ -30,16 +30,24 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from rlrunner.checkpoint.layout import HF_DIR  # noqa: E402
 from rlrunner.backends.megatron.files import find_root, read_rank_states  # noqa: E402
-from rlrunner.errors import ConfigError  # noqa: E402
 from rlrunner.backends.megatron.to_hf import iter_megatron_to_hf  # noqa: E402
+from rlrunner.checkpoint.layout import HF_DIR  # noqa: E402
+from rlrunner.errors import ConfigError  # noqa: E402
 from rlrunner.storage import FileRecord, Storage, add_storage_options_argument, is_url, open_storage  # noqa: E402
 
 WEIGHTS_FILE = "model.safetensors"
 _SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
 
 
@@ -62,8 +70,11 @@ def write_safetensors(
         if tensor.dtype not in _SAFETENSORS_DTYPES:
             raise ValueError(f"{name} has dtype {tensor.dtype}, which this writer does not store")
         size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
@@ -107,7 +118,9 @@ def convert(ckpt_path: str, output: str, storage_options: dict | None = None) ->
         raise FileNotFoundError(f"{root} has no {HF_DIR}/config.json: the HF config must sit beside the shards")
     out = Path(output).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not an empty folder (stale weight files would mix with the new ones)")
+        raise FileExistsError(
+            f"{out} exists and is not an empty folder (stale weight files would mix with the new ones)"
+        )
     # The config is read from a scratch copy, and only copied to `out` once the shards have merged.
     with tempfile.TemporaryDirectory(prefix="rlrunner-hf-config-") as scratch:
         _copy_hf_dir(storage, hf_url, Path(scratch))
@@ -119,8 +132,9 @@ def convert(ckpt_path: str, output: str, storage_options: dict | None = None) ->
         layout = list(iter_megatron_to_hf([_meta(shard) for shard in shards], config))
         out.mkdir(parents=True, exist_ok=True)
         shutil.copytree(scratch, out, dirs_exist_ok=True)
-    write_safetensors(open_storage(str(out)), str(out / WEIGHTS_FILE), layout,
-                      iter_megatron_to_hf(shards, config, consume=True))
+    write_safetensors(
+        open_storage(str(out)), str(out / WEIGHTS_FILE), layout, iter_megatron_to_hf(shards, config, consume=True)
+    )
     return out
 
 
@@ -130,8 +144,11 @@ def _meta(shard: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ckpt_path", required=True,
-                        help="folder with latest_checkpointed_iteration.txt, or global_step_N: a local path or a URL")
+    parser.add_argument(
+        "--ckpt_path",
+        required=True,
+        help="folder with latest_checkpointed_iteration.txt, or global_step_N: a local path or a URL",
+    )
     parser.add_argument("--output_path", required=True, help="local folder to write the HF model into")
     add_storage_options_argument(parser)
     args = parser.parse_args(argv)

@@ -43,5 +43,6 @@ def _probe(path: str) -> None:
 
 if _DIR:
     os.makedirs(_DIR, exist_ok=True)
-    threading.Thread(target=_probe, args=(os.path.join(_DIR, f"{os.getpid()}.txt"),), daemon=True,
-                     name="rss-probe").start()
+    threading.Thread(
+        target=_probe, args=(os.path.join(_DIR, f"{os.getpid()}.txt"),), daemon=True, name="rss-probe"
+    ).start()

@@ -24,17 +24,28 @@ class FSDPBackend(TrainingBackend):
         tp = cfg.actor.tensor_model_parallel_size
         if tp > 1:
             raise ConfigError(
-                f"actor.tensor_model_parallel_size={tp} needs actor.training_backend=megatron (fsdp shards, it does not split layers)"
+                f"actor.tensor_model_parallel_size={tp} needs actor.training_backend=megatron "
+                "(fsdp shards, it does not split layers)"
             )
         if not cfg.actor.megatron.shard_gradients:
-            raise ConfigError("actor.megatron.shard_gradients=false needs actor.training_backend=megatron (fsdp always "
-                              "reduce-scatters its gradients to the ranks' shards)")
+            raise ConfigError(
+                "actor.megatron.shard_gradients=false needs actor.training_backend=megatron (fsdp always "
+                "reduce-scatters its gradients to the ranks' shards)"
+            )
         if not cfg.actor.megatron.shard_weights:
-            raise ConfigError("actor.megatron.shard_weights=false needs actor.training_backend=megatron (fsdp always shards "
-                              "its weights and all-gathers them a unit at a time)")
+            raise ConfigError(
+                "actor.megatron.shard_weights=false needs actor.training_backend=megatron (fsdp always shards "
+                "its weights and all-gathers them a unit at a time)"
+            )
 
-    def checkpoint_manager(self, actor_group: Any, rank_map: RankMap, timeout_s: float | None, background: bool,
-                           storage_options: Mapping[str, Any] | None) -> Any:
+    def checkpoint_manager(
+        self,
+        actor_group: Any,
+        rank_map: RankMap,
+        timeout_s: float | None,
+        background: bool,
+        storage_options: Mapping[str, Any] | None,
+    ) -> Any:
         from rlrunner.backends.checkpoints import ActorCheckpointManager
 
         return ActorCheckpointManager(actor_group, self.checkpoint_format, timeout_s, background, storage_options)

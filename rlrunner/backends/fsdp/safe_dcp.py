@@ -116,7 +116,9 @@ class StorageFileSystem(FileSystemBase):
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         url, new_url = os.fspath(path), os.fspath(new_path)
         if url not in self._held:
-            raise NotImplementedError(f"{self.storage.protocol}:// storage cannot rename {url}: only files written as *.tmp")
+            raise NotImplementedError(
+                f"{self.storage.protocol}:// storage cannot rename {url}: only files written as *.tmp"
+            )
         data, record = self._held.pop(url)
         self.storage.write_bytes(new_url, data)
         self.records[basename(new_url)] = record.as_dict()

@@ -64,7 +64,11 @@ def local_block(name: str, tensor: torch.Tensor) -> Block | None:
     shape = tuple(tensor.shape)
     if not isinstance(tensor, DTensor):
         first = not dist.is_initialized() or dist.get_rank() == 0
-        return Block(name, shape, 0, 0, shape[0] if shape else 1, tensor.reshape(shape or (1,))) if first and tensor.numel() else None
+        return (
+            Block(name, shape, 0, 0, shape[0] if shape else 1, tensor.reshape(shape or (1,)))
+            if first and tensor.numel()
+            else None
+        )
     mesh, placement = tensor.device_mesh, tensor.placements[0]
     local = tensor.to_local()
     if mesh.ndim != 1:
@@ -81,7 +85,11 @@ def local_block(name: str, tensor: torch.Tensor) -> Block | None:
         return Block(name, shape, 0, start, stop, local) if stop > start else None
     if isinstance(placement, Replicate):
         first = mesh.get_local_rank() == 0
-        return Block(name, shape, 0, 0, shape[0] if shape else 1, local.reshape(shape or (1,))) if first and local.numel() else None
+        return (
+            Block(name, shape, 0, 0, shape[0] if shape else 1, local.reshape(shape or (1,)))
+            if first and local.numel()
+            else None
+        )
     raise NotImplementedError(f"weight sync: {name} has placement {placement} (only Shard(0) and Replicate)")
 
 
@@ -108,4 +116,4 @@ def read_dcp_weights(storage: Storage, folder: str) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the point here
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(weights, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
-    return {key[len(MODEL_PREFIX):]: tensor for key, tensor in weights.items()}
+    return {key[len(MODEL_PREFIX) :]: tensor for key, tensor in weights.items()}

@@ -13,7 +13,14 @@ from rlrunner.backends.fsdp.dcp_state import fsdp_state, load_fsdp_state, stager
 from rlrunner.backends.fsdp.weights import FSDPWeightSource, shard_rows
 from rlrunner.backends.optim import apply_schedule, build_optimizer
 from rlrunner.models.hf_tensors import BLOCK_ELEMENTS, HFTensors
-from rlrunner.models.loading import build_hf_config, build_tokenizer, initial_tensors, meta_model, restore_buffers, torch_dtype
+from rlrunner.models.loading import (
+    build_hf_config,
+    build_tokenizer,
+    initial_tensors,
+    meta_model,
+    restore_buffers,
+    torch_dtype,
+)
 from rlrunner.weight_sync.endpoints import WeightSource
 
 
@@ -22,8 +29,9 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
-def shard_model(model: torch.nn.Module, param_dtype: str, reduce_dtype: str, trainable: bool = True,
-                unit: str = "decoder_layer") -> torch.nn.Module:
+def shard_model(
+    model: torch.nn.Module, param_dtype: str, reduce_dtype: str, trainable: bool = True, unit: str = "decoder_layer"
+) -> torch.nn.Module:
     """Apply FSDP2 to `model`: each decoder layer one unit (one all-gather, one reduce-scatter), or with
     `unit="linear"` each of a layer's projections one unit and its norms another. Smaller units hold less unsharded
     at once (a layer's gathered weights, its unsharded gradients and the collectives' buffers are a projection's
@@ -44,7 +52,8 @@ def shard_model(model: torch.nn.Module, param_dtype: str, reduce_dtype: str, tra
 
 @torch.no_grad()
 def fill_own_rows(model: torch.nn.Module, tensors: HFTensors) -> None:
-    """Copy into each parameter's local shard (its dim-0 rows, FSDP2's torch.chunk split) those rows of the HF tensor."""
+    """Copy into each parameter's local shard (its dim-0 rows, FSDP2's torch.chunk split) those rows of the HF
+    tensor."""
     for name, param in model.named_parameters():
         local = local_shard(param)
         if hasattr(param, "device_mesh"):
@@ -73,8 +82,14 @@ def _shard_like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         return value
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
+    return DTensor.from_local(
+        value.to(param.device),
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
 
 
 class FSDPActorWorker(ActorWorker):
@@ -104,8 +119,13 @@ class FSDPActorWorker(ActorWorker):
         config = build_hf_config(self.model_cfg, tokenizer)
         model = meta_model(config, self.model_cfg["attn_implementation"], torch.float32)
         tensors = initial_tensors(self.model_cfg, config, self.init_seed, model, self.read_weights)
-        shard_model(model, self.actor_cfg["param_dtype"], self.actor_cfg["reduce_dtype"], trainable,
-                    self.actor_cfg["fsdp"]["unit"])
+        shard_model(
+            model,
+            self.actor_cfg["param_dtype"],
+            self.actor_cfg["reduce_dtype"],
+            trainable,
+            self.actor_cfg["fsdp"]["unit"],
+        )
         model.to_empty(device=self.device)
         fill_own_rows(model, tensors)
         restore_buffers(model, config, self.device)
@@ -151,7 +171,10 @@ class FSDPActorWorker(ActorWorker):
         optimizer = self.optimizer.state_dict()  # the live state tensors (DTensors: their local shards are taken)
         return {
             "model": {name: local_shard(param) for name, param in self.model.named_parameters()},
-            "optimizer": {**optimizer, "state": {i: {k: local_shard(v) for k, v in state.items()} for i, state in optimizer["state"].items()}},
+            "optimizer": {
+                **optimizer,
+                "state": {i: {k: local_shard(v) for k, v in state.items()} for i, state in optimizer["state"].items()},
+            },
             "scheduler": self.scheduler.state_dict(),
         }
 
@@ -161,7 +184,9 @@ class FSDPActorWorker(ActorWorker):
             local_shard(param).copy_(state["model"][name])
         params = [param for group in self.optimizer.param_groups for param in group["params"]]
         optimizer = dict(state["optimizer"])
-        optimizer["state"] = {i: {k: _shard_like(v, params[i]) for k, v in s.items()} for i, s in optimizer["state"].items()}
+        optimizer["state"] = {
+            i: {k: _shard_like(v, params[i]) for k, v in s.items()} for i, s in optimizer["state"].items()
+        }
         self.optimizer.load_state_dict(optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
 

@@ -29,9 +29,11 @@ class MegatronBackend(TrainingBackend):
             )
         options = cfg.actor.megatron
         if options.shard_weights and not options.shard_gradients:
-            raise ConfigError("actor.megatron.shard_weights=true needs actor.megatron.shard_gradients=true (whole "
-                              "gradients would outweigh sharded weights); set actor.megatron.shard_weights=false for "
-                              "Megatron-LM's own layout")
+            raise ConfigError(
+                "actor.megatron.shard_weights=true needs actor.megatron.shard_gradients=true (whole "
+                "gradients would outweigh sharded weights); set actor.megatron.shard_weights=false for "
+                "Megatron-LM's own layout"
+            )
 
     def check_model(self, hf_config: Any, actor_cfg: Mapping[str, Any]) -> None:
         from rlrunner.backends.megatron.layout import Qwen2Dims, check_splittable
@@ -40,14 +42,28 @@ class MegatronBackend(TrainingBackend):
         try:
             check_splittable(Qwen2Dims.from_config(hf_config), tp)
         except ValueError as exc:
-            raise ConfigError(f"actor.training_backend=megatron with actor.tensor_model_parallel_size={tp}: {exc}") from None
+            raise ConfigError(
+                f"actor.training_backend=megatron with actor.tensor_model_parallel_size={tp}: {exc}"
+            ) from None
 
-    def checkpoint_manager(self, actor_group: Any, rank_map: RankMap, timeout_s: float | None, background: bool,
-                           storage_options: Mapping[str, Any] | None) -> Any:
+    def checkpoint_manager(
+        self,
+        actor_group: Any,
+        rank_map: RankMap,
+        timeout_s: float | None,
+        background: bool,
+        storage_options: Mapping[str, Any] | None,
+    ) -> Any:
         from rlrunner.backends.megatron.checkpoint import MegatronCheckpointManager
 
-        return MegatronCheckpointManager(actor_group, self.checkpoint_format, rank_map.tp, timeout_s=timeout_s,
-                                         background=background, storage_options=storage_options)
+        return MegatronCheckpointManager(
+            actor_group,
+            self.checkpoint_format,
+            rank_map.tp,
+            timeout_s=timeout_s,
+            background=background,
+            storage_options=storage_options,
+        )
 
     def find_checkpoint(self, storage: Storage, url: str) -> str | None:
         from rlrunner.backends.megatron.files import find_root

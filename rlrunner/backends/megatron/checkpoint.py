@@ -32,6 +32,9 @@ class MegatronCheckpointManager(ActorCheckpointManager):
         saved_tp = len(rank_dirs(storage, url, read_tracker(storage, url)))
         if saved_tp != self.tensor_parallel_size:
             logger.warning(
-                "resharding %s from tensor-parallel size %d to %d through the HF layout: model and optimizer moments are "
-                "resharded, per-rank RNG states are not restored", url, saved_tp, self.tensor_parallel_size,
+                "resharding %s from tensor-parallel size %d to %d through the HF layout: model and optimizer moments "
+                "are resharded, per-rank RNG states are not restored",
+                url,
+                saved_tp,
+                self.tensor_parallel_size,
             )

@@ -75,11 +75,15 @@ class DistributedAdamW:
         self.device = torch.device(device) if device is not None else self.params[0].device
         not_fp32 = [(name, param.dtype) for name, param in named_params if param.dtype != torch.float32]
         if not_fp32:
-            raise ValueError(f"DistributedAdamW steps fp32 parameters in place, and {not_fp32[0][0]!r} is {not_fp32[0][1]}")
+            raise ValueError(
+                f"DistributedAdamW steps fp32 parameters in place, and {not_fp32[0][0]!r} is {not_fp32[0][1]}"
+            )
         self.shard_gradients = shard_gradients and space.dp_size > 1
         self.shard_weights = shard_weights and space.dp_size > 1
         if self.shard_weights and not self.shard_gradients:
-            raise ValueError("shard_weights (ZeRO-3) needs shard_gradients: the whole gradients would outweigh the weights")
+            raise ValueError(
+                "shard_weights (ZeRO-3) needs shard_gradients: the whole gradients would outweigh the weights"
+            )
         self.units: WeightUnits | None = None  # sharded weights: gathered a unit at a time
         if self.shard_weights:
             self.owned_params = torch.zeros(space.slice_size, dtype=torch.float32, device=self.device)
@@ -194,9 +198,14 @@ class DistributedAdamW:
         mine = self.layout()
         if [(name, tuple(shape)) for name, shape in layout] != mine:
             theirs = dict((name, tuple(shape)) for name, shape in layout)
-            differ = next((f"{name!r} {shape} saved as {theirs[name]}" if name in theirs else f"{name!r} is not saved"
-                           for name, shape in mine if theirs.get(name) != shape),
-                          f"the saved order or an extra parameter ({len(layout)} saved, {len(mine)} here)")
+            differ = next(
+                (
+                    f"{name!r} {shape} saved as {theirs[name]}" if name in theirs else f"{name!r} is not saved"
+                    for name, shape in mine
+                    if theirs.get(name) != shape
+                ),
+                f"the saved order or an extra parameter ({len(layout)} saved, {len(mine)} here)",
+            )
             raise ValueError(f"optimizer state was saved for other parameters: {differ}")
         start, stop = self._own_range()
         for key in MOMENTS:
@@ -251,8 +260,10 @@ class DistributedAdamW:
         for key, tensor in mine.items():
             if key not in state or tuple(state[key].shape) != tuple(tensor.shape):
                 got = tuple(state[key].shape) if key in state else "nothing"
-                raise ValueError(f"optimizer state {key} has shape {got}, this rank's slice is {tuple(tensor.shape)}: "
-                                 "not the same layout")
+                raise ValueError(
+                    f"optimizer state {key} has shape {got}, this rank's slice is {tuple(tensor.shape)}: "
+                    "not the same layout"
+                )
             tensor.copy_(state[key])
         self._set_chunk_state(int(state["step"]))
         self.zero_grad()  # the state has no gradients: none left by an interrupted step may count in the next
@@ -264,8 +275,10 @@ class DistributedAdamW:
         for index, chunk in enumerate(self.chunks):
             # the step as AdamW keeps it (a float32 scalar tensor on the CPU); the moments as views, so AdamW updates
             # the flat tensors in place
-            self.optimizer.state[chunk] = {"step": torch.tensor(float(step), dtype=torch.float32),
-                                           **{key: views[key][index] for key in MOMENTS}}
+            self.optimizer.state[chunk] = {
+                "step": torch.tensor(float(step), dtype=torch.float32),
+                **{key: views[key][index] for key in MOMENTS},
+            }
 
     def _step_count(self) -> int:
         return _step_of(self.optimizer.state[self.chunks[0]])
@@ -313,7 +326,9 @@ class DistributedAdamW:
     @staticmethod
     def _check_shape(key: str, name: str, tensor: torch.Tensor, param: torch.Tensor) -> None:
         if tuple(tensor.shape) != tuple(param.shape):
-            raise ValueError(f"optimizer state {key}[{name!r}] has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            raise ValueError(
+                f"optimizer state {key}[{name!r}] has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+            )
 
 
 def _step_of(state: dict[str, Any]) -> int:

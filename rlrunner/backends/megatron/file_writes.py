@@ -142,13 +142,17 @@ def _write_streamed(
                 parts = produce()
                 if isinstance(parts, torch.Tensor):
                     if parts.dtype != stand_in.dtype or tuple(parts.shape) != tuple(stand_in.shape):
-                        raise ValueError(f"storage {index}: {parts.dtype} {tuple(parts.shape)} given for a stand-in of "
-                                         f"{stand_in.dtype} {tuple(stand_in.shape)}")
+                        raise ValueError(
+                            f"storage {index}: {parts.dtype} {tuple(parts.shape)} given for a stand-in of "
+                            f"{stand_in.dtype} {tuple(stand_in.shape)}"
+                        )
                     parts = [parts]
             written = 0
             for tensor in parts:
                 if produce is not None and tensor.dtype != stand_in.dtype:
-                    raise ValueError(f"storage {index}: a part of {tensor.dtype} given for a stand-in of {stand_in.dtype}")
+                    raise ValueError(
+                        f"storage {index}: a part of {tensor.dtype} given for a stand-in of {stand_in.dtype}"
+                    )
                 data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
                 del tensor
                 if written + data.numel() > size:

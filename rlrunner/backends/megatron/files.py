@@ -39,7 +39,6 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from rlrunner.checkpoint.layout import ACTOR_DIR
 from rlrunner.backends.megatron.layout import (
     DEFAULT_VOCAB_DIVISIBLE_BY,
     Qwen2Dims,
@@ -47,6 +46,7 @@ from rlrunner.backends.megatron.layout import (
     padded_vocab_size,
 )
 from rlrunner.backends.megatron.to_hf import MegatronShards, megatron_to_hf
+from rlrunner.checkpoint.layout import ACTOR_DIR
 from rlrunner.storage import Storage
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -78,7 +78,9 @@ def rank_file(iteration: int, tp_rank: int) -> str:
 def _rope_theta(config: Any) -> int | float:
     get = config.get if isinstance(config, Mapping) else (lambda key, default=None: getattr(config, key, default))
     parameters = get("rope_parameters") or get("rope_scaling") or {}
-    theta = float((parameters.get("rope_theta") if isinstance(parameters, Mapping) else None) or get("rope_theta") or 10000)
+    theta = float(
+        (parameters.get("rope_theta") if isinstance(parameters, Mapping) else None) or get("rope_theta") or 10000
+    )
     return int(theta) if theta.is_integer() else theta  # Megatron's --rotary-base is an int
 
 
@@ -191,7 +193,9 @@ def check_loadable(obj: Any, where: str = "checkpoint") -> None:
         for index, value in enumerate(obj):
             check_loadable(value, f"{where}[{index}]")
         return
-    raise TypeError(f"{where} holds a {type(obj).__module__}.{type(obj).__qualname__}, which weights_only loading refuses")
+    raise TypeError(
+        f"{where} holds a {type(obj).__module__}.{type(obj).__qualname__}, which weights_only loading refuses"
+    )
 
 
 def rank_state(
@@ -291,7 +295,9 @@ def rank_dirs(storage: Storage, root: str, iteration: int) -> list[str]:
     for name in names:
         match = _RANK_DIR.match(name)
         if match is None:
-            raise ValueError(f"{folder}/{name} is not an mp_rank_XX folder (pipeline parallel checkpoints are not read)")
+            raise ValueError(
+                f"{folder}/{name} is not an mp_rank_XX folder (pipeline parallel checkpoints are not read)"
+            )
         ranks.append(int(match.group(1)))
     if sorted(ranks) != list(range(len(ranks))):
         raise ValueError(f"{folder} has tensor-parallel ranks {sorted(ranks)}, not 0..{len(ranks) - 1}")

@@ -16,8 +16,12 @@ import torch.distributed as dist
 
 
 class FlatSpace:
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], dp_group: dist.ProcessGroup | None,
-                 replicated: set[str]):
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        dp_group: dist.ProcessGroup | None,
+        replicated: set[str],
+    ):
         self.names = [name for name, _ in named_params]
         self.index = {name: index for index, name in enumerate(self.names)}
         self.params = [param for _, param in named_params]
@@ -33,9 +37,11 @@ class FlatSpace:
         self.owned = slice(start, start + self.slice_size)
         # {parameter index: its elements [first, last) that fall in the owned slice}: where its gradient (and, sharded,
         # its weight) goes
-        self.owned_parts = {index: (max(lo, start) - lo, min(hi, self.owned.stop) - lo)
-                            for index, (lo, hi) in enumerate(zip(self.offsets, self.offsets[1:]))
-                            if max(lo, start) < min(hi, self.owned.stop)}
+        self.owned_parts = {
+            index: (max(lo, start) - lo, min(hi, self.owned.stop) - lo)
+            for index, (lo, hi) in enumerate(zip(self.offsets, self.offsets[1:]))
+            if max(lo, start) < min(hi, self.owned.stop)
+        }
 
     @functools.cached_property
     def dp_ranks(self) -> list[int]:
@@ -44,8 +50,14 @@ class FlatSpace:
 
     def owner_parts(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
         """(DP rank, first, last): the elements [first, last) of the flat range [lo, hi) each DP rank owns."""
-        return [(owner, max(lo, owner * self.slice_size), min(hi, (owner + 1) * self.slice_size))
-                for owner in range(lo // self.slice_size, (hi - 1) // self.slice_size + 1)] if hi > lo else []
+        return (
+            [
+                (owner, max(lo, owner * self.slice_size), min(hi, (owner + 1) * self.slice_size))
+                for owner in range(lo // self.slice_size, (hi - 1) // self.slice_size + 1)
+            ]
+            if hi > lo
+            else []
+        )
 
     def owned_part(self, index: int, owned: torch.Tensor) -> torch.Tensor:
         """The owned part of parameter `index` in `owned`, a tensor laid out like the owned slice (the gradients, the

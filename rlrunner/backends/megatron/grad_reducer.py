@@ -31,8 +31,9 @@ class GradientReducer:
         params = space.params
         # the owned slice (sharded), or the whole padded flat space whose `.grad` views backward accumulates into in
         # place, the gradients never copied (at DP size 1 the two are the same)
-        self.buffer = torch.zeros(space.slice_size if shard else space.slice_size * space.dp_size,
-                                  dtype=torch.float32, device=device)
+        self.buffer = torch.zeros(
+            space.slice_size if shard else space.slice_size * space.dp_size, dtype=torch.float32, device=device
+        )
         self.owned = self.buffer if shard else self.buffer[space.owned]
         if shard:
             # gradients of parameters smaller than a bucket wait in it, in the order backward gives them, and are
@@ -128,6 +129,7 @@ class GradientReducer:
             if self._arrived == len(self.space.params):  # the end of this backward
                 self._flush_bucket()
                 self._arrived = 0
+
         return reduce
 
     @torch.no_grad()

@@ -60,8 +60,10 @@ class Qwen2Dims:
     @classmethod
     def from_config(cls, config: Any) -> "Qwen2Dims":
         """From a transformers config object or its dict; ValueError for a model family this layout does not cover."""
-        get = (lambda key, default=None: config.get(key, default)) if isinstance(config, Mapping) else (
-            lambda key, default=None: getattr(config, key, default)
+        get = (
+            (lambda key, default=None: config.get(key, default))
+            if isinstance(config, Mapping)
+            else (lambda key, default=None: getattr(config, key, default))
         )
         model_type = get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -167,10 +169,14 @@ def _check_hf_state(state: Mapping[str, torch.Tensor], dims: Qwen2Dims) -> None:
     if missing:
         raise ValueError(f"the HF state dict lacks {len(missing)} key(s) of a Qwen2 model, e.g. {missing[:3]}")
     if unexpected:
-        raise ValueError(f"the HF state dict has {len(unexpected)} key(s) this layout does not map, e.g. {unexpected[:3]}")
+        raise ValueError(
+            f"the HF state dict has {len(unexpected)} key(s) this layout does not map, e.g. {unexpected[:3]}"
+        )
     vocab_rows = state["model.embed_tokens.weight"].shape[0]
     if vocab_rows != dims.vocab_size:
-        raise ValueError(f"model.embed_tokens.weight has {vocab_rows} rows but the config's vocab_size is {dims.vocab_size}")
+        raise ValueError(
+            f"model.embed_tokens.weight has {vocab_rows} rows but the config's vocab_size is {dims.vocab_size}"
+        )
 
 
 def _vocab_piece(tensors: HFTensors, name: str, vocab_size: int, padded: int, rank: int, tp: int) -> torch.Tensor:
@@ -190,7 +196,8 @@ def _split(tensors: HFTensors, name: str, dim: int, rank: int, tp: int) -> torch
 
 
 def _fused_qkv(tensors: HFTensors, prefix: str, suffix: str, dims: Qwen2Dims, rank: int, tp: int) -> torch.Tensor:
-    """Rank `rank`'s fused QKV rows (weight [out, in] or bias [out]): per group, its query heads, key head, value head."""
+    """Rank `rank`'s fused QKV rows (weight [out, in] or bias [out]): per group, its query heads, key head, value
+    head."""
     groups = dims.num_kv_heads // tp
     first = rank * groups
     parts = []
@@ -230,12 +237,17 @@ def iter_hf_to_megatron_rank(
         tensors = state
         vocab_rows = tensors.shape("model.embed_tokens.weight")[0]
         if vocab_rows != dims.vocab_size:
-            raise ValueError(f"model.embed_tokens.weight has {vocab_rows} rows but the config's vocab_size is {dims.vocab_size}")
+            raise ValueError(
+                f"model.embed_tokens.weight has {vocab_rows} rows but the config's vocab_size is {dims.vocab_size}"
+            )
     else:
         _check_hf_state(state, dims)
         tensors = StateDict(state)
     padded = padded_vocab_size(dims.vocab_size, tp, divisible_by)
-    yield "embedding.word_embeddings.weight", _vocab_piece(tensors, "model.embed_tokens.weight", dims.vocab_size, padded, rank, tp)
+    yield (
+        "embedding.word_embeddings.weight",
+        _vocab_piece(tensors, "model.embed_tokens.weight", dims.vocab_size, padded, rank, tp),
+    )
     for layer in range(dims.num_layers):
         k = layer_keys(layer)
         attn, mlp = k["hf"] + "self_attn.", k["hf"] + "mlp."

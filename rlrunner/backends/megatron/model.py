@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
-import torch.utils.checkpoint
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from transformers import Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, Qwen2RotaryEmbedding, apply_rotary_pos_emb
@@ -30,7 +30,6 @@ from rlrunner.backends.megatron.layout import (
     check_splittable,
     padded_vocab_size,
 )
-
 
 # --- Megatron's f / g operators ---------------------------------------------------------------------
 
@@ -100,7 +99,9 @@ class _AroundUnit(torch.autograd.Function):
     backward has come back through this point (after the unit's own backward, for a point before the unit)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, now: Callable[[int], None], later: Callable[[int], None], unit: int) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, now: Callable[[int], None], later: Callable[[int], None], unit: int
+    ) -> torch.Tensor:
         ctx.later, ctx.unit = later, unit
         now(unit)
         return x.view_as(x)
@@ -162,7 +163,9 @@ class VocabParallelEmbedding(nn.Module):
 
     The padding token's row gets no gradient, as in HF's `nn.Embedding(..., padding_idx=pad_token_id)`."""
 
-    def __init__(self, rows_local: int, hidden: int, group: dist.ProcessGroup, padding_idx: int | None = None, **factory: Any):
+    def __init__(
+        self, rows_local: int, hidden: int, group: dist.ProcessGroup, padding_idx: int | None = None, **factory: Any
+    ):
         super().__init__()
         self.group = group
         self.padding_idx = padding_idx
@@ -316,9 +319,13 @@ class TPQwen2ForCausalLM(nn.Module):
             given = {k: v for k, v in shard.items() if not k.endswith(EXTRA_STATE)}
             missing, unexpected = sorted(set(own) - set(given)), sorted(set(given) - set(own))
             if missing:
-                raise ValueError(f"the shard lacks {len(missing)} key(s) of this tp={self.tp} model, e.g. {missing[:3]}")
+                raise ValueError(
+                    f"the shard lacks {len(missing)} key(s) of this tp={self.tp} model, e.g. {missing[:3]}"
+                )
             if unexpected:
-                raise ValueError(f"the shard has {len(unexpected)} key(s) this model does not have, e.g. {unexpected[:3]}")
+                raise ValueError(
+                    f"the shard has {len(unexpected)} key(s) this model does not have, e.g. {unexpected[:3]}"
+                )
             shard = given.items()
         loaded = set()
         with torch.no_grad():
@@ -328,8 +335,10 @@ class TPQwen2ForCausalLM(nn.Module):
                 if key not in own:
                     raise ValueError(f"the shard has the key {key!r} this model does not have")
                 if tuple(tensor.shape) != tuple(own[key].shape):
-                    raise ValueError(f"{key} has shape {tuple(tensor.shape)} in the shard, expected "
-                                     f"{tuple(own[key].shape)} for tensor-parallel size {self.tp}")
+                    raise ValueError(
+                        f"{key} has shape {tuple(tensor.shape)} in the shard, expected "
+                        f"{tuple(own[key].shape)} for tensor-parallel size {self.tp}"
+                    )
                 if into is not None:
                     into(key, tensor)
                 else:
@@ -379,4 +388,3 @@ class TPQwen2ForCausalLM(nn.Module):
             logits = _exit(logits, units, 0)
         logits = _exit(logits, units, head)
         return _gather_last(logits, self.tp_group)[..., : self.dims.vocab_size]
-

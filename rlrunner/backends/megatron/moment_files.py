@@ -36,8 +36,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from rlrunner.backends.megatron.distrib_optim import MOMENTS
-from rlrunner.backends.megatron.flat_space import flat_offsets
 from rlrunner.backends.megatron.files import iteration_dir, rank_dir, read_torch_file
+from rlrunner.backends.megatron.flat_space import flat_offsets
 from rlrunner.backends.megatron.remote_records import open_remote_file
 from rlrunner.storage import Storage
 
@@ -55,7 +55,12 @@ def optimizer_file(iteration: int, tp_rank: int) -> str:
 
 
 def flat_moments_state(
-    iteration: int, tp: int, step: int, layout: Layout, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+    iteration: int,
+    tp: int,
+    step: int,
+    layout: Layout,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
 ) -> dict[str, Any]:
     """What a `distrib_optim.pt` holds (see the module docstring); the tensors may be stand-ins whose values are
     written as they arrive (`moment_save`)."""
@@ -82,8 +87,16 @@ def moment_file(iteration: int, tp_rank: int, dp_rank: int) -> str:
 
 
 def moment_slice_state(
-    iteration: int, tp: int, dp: int, dp_rank: int, step: int, layout: Layout, start: int, stop: int,
-    exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+    iteration: int,
+    tp: int,
+    dp: int,
+    dp_rank: int,
+    step: int,
+    layout: Layout,
+    start: int,
+    stop: int,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
 ) -> dict[str, Any]:
     """What data-parallel rank `dp_rank`'s file of format 2 held (older checkpoints; see the module docstring)."""
     for name, tensor in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
@@ -158,8 +171,9 @@ class SlicedMoments(SavedMoments):
     reads (or, from an object store, downloads) only the one or two files that hold it. `first` is the file of
     data-parallel rank `first_rank`, opened already: any file tells the layout, the step and the sizes."""
 
-    def __init__(self, first: Mapping[str, Any], open_slice: Callable[[int], Mapping[str, Any]], where: str,
-                 first_rank: int = 0):
+    def __init__(
+        self, first: Mapping[str, Any], open_slice: Callable[[int], Mapping[str, Any]], where: str, first_rank: int = 0
+    ):
         layout = [(str(name), tuple(int(d) for d in shape)) for name, shape in first["params"]]
         super().__init__(int(first["step"]), layout)
         self.dp = int(first["data_parallel_size"])
@@ -177,9 +191,13 @@ class SlicedMoments(SavedMoments):
             piece = self.first if dp_rank == self.first_rank else self.open_slice(dp_rank)
             label = f"{self.where} data-parallel rank {dp_rank}"
             if piece.get("data_parallel_rank") != dp_rank or piece.get("data_parallel_size") != self.dp:
-                raise ValueError(f"{label}: the file says rank {piece.get('data_parallel_rank')} of "
-                                 f"{piece.get('data_parallel_size')}, not {dp_rank} of {self.dp}")
-            if int(piece["step"]) != self.step or [list(p) for p in piece["params"]] != [list(p) for p in self.first["params"]]:
+                raise ValueError(
+                    f"{label}: the file says rank {piece.get('data_parallel_rank')} of "
+                    f"{piece.get('data_parallel_size')}, not {dp_rank} of {self.dp}"
+                )
+            if int(piece["step"]) != self.step or [list(p) for p in piece["params"]] != [
+                list(p) for p in self.first["params"]
+            ]:
                 raise ValueError(f"{label}: its step or parameters differ from data-parallel rank {self.first_rank}'s")
             start, stop = self.bounds(dp_rank)
             if (piece["start"], piece["stop"]) != (start, stop):
@@ -208,14 +226,23 @@ class FlatMoments(SavedMoments):
     """One `distrib_optim.pt` of format 3: both moments' flat vectors whole, a range of them a view of the (mapped)
     file; or, for a file on an object store, read from it by a ranged read (`read`: `remote_records`)."""
 
-    def __init__(self, state: Mapping[str, Any], where: str,
-                 read: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None):
+    def __init__(
+        self, state: Mapping[str, Any], where: str, read: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None
+    ):
         layout = [(str(name), tuple(int(d) for d in shape)) for name, shape in state["params"]]
         super().__init__(int(state["step"]), layout)
         for key in MOMENTS:
             tensor = state[key]
-            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != (self.numel,) or tensor.dtype != torch.float32:
-                found = f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            if (
+                not isinstance(tensor, torch.Tensor)
+                or tuple(tensor.shape) != (self.numel,)
+                or tensor.dtype != torch.float32
+            ):
+                found = (
+                    f"{tensor.dtype} {tuple(tensor.shape)}"
+                    if isinstance(tensor, torch.Tensor)
+                    else type(tensor).__name__
+                )
                 raise ValueError(f"{where}: {key} is {found}, not the float32 ({self.numel},) of its parameters")
         self.state, self.where, self.read = state, where, read
 
@@ -252,12 +279,15 @@ class WholeMoments(SavedMoments):
 def _checked(state: Any, url: str, *formats: str) -> dict[str, Any]:
     if not isinstance(state, dict) or state.get("format") not in formats:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"{url} is not a distributed-optimizer file of format {' or '.join(formats)} (found {found!r})")
+        raise ValueError(
+            f"{url} is not a distributed-optimizer file of format {' or '.join(formats)} (found {found!r})"
+        )
     return state
 
 
-def read_moments(storage: Storage, root: str, iteration: int, tp_rank: int, mmap: bool = True,
-                 dp_rank: int = 0) -> SavedMoments:
+def read_moments(
+    storage: Storage, root: str, iteration: int, tp_rank: int, mmap: bool = True, dp_rank: int = 0
+) -> SavedMoments:
     """Tensor-parallel rank `tp_rank`'s moments of `iteration` under `root` (memory-mapped with `mmap`: only what is
     looked up is read; from an object store, a `distrib_optim.pt` of format 3 is read by ranged reads of what is looked
     up): its `distrib_optim.pt` (format 3, or 1 in older checkpoints), or the data-parallel slice files of format 2,

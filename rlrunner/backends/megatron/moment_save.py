@@ -63,9 +63,18 @@ class MomentSave:
     `DistributedAdamW.own_slice`'s (the live moments for a synchronous save, a copy for a background one)."""
 
     def __init__(
-        self, iteration: int, tp: int, tp_rank: int, layout: Layout, own: dict[str, Any], group: Any = None,
-        chunk_elements: int | None = None, send: Send | None = None, receive: Receive | None = None,
-        dp: int | None = None, dp_rank: int | None = None,
+        self,
+        iteration: int,
+        tp: int,
+        tp_rank: int,
+        layout: Layout,
+        own: dict[str, Any],
+        group: Any = None,
+        chunk_elements: int | None = None,
+        send: Send | None = None,
+        receive: Receive | None = None,
+        dp: int | None = None,
+        dp_rank: int | None = None,
     ):
         """`group`: the save group (None at DP size 1); `send`, `receive`, `dp` and `dp_rank` replace it in tests."""
         self.dp = dp if dp is not None else (1 if group is None else dist.get_world_size(group))
@@ -74,16 +83,22 @@ class MomentSave:
         self.numel = sum(math.prod(shape) for _, shape in layout)
         start, stop = _bounds(self.numel, self.dp, self.dp_rank)
         if (own["start"], own["stop"]) != (start, stop):
-            raise ValueError(f"DP rank {self.dp_rank} of {self.dp} owns elements {own['start']}:{own['stop']}, "
-                             f"expected {start}:{stop} of {self.numel}")
+            raise ValueError(
+                f"DP rank {self.dp_rank} of {self.dp} owns elements {own['start']}:{own['stop']}, "
+                f"expected {start}:{stop} of {self.numel}"
+            )
         self.chunk = int(chunk_elements or CHUNK_ELEMENTS)
         self.send = send or (lambda tensor, to: dist.send(tensor, group=group, group_dst=to))
         self.receive = receive or (lambda into, src: dist.recv(into, group=group, group_src=src))
         # the transfers, in the order DP rank 0 receives them (each moment's slices in rank order, a chunk at a time);
         # a sender's are its own, in the same order
-        self.plan = [(key, src, first, min(self.chunk, hi - first))
-                     for key in MOMENTS for src in range(1, self.dp)
-                     for lo, hi in [_bounds(self.numel, self.dp, src)] for first in range(lo, hi, self.chunk)]
+        self.plan = [
+            (key, src, first, min(self.chunk, hi - first))
+            for key in MOMENTS
+            for src in range(1, self.dp)
+            for lo, hi in [_bounds(self.numel, self.dp, src)]
+            for first in range(lo, hi, self.chunk)
+        ]
         if self.dp_rank != 0:
             self.plan = [item for item in self.plan if item[1] == self.dp_rank]
         self.done = 0  # transfers of `plan` made
@@ -95,8 +110,9 @@ class MomentSave:
         return optimizer_file(self.iteration, self.tp_rank)
 
     def files(self) -> tuple[dict[str, dict[str, Any]], dict[int, Callable[[], Any]]]:
-        """({name: state} of the file this rank writes, {id(stand-in): its values' parts}): DP rank 0's `distrib_optim.pt`
-        whose moments are stand-ins (untouched memory) filled as the file is written; nothing on the other DP ranks."""
+        """({name: state} of the file this rank writes, {id(stand-in): its values' parts}): DP rank 0's
+        `distrib_optim.pt` whose moments are stand-ins (untouched memory) filled as the file is written; nothing on the
+        other DP ranks."""
         if self.dp_rank != 0:
             return {}, {}
         stand_ins = {key: torch.empty(self.numel, dtype=torch.float32) for key in MOMENTS}
@@ -132,8 +148,8 @@ class MomentSave:
         self.done += 1
 
     def finish(self) -> None:
-        """Complete this rank's transfers: the other DP ranks send their slice (all of it: this is their save), DP rank 0
-        receives and drops whatever its write did not take (it failed before or while writing the file)."""
+        """Complete this rank's transfers: the other DP ranks send their slice (all of it: this is their save), DP
+        rank 0 receives and drops whatever its write did not take (it failed before or while writing the file)."""
         while not self.broken and self.done < len(self.plan):
             if self.dp_rank == 0:
                 self._receive()

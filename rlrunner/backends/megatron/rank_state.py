@@ -14,10 +14,10 @@ with no copy, before training goes on.
 
 A load reads this rank's files when the tensor-parallel size is the saved one: the weights from its
 `model_optim_rng.pt`, and only its own slice of the moments (at any data-parallel size; older checkpoints' per
-data-parallel rank slice files too). With another tensor-parallel size it reads every saved rank's files and assembles this rank's tensors, one at
-a time, from the slices of the saved ones they cover, through the HF layout (`MegatronShards`, read by the start-up's
-`iter_hf_to_megatron_rank`), so tp=2 resumes at tp=1 and back. The files are memory-mapped, so a rank reads only
-what its part covers. RNG states are restored only when both sizes match.
+data-parallel rank slice files too). With another tensor-parallel size it reads every saved rank's files and
+assembles this rank's tensors, one at a time, from the slices of the saved ones they cover, through the HF layout
+(`MegatronShards`, read by the start-up's `iter_hf_to_megatron_rank`), so tp=2 resumes at tp=1 and back. The files
+are memory-mapped, so a rank reads only what its part covers. RNG states are restored only when both sizes match.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from rlrunner.backends.megatron.distrib_optim import MOMENTS, DistributedAdamW
 from rlrunner.backends.megatron.file_writes import write_state_file
 from rlrunner.backends.megatron.files import rank_dirs, rank_file, read_rank, read_tracker
 from rlrunner.backends.megatron.layout import EXTRA_STATE, iter_hf_to_megatron_rank
-from rlrunner.backends.megatron.to_hf import MegatronShards
 from rlrunner.backends.megatron.moment_files import SavedMoments, read_moments
+from rlrunner.backends.megatron.to_hf import MegatronShards
 from rlrunner.storage import FileRecord, open_storage
 
 
@@ -106,12 +106,17 @@ def _tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return {key: value for key, value in state.items() if not key.endswith(EXTRA_STATE)}
 
 
-def _resharded(shards: list[Mapping[str, torch.Tensor]], config: Any, tp: int, tp_rank: int, divisible_by: int) -> Pairs:
+def _resharded(
+    shards: list[Mapping[str, torch.Tensor]], config: Any, tp: int, tp_rank: int, divisible_by: int
+) -> Pairs:
     """Tensor-parallel rank `tp_rank` of `tp`, one tensor at a time, from the saved ranks' dicts through the HF layout
     (exact): each tensor is assembled from the slices of the saved ones it covers, never from a whole HF dict."""
     tensors = MegatronShards(shards, config)
-    return ((key, value) for key, value in iter_hf_to_megatron_rank(tensors, config, tp, tp_rank, divisible_by)
-            if value is not None)
+    return (
+        (key, value)
+        for key, value in iter_hf_to_megatron_rank(tensors, config, tp, tp_rank, divisible_by)
+        if value is not None
+    )
 
 
 def load_rank(
@@ -135,8 +140,10 @@ def load_rank(
         state = read_rank(storage, url, iteration, rank, saved_tp, mmap=True)
         for key in ("optimizer", "opt_param_scheduler", "rng_state"):
             if key not in state:
-                raise ValueError(f"{storage.join(url, rank_file(iteration, rank))} has no '{key}': a model-only checkpoint "
-                                 "cannot be resumed (start from it with model.path instead)")
+                raise ValueError(
+                    f"{storage.join(url, rank_file(iteration, rank))} has no '{key}': a model-only checkpoint "
+                    "cannot be resumed (start from it with model.path instead)"
+                )
         # saved by the same layout, this rank's own moment file holds its slice: opened first, it is the only one read
         same_layout = saved_tp == tp and getattr(state["args"], "data_parallel_size", None) == dp
         return state, read_moments(storage, url, iteration, rank, dp_rank=dp_rank if same_layout else 0)
@@ -145,10 +152,13 @@ def load_rank(
         state, moments = read(tp_rank)
         saved_dp = getattr(state["args"], "data_parallel_size", None)
         rng = state["rng_state"][dp_rank] if saved_dp == dp and len(state["rng_state"]) == dp else None
-        return LoadedRank(_tensors(state["model"]).items(), moments.step, state["opt_param_scheduler"], rng, saved=moments)
+        return LoadedRank(
+            _tensors(state["model"]).items(), moments.step, state["opt_param_scheduler"], rng, saved=moments
+        )
     states = [read(rank) for rank in range(saved_tp)]
     model = _resharded([_tensors(s["model"]) for s, _ in states], config, tp, tp_rank, divisible_by)
-    exp_avg, exp_avg_sq = (_resharded([m.tensors(key) for _, m in states], config, tp, tp_rank, divisible_by)
-                           for key in MOMENTS)
+    exp_avg, exp_avg_sq = (
+        _resharded([m.tensors(key) for _, m in states], config, tp, tp_rank, divisible_by) for key in MOMENTS
+    )
     state, moments = states[0]
     return LoadedRank(model, moments.step, state["opt_param_scheduler"], None, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)

@@ -41,7 +41,9 @@ def _check_shards(shards: Sequence[Mapping[str, Any]], dims: Qwen2Dims) -> None:
         if missing:
             raise ValueError(f"tensor-parallel rank {rank} lacks {len(missing)} key(s), e.g. {missing[:3]}")
         if unexpected:
-            raise ValueError(f"tensor-parallel rank {rank} has {len(unexpected)} unexpected key(s), e.g. {unexpected[:3]}")
+            raise ValueError(
+                f"tensor-parallel rank {rank} has {len(unexpected)} unexpected key(s), e.g. {unexpected[:3]}"
+            )
         for key, shape in shapes.items():
             if tuple(shard[key].shape) != shape:
                 raise ValueError(
@@ -53,8 +55,10 @@ def _check_shards(shards: Sequence[Mapping[str, Any]], dims: Qwen2Dims) -> None:
                 continue
             rows = shards[0][key].shape[0]
             if tuple(shard[key].shape) != (rows, dims.hidden_size):
-                raise ValueError(f"tensor-parallel rank {rank}: {key} has shape {tuple(shard[key].shape)}, "
-                                 f"expected ({rows}, {dims.hidden_size}) like rank 0")
+                raise ValueError(
+                    f"tensor-parallel rank {rank}: {key} has shape {tuple(shard[key].shape)}, "
+                    f"expected ({rows}, {dims.hidden_size}) like rank 0"
+                )
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,7 @@ def rank_blocks(dims: Qwen2Dims, tp: int, rank: int, vocab_rows: int) -> list[HF
         def take(fused: torch.Tensor) -> torch.Tensor:
             tail = tuple(fused.shape[1:])
             return fused.reshape(groups, -1, *tail)[:, first : first + count].reshape(-1, *tail)
+
         return take
 
     vocab("model.embed_tokens.weight", "embedding.word_embeddings.weight")
@@ -113,9 +118,20 @@ def rank_blocks(dims: Qwen2Dims, tp: int, rank: int, vocab_rows: int) -> list[HF
             tail = (hidden,) if suffix == "weight" else ()
             key = k["qkv"] + suffix
             split(attn + f"q_proj.{suffix}", (dims.num_heads * head_dim, *tail), 0, key, qkv_rows(0, q_rows, groups))
-            split(attn + f"k_proj.{suffix}", (dims.num_kv_heads * head_dim, *tail), 0, key, qkv_rows(q_rows, head_dim, groups))
-            split(attn + f"v_proj.{suffix}", (dims.num_kv_heads * head_dim, *tail), 0, key,
-                  qkv_rows(q_rows + head_dim, head_dim, groups))
+            split(
+                attn + f"k_proj.{suffix}",
+                (dims.num_kv_heads * head_dim, *tail),
+                0,
+                key,
+                qkv_rows(q_rows, head_dim, groups),
+            )
+            split(
+                attn + f"v_proj.{suffix}",
+                (dims.num_kv_heads * head_dim, *tail),
+                0,
+                key,
+                qkv_rows(q_rows + head_dim, head_dim, groups),
+            )
         split(attn + "o_proj.weight", (hidden, dims.num_heads * head_dim), 1, k["proj"] + "weight")
         rows = dims.intermediate_size // tp
         split(mlp + "gate_proj.weight", (dims.intermediate_size, hidden), 0, k["fc1"] + "weight", lambda t: t[:rows])
@@ -141,8 +157,10 @@ class MegatronShards(HFTensors):
         self.shards = shards
         rows = shards[0]["embedding.word_embeddings.weight"].shape[0]
         if rows * len(shards) < self.dims.vocab_size:
-            raise ValueError(f"the shards hold {rows * len(shards)} rows of embedding.word_embeddings.weight for a "
-                             f"vocabulary of {self.dims.vocab_size}")
+            raise ValueError(
+                f"the shards hold {rows * len(shards)} rows of embedding.word_embeddings.weight for a "
+                f"vocabulary of {self.dims.vocab_size}"
+            )
         self.blocks: dict[str, list[tuple[int, HFBlock]]] = {}
         for rank in range(len(shards)):
             for block in rank_blocks(self.dims, len(shards), rank, rows):
@@ -161,7 +179,9 @@ class MegatronShards(HFTensors):
             if block.dim == dim:
                 first, last = max(start, block.start), min(stop, block.stop)
                 if first < last:
-                    pieces.append(block.take(self.shards[rank][block.key]).narrow(dim, first - block.start, last - first))
+                    pieces.append(
+                        block.take(self.shards[rank][block.key]).narrow(dim, first - block.start, last - first)
+                    )
             else:
                 pieces.append(block.take(self.shards[rank][block.key]).narrow(dim, start, stop - start))
         if not pieces:  # an empty slice (the real rows of a rank that holds only vocabulary padding)

@@ -22,15 +22,17 @@ if TYPE_CHECKING:
 
 
 class WeightUnits:
-    def __init__(self, space: FlatSpace, units: Sequence[Sequence[str]] | None, owned_params: torch.Tensor,
-                 device: torch.device):
+    def __init__(
+        self, space: FlatSpace, units: Sequence[Sequence[str]] | None, owned_params: torch.Tensor, device: torch.device
+    ):
         """`units`: the parameter names of each unit, consecutive runs of the space's parameters covering all of them;
         `owned_params`: this rank's slice of the weights, what a gather broadcasts from. The parameters become views
         of the units' buffers, released (their values must be in `owned_params` already)."""
         self.space, self.owned_params = space, owned_params
         self.ranges = _unit_ranges(space.names, space.offsets, units)
-        self.unit_of = [index for index, (first, last) in enumerate(self.ranges)
-                        for _ in range(first, last)]  # parameter index -> its unit
+        self.unit_of = [
+            index for index, (first, last) in enumerate(self.ranges) for _ in range(first, last)
+        ]  # parameter index -> its unit
         self.sizes = [space.offsets[last] - space.offsets[first] for first, last in self.ranges]
         self.buffers = []
         for (first, last), size in zip(self.ranges, self.sizes):  # each unit's buffer, its storage empty until gathered
@@ -124,7 +126,10 @@ def _unit_ranges(names: list[str], offsets: list[int], units: Sequence[Sequence[
     for unit in units:
         unit = list(unit)
         if not unit or names[position : position + len(unit)] != unit:
-            raise ValueError(f"weight unit {unit[:2]}... is not the next run of parameters (expected {names[position:position + 1]})")
+            raise ValueError(
+                f"weight unit {unit[:2]}... is not the next run of parameters "
+                f"(expected {names[position : position + 1]})"
+            )
         ranges.append((position, position + len(unit)))
         position += len(unit)
     if position != len(names):

@@ -11,13 +11,15 @@ from typing import Any, Mapping
 
 import torch
 
-from rlrunner.backends.megatron.weight_units import UnitCursor
 from rlrunner.backends.megatron.layout import Qwen2Dims
 from rlrunner.backends.megatron.to_hf import HFBlock, rank_blocks
+from rlrunner.backends.megatron.weight_units import UnitCursor
 from rlrunner.weight_sync.endpoints import Block, WeightSource
 
 
-def hf_blocks(shard: Mapping[str, torch.Tensor], config: Any, tp: int, rank: int) -> list[tuple[str, tuple[int, ...], int, int, int, torch.Tensor]]:
+def hf_blocks(
+    shard: Mapping[str, torch.Tensor], config: Any, tp: int, rank: int
+) -> list[tuple[str, tuple[int, ...], int, int, int, torch.Tensor]]:
     """What tensor-parallel rank `rank`'s megatron-core dict holds of each HF tensor, without gathering anything:
     (HF key, full HF shape, dim, start, stop, block) with the block = rows [start, stop) of the HF tensor along
     `dim` (`to_hf.rank_blocks`). Assembling every rank's blocks gives `megatron_to_hf` of the shards, exactly."""
@@ -46,8 +48,10 @@ class MegatronWeightSource(WeightSource):
         if worker.dp_rank != 0:
             return []
         sharded = worker.optimizer.shard_weights  # then stand-ins of the parameters' shapes: the values come later
-        shard = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") if sharded else v.detach()
-                 for k, v in worker.model.state_dict().items()}
+        shard = {
+            k: torch.empty(v.shape, dtype=v.dtype, device="meta") if sharded else v.detach()
+            for k, v in worker.model.state_dict().items()
+        }
         return [Block(*block) for block in hf_blocks(shard, worker.hf_config, worker.tp, worker.tp_rank)]
 
     def block_tensor(self, index: int, block: Block) -> torch.Tensor:

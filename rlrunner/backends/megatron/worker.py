@@ -21,8 +21,6 @@ import torch.distributed as dist
 
 from rlrunner.backends.actor import ActorWorker
 from rlrunner.backends.megatron.distrib_optim import DistributedAdamW
-from rlrunner.backends.megatron.flat_space import bind_to_buffer
-from rlrunner.backends.megatron.weight_units import UnitCursor
 from rlrunner.backends.megatron.files import (
     megatron_args,
     megatron_rng_entry,
@@ -30,6 +28,7 @@ from rlrunner.backends.megatron.files import (
     rank_state,
     rng_from_megatron_entry,
 )
+from rlrunner.backends.megatron.flat_space import bind_to_buffer
 from rlrunner.backends.megatron.layout import (
     DEFAULT_VOCAB_DIVISIBLE_BY,
     EXTRA_STATE,
@@ -37,14 +36,15 @@ from rlrunner.backends.megatron.layout import (
     expected_megatron_keys,
     iter_hf_to_megatron_rank,
 )
-from rlrunner.backends.megatron.to_hf import megatron_to_hf
 from rlrunner.backends.megatron.model import TPQwen2ForCausalLM
 from rlrunner.backends.megatron.moment_save import MomentSave, save_group
 from rlrunner.backends.megatron.rank_state import MegatronRankState, load_rank
+from rlrunner.backends.megatron.to_hf import megatron_to_hf
+from rlrunner.backends.megatron.weight_units import UnitCursor
+from rlrunner.backends.megatron.weights import MegatronWeightSource
 from rlrunner.backends.optim import apply_schedule, build_schedule
 from rlrunner.models.loading import build_hf_config, build_tokenizer, initial_tensors, meta_model, torch_dtype
 from rlrunner.utils.rng import capture_rng, restore_rng
-from rlrunner.backends.megatron.weights import MegatronWeightSource
 from rlrunner.weight_sync.endpoints import WeightSource
 
 
@@ -72,7 +72,8 @@ def replicated_names(model: TPQwen2ForCausalLM) -> set[str]:
 
 class MegatronActorWorker(ActorWorker):
     def setup(self) -> None:
-        """Build this rank's shard of the policy (and of the frozen reference when KL is on). Needs the process group."""
+        """Build this rank's shard of the policy (and of the frozen reference when KL is on). Needs the process
+        group."""
         self.tp = int(self.actor_cfg["tensor_model_parallel_size"])
         if self.world_size % self.tp:
             raise ValueError(f"{self.world_size} actor ranks do not split into tensor-parallel groups of {self.tp}")
@@ -90,10 +91,17 @@ class MegatronActorWorker(ActorWorker):
         self.model = TPQwen2ForCausalLM(self.hf_config, self.tp_group, self.divisible_by, device="meta")
         optim = self.actor_cfg["optim"]
         self.optimizer = DistributedAdamW(
-            list(self.model.named_parameters()), self.dp_group, self.tp_group, replicated_names(self.model),
-            lr=optim["lr"], betas=tuple(optim["betas"]), weight_decay=optim["weight_decay"], device=self.device,
+            list(self.model.named_parameters()),
+            self.dp_group,
+            self.tp_group,
+            replicated_names(self.model),
+            lr=optim["lr"],
+            betas=tuple(optim["betas"]),
+            weight_decay=optim["weight_decay"],
+            device=self.device,
             shard_gradients=bool(self.actor_cfg["megatron"]["shard_gradients"]),
-            shard_weights=bool(self.actor_cfg["megatron"]["shard_weights"]), units=self.model.weight_unit_names(),
+            shard_weights=bool(self.actor_cfg["megatron"]["shard_weights"]),
+            units=self.model.weight_unit_names(),
         )
         if self.optimizer.shard_weights:  # ZeRO-3: the model gathers each unit around its use
             self.model.weight_units = self.optimizer.units
@@ -114,7 +122,8 @@ class MegatronActorWorker(ActorWorker):
         plan = meta_model(self.hf_config, self.model_cfg["attn_implementation"], torch.float32)  # names and shapes
         tensors = initial_tensors(self.model_cfg, self.hf_config, self.init_seed, plan, self.read_weights)
         model.load_megatron_shard(
-            iter_hf_to_megatron_rank(tensors, self.hf_config, self.tp, self.tp_rank, self.divisible_by), into)
+            iter_hf_to_megatron_rank(tensors, self.hf_config, self.tp, self.tp_rank, self.divisible_by), into
+        )
         model.to(self.device)  # the rotary table (the parameters are there already)
 
     # -- the update's backend parts ------------------------------------------------------------
@@ -129,7 +138,8 @@ class MegatronActorWorker(ActorWorker):
         # for the whole forward after the unit itself is released
         autocast = (
             torch.autocast(self.device.type, dtype=compute, cache_enabled=not self.optimizer.shard_weights)
-            if compute != torch.float32 else contextlib.nullcontext()
+            if compute != torch.float32
+            else contextlib.nullcontext()
         )
         with autocast:
             return model(input_ids)
@@ -167,15 +177,29 @@ class MegatronActorWorker(ActorWorker):
         files = {}
         if self.dp_rank == 0:
             args = megatron_args(
-                self.hf_config, self.tp, self.data_parallel_size, self.divisible_by, torch.float32,
-                iteration=step, train_iters=self.total_optimizer_steps, lr=self.actor_cfg["optim"]["lr"],
+                self.hf_config,
+                self.tp,
+                self.data_parallel_size,
+                self.divisible_by,
+                torch.float32,
+                iteration=step,
+                train_iters=self.total_optimizer_steps,
+                lr=self.actor_cfg["optim"]["lr"],
                 use_distributed_optimizer=True,
             )
             model = {**weights, **{k: None for k in _extra_state_keys(self)}}
-            optimizer = {**self.optimizer.param_groups_state(), "distributed_optimizer": True,
-                         "state_files": "distrib_optim.pt"}
+            optimizer = {
+                **self.optimizer.param_groups_state(),
+                "distributed_optimizer": True,
+                "state_files": "distrib_optim.pt",
+            }
             files[rank_file(step, self.tp_rank)] = rank_state(
-                step, model, args, optimizer, self.scheduler.state_dict(), rng,
+                step,
+                model,
+                args,
+                optimizer,
+                self.scheduler.state_dict(),
+                rng,
             )
         # every DP rank: the units' walk first (DP rank 0 writes model_optim_rng.pt), then the moments' transfers
         moment_files, moment_parts = moments.files()
@@ -189,7 +213,13 @@ class MegatronActorWorker(ActorWorker):
         """Load this rank's state from the checkpoint's actor folder `url`, resharding over tensor-parallel sizes;
         returns whether RNG was restored (only when the parallel sizes are the saved ones)."""
         loaded = load_rank(
-            url, storage_options, self.hf_config, self.tp, self.tp_rank, self.data_parallel_size, self.dp_rank,
+            url,
+            storage_options,
+            self.hf_config,
+            self.tp,
+            self.tp_rank,
+            self.data_parallel_size,
+            self.dp_rank,
             self.divisible_by,
         )
         self.model.load_megatron_shard(loaded.model, self.optimizer.load_weight)
@@ -225,8 +255,10 @@ class MegatronActorWorker(ActorWorker):
         if self.dp_rank != 0:
             cursor.finish()  # with sharded weights, the other replicas take part in gathering them
             return None  # the other data-parallel replicas hold the same weights
-        own = {k: cursor.tensor(k).detach().clone() if self.optimizer.shard_weights else v.detach()
-               for k, v in self.model.state_dict().items()}
+        own = {
+            k: cursor.tensor(k).detach().clone() if self.optimizer.shard_weights else v.detach()
+            for k, v in self.model.state_dict().items()
+        }
         cursor.finish()
         if self.tp == 1:
             shards = [own]
