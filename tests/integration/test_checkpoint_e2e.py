@@ -1,8 +1,9 @@
 """Checkpoints end to end on real Ray with FSDP2 + DCP: layout, bitwise resume, RNG, resharding, continuity, converters.
 
-One uninterrupted reference run (8 steps, saves at 3, 6 and 8) is shared by the module. The data
-has 26 problems in batches of 4: 6 steps per epoch, so step 3 is mid-epoch and step 6 the end of
-epoch 0 (its 2 leftover prompts are dropped).
+The session's FSDP reference run (tests/reference_runs.py: 10 steps, saves at 3, 6, 9 and 10) is what
+the runs here are compared with, and resumed from; they train 8 steps and save every 3 (RUN), with the
+same data: 26 problems in batches of 4, 6 steps per epoch, so step 3 is mid-epoch and step 6 the end
+of epoch 0 (its 2 leftover prompts are dropped).
 """
 
 from __future__ import annotations
@@ -15,87 +16,54 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import ray
 import torch
+from reference_runs import NUMERICS, REFERENCE_STEPS, Reference, actor_rng_states, assert_resumed_bitwise, reference_run
 
-from conftest import LOCAL, TINY_MODEL, Inspect, read_metrics, run_config, without_time
 from rlrunner.backends.registry import check_model_path
 from rlrunner.checkpoint import layout
-from rlrunner.checkpoint.handler import COMPLETE, scan_checkpoints
 from rlrunner.checkpoint.manifest import read_manifest
+from rlrunner.checkpoint.status import COMPLETE, scan_checkpoints
 from rlrunner.errors import CheckpointError, CheckpointSaveError
 from rlrunner.main_grpo import main
 from rlrunner.runner.supervisor import Supervisor
-from rlrunner.runner.trainer import Trainer
 from rlrunner.storage import basename
 from rlrunner.tools.convert import load_model_weights
 
-RUN = ["data.synthetic.num_problems=26", "runner.max_steps=8", "runner.save_interval=3", "rollout.max_new_tokens=2"]
+from conftest import LOCAL, TINY_MODEL, Inspect, assert_bit_equal, read_metrics, run_config, without_time
 
+pytestmark = pytest.mark.slow
 
-@dataclass
-class Reference:
-    output_dir: Path
-    experiment: Path
-    metrics: list[dict]
-    weights: dict[str, torch.Tensor]
-    rng: list[torch.Tensor]
-
-    def checkpoint(self, step: int) -> Path:
-        return self.experiment / "checkpoints" / f"global_step_{step}"
-
-
-def actor_rng_states(trainer: Trainer) -> list[torch.Tensor]:
-    return ray.get([w.__ray_call__.remote(lambda self: torch.get_rng_state()) for w in trainer.actor_group.workers])
-
-
-def train_reference(output_dir: Path, cfg) -> Reference:
-    """An uninterrupted run of `cfg` (experiment `test` under `output_dir`): its metrics, final weights and RNG states."""
-    seen = {}
-
-    def start(trainer: Trainer) -> None:
-        # a different RNG state on each rank, so a restore of "rank 0's copy everywhere" would show
-        ray.get([w.__ray_call__.remote(lambda self: torch.manual_seed(1000 + self.rank)) for w in trainer.actor_group.workers])
-
-    def end(trainer: Trainer) -> None:
-        seen["weights"], seen["rng"] = trainer.policy_weights(), actor_rng_states(trainer)
-
-    Supervisor(cfg, callbacks=[Inspect(start, end)]).run()
-    weights, rng = seen["weights"], seen["rng"]
-    experiment = output_dir / "test"
-    return Reference(output_dir, experiment, read_metrics(experiment / "metrics.jsonl"), weights, rng)
-
-
-def assert_resumed_bitwise(experiment: Path, reference: Reference, resume_step: int) -> None:
-    """The run resumed from `resume_step` logged the reference's later steps and ended with its weights, bit for bit."""
-    resumed = read_metrics(experiment / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == list(range(resume_step + 1, 9))
-    assert without_time(resumed) == without_time(reference.metrics[resume_step:])
-    final = load_model_weights(experiment / "checkpoints" / "global_step_8")
-    assert final.keys() == reference.weights.keys()
-    assert all(torch.equal(final[k], reference.weights[k]) for k in final)
+RUN = [*NUMERICS, "runner.max_steps=8", "runner.save_interval=3"]
 
 
 @pytest.fixture(scope="module")
 def reference(ray_session, tmp_path_factory) -> Reference:
-    output_dir = tmp_path_factory.mktemp("reference")
-    return train_reference(output_dir, run_config(output_dir, *RUN))
+    """The session's FSDP reference run (trained in this module's Ray if no module before trained it)."""
+    return reference_run("fsdp", tmp_path_factory)
 
 
 def resume_run(tmp_path: Path, resume_dir: str | Path, *overrides: str, callbacks=()) -> tuple[Path, Supervisor]:
-    runner = Supervisor(run_config(tmp_path, *RUN, f"runner.resume_dir={resume_dir}", *overrides), callbacks=list(callbacks))
+    runner = Supervisor(
+        run_config(tmp_path, *RUN, f"runner.resume_dir={resume_dir}", *overrides), callbacks=list(callbacks)
+    )
     runner.run()
     return tmp_path / "test", runner
 
 
 def test_saves_at_the_interval_and_the_last_step_in_the_layout(reference):
     root = reference.experiment / "checkpoints"
-    assert sorted(p.name for p in root.iterdir()) == ["global_step_3", "global_step_6", "global_step_8"]
-    for step, epoch in ((3, 0), (6, 0), (8, 1)):
+    assert REFERENCE_STEPS == 10  # saves every 3 steps, and at the last
+    assert sorted(p.name for p in root.iterdir()) == [
+        "global_step_10",
+        "global_step_3",
+        "global_step_6",
+        "global_step_9",
+    ]
+    for step, epoch in ((3, 0), (6, 0), (9, 1), (10, 1)):
         path = reference.checkpoint(step)
         actor = sorted(p.name for p in (path / "actor").iterdir())
         assert actor == [".metadata", "__0_0.distcp", "__1_0.distcp", "huggingface"]
@@ -104,10 +72,10 @@ def test_saves_at_the_interval_and_the_last_step_in_the_layout(reference):
         assert {"actor/.metadata", "actor/__0_0.distcp", "actor/__1_0.distcp", "data/data.pt"} <= set(manifest["files"])
         data = torch.load(path / "data" / "data.pt", weights_only=True)
         assert data["runner"]["global_step"] == step and data["runner"]["epoch"] == epoch
-    assert [s.status for s in scan_checkpoints(LOCAL, str(root), checksums=True)] == [COMPLETE] * 3
+    assert [s.status for s in scan_checkpoints(LOCAL, str(root), checksums=True)] == [COMPLETE] * 4
     # the time saves block the loop is logged on the steps that save, and on the steps that commit a background save
     blocked = {r["step"]: r["time/save_s"] for r in reference.metrics if "time/save_s" in r}
-    assert {3, 6, 8} <= set(blocked) and all(step in (3, 6, 8) or step > 3 for step in blocked)
+    assert {3, 6, 9, 10} <= set(blocked) and all(step in (3, 6, 9, 10) or step > 3 for step in blocked)
     assert all(seconds > 0 for seconds in blocked.values())
 
 
@@ -115,31 +83,33 @@ def test_saves_at_the_interval_and_the_last_step_in_the_layout(reference):
 def test_resume_is_bitwise_identical_to_the_uninterrupted_run(reference, tmp_path, resume_step):
     """Also every rank's own RNG state comes back: the reference seeded each rank differently, so a restore of "rank 0's
     copy everywhere" (or none) would end with other states than the reference's."""
-    assert not torch.equal(reference.rng[0], reference.rng[1])
+    assert not torch.equal(reference.rng(8)[0], reference.rng(8)[1])
     seen = {}
     end = Inspect(on_end=lambda trainer: seen.update(rng=actor_rng_states(trainer)))
     experiment, _ = resume_run(tmp_path, reference.checkpoint(resume_step), callbacks=[end])
-    assert_resumed_bitwise(experiment, reference, resume_step)
-    assert all(torch.equal(a, b) for a, b in zip(seen["rng"], reference.rng, strict=True))
+    assert_resumed_bitwise(experiment, reference, resume_step, 8)
+    assert all(torch.equal(a, b) for a, b in zip(seen["rng"], reference.rng(8), strict=True))
     # counting continues: from step 3 with save_interval=3 the next saves are 6 and 8
     expected = ["global_step_6", "global_step_8"] if resume_step == 3 else ["global_step_8"]
     assert sorted(p.name for p in (experiment / "checkpoints").iterdir()) == expected
 
 
 def test_a_resume_with_linear_units_and_no_recomputation_ends_bitwise_identical(reference, tmp_path):
-    """actor.fsdp_unit=linear (each projection its own FSDP unit), without activation recomputation, loads the default
+    """actor.fsdp.unit=linear (each projection its own FSDP unit), without activation recomputation, loads the default
     run's checkpoint (decoder-layer units, recomputation on) and trains on exactly as it did."""
-    experiment, _ = resume_run(tmp_path, reference.checkpoint(6), "actor.fsdp_unit=linear", "actor.gradient_checkpointing=false")
-    assert_resumed_bitwise(experiment, reference, 6)
+    experiment, _ = resume_run(
+        tmp_path, reference.checkpoint(6), "actor.fsdp.unit=linear", "actor.gradient_checkpointing=false"
+    )
+    assert_resumed_bitwise(experiment, reference, 6, 8)
 
 
 @pytest.mark.parametrize("workers", [1, 4])
 def test_resharding_two_ranks_to_another_count(reference, tmp_path, caplog, workers):
-    with caplog.at_level(logging.WARNING, logger="rlrunner.checkpoint.handler"):
+    with caplog.at_level(logging.WARNING, logger="rlrunner.checkpoint"):
         experiment, _ = resume_run(tmp_path, reference.checkpoint(6), f"actor.num_workers={workers}")
     assert f"resharding global_step_6 from 2 to {workers} actor ranks" in caplog.text
     resumed = read_metrics(experiment / "metrics.jsonl")
-    expected = reference.metrics[6:]
+    expected = reference.metrics[6:8]
     assert [r["step"] for r in resumed] == [7, 8]
     # step 7 generates with the restored weights: its rollout is exactly the reference's
     for key in ("rollout/reward_mean", "rollout/response_length_mean", "rollout/eos_frac"):
@@ -147,34 +117,34 @@ def test_resharding_two_ranks_to_another_count(reference, tmp_path, caplog, work
     for got, want in zip(resumed, expected):  # the update reduces in another order: close, not bitwise
         assert got["actor/entropy"] == pytest.approx(want["actor/entropy"], rel=1e-4)
         assert got["actor/loss"] == pytest.approx(want["actor/loss"], abs=1e-4)
-    final = load_model_weights(experiment / "checkpoints" / "global_step_8")
-    assert all(torch.allclose(final[k], reference.weights[k], atol=1e-4) for k in final)
+    final, want = load_model_weights(experiment / "checkpoints" / "global_step_8"), reference.weights(8)
+    assert final.keys() == want.keys() and all(torch.allclose(final[k], want[k], atol=1e-4) for k in final)
 
 
 def test_auto_skips_a_corrupt_newest_checkpoint_and_rewrites_metrics_in_place(reference, tmp_path, caplog):
-    """The run died in its last save: step 8 is logged but its checkpoint has half a shard. `auto` skips it, resumes in
-    place from step 6, logs steps 7 and 8 again without duplicates (metrics.jsonl and tensorboard), and ends with
-    the reference's weights."""
+    """The run died in its last save: step 10 is logged but its checkpoint has half a shard. `auto` skips it, resumes in
+    place from step 9, logs step 10 again without duplicates (metrics.jsonl and tensorboard), and ends with the
+    reference's weights."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     copy = tmp_path / "test"
     shutil.copytree(reference.experiment, copy)
-    shard = copy / "checkpoints" / "global_step_8" / "actor" / "__1_0.distcp"
+    shard = copy / "checkpoints" / "global_step_10" / "actor" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    with caplog.at_level(logging.INFO, logger="rlrunner.checkpoint.handler"):
-        experiment, _ = resume_run(tmp_path, "auto")
-    assert "skipping global_step_8: corrupt (actor/__1_0.distcp:" in caplog.text
-    assert "global_step_6 (step 6), the newest complete checkpoint" in caplog.text
+    with caplog.at_level(logging.INFO, logger="rlrunner.checkpoint"):
+        experiment, _ = resume_run(tmp_path, "auto", "runner.max_steps=10")
+    assert "skipping global_step_10: corrupt (actor/__1_0.distcp:" in caplog.text
+    assert "global_step_9 (step 9), the newest complete checkpoint" in caplog.text
     records = read_metrics(experiment / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["step"] for r in records] == list(range(1, 11))
     assert without_time(records) == without_time(reference.metrics)
     events = EventAccumulator(str(experiment))
     events.Reload()
     steps = [event.step for event in events.Scalars("rollout/reward_mean")]
-    assert steps == list(range(1, 9))
-    final = load_model_weights(experiment / "checkpoints" / "global_step_8")
-    assert final.keys() == reference.weights.keys()
-    assert all(torch.equal(final[k], reference.weights[k]) for k in final)
+    assert steps == list(range(1, 11))
+    assert_bit_equal(
+        load_model_weights(experiment / "checkpoints" / "global_step_10"), load_model_weights(reference.checkpoint(10))
+    )
 
 
 @pytest.mark.parametrize(
@@ -191,9 +161,20 @@ def test_a_broken_fsdp_checkpoint_is_refused_in_one_line(reference, tmp_path, ca
     broken = tmp_path / "global_step_3"
     shutil.copytree(reference.checkpoint(3), broken)
     breakage(broken)
-    code = main([f"runner.output_dir={tmp_path / 'out'}", "runner.experiment_name=test", *RUN, f"runner.resume_dir={broken}",
-                 "data.batch_size=4", "algorithm.group_size=4", "actor.micro_batch_size=4", "runner.logger.progress_bar=false",
-                 *TINY_MODEL, "data.synthetic.val_size=0"])
+    code = main(
+        [
+            f"runner.output_dir={tmp_path / 'out'}",
+            "runner.experiment_name=test",
+            *RUN,
+            f"runner.resume_dir={broken}",
+            "data.batch_size=4",
+            "algorithm.group_size=4",
+            "actor.micro_batch_size=4",
+            "runner.logger.progress_bar=false",
+            *TINY_MODEL,
+            "data.synthetic.val_size=0",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert f"rlrunner: error: runner.resume_dir {broken} fails verification: {expected}" in err
@@ -201,7 +182,9 @@ def test_a_broken_fsdp_checkpoint_is_refused_in_one_line(reference, tmp_path, ca
 
 def test_a_checkpoint_of_another_model_is_refused_naming_the_keys(reference, tmp_path):
     with pytest.raises(CheckpointError) as error:
-        resume_run(tmp_path, reference.checkpoint(6), "++model.override_config.intermediate_size=48", "actor.optim.lr=0.01")
+        resume_run(
+            tmp_path, reference.checkpoint(6), "++model.override_config.intermediate_size=48", "actor.optim.lr=0.01"
+        )
     assert "model.config.intermediate_size (checkpoint 64, run 48)" in str(error.value)
     assert "actor.optim.lr (checkpoint 0.0003, run 0.01)" in str(error.value)
     assert not (tmp_path / "test" / "checkpoints").exists()
@@ -210,12 +193,11 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_keys(reference, tmp
 def test_a_run_starts_from_a_checkpoint_given_as_model_path(reference, tmp_path):
     """model.path may be a global_step_N folder (of any backend): the backend that wrote it reads its weights, and the
     run starts from them exactly (its HF config and tokenizer come from the checkpoint's actor/huggingface)."""
-    check_model_path(str(reference.checkpoint(8)))  # what the driver checks before Ray starts: accepted
+    check_model_path(str(reference.checkpoint(10)))  # what the driver checks before Ray starts: accepted
     seen = {}
-    cfg = run_config(tmp_path, *RUN, f"model.path={reference.checkpoint(8)}", "runner.max_steps=1")
+    cfg = run_config(tmp_path, *RUN, f"model.path={reference.checkpoint(10)}", "runner.max_steps=1")
     Supervisor(cfg, callbacks=[Inspect(lambda trainer: seen.update(weights=trainer.policy_weights()))]).run()
-    assert seen["weights"].keys() == reference.weights.keys()
-    assert all(torch.equal(seen["weights"][k], reference.weights[k]) for k in reference.weights)
+    assert_bit_equal(seen["weights"], reference.weights(10))
 
 
 def test_converters_give_the_live_policy(reference, tmp_path, repo_root, subprocess_env):
@@ -223,24 +205,38 @@ def test_converters_give_the_live_policy(reference, tmp_path, repo_root, subproc
 
     out = tmp_path / "weights.pt"
     subprocess.run(
-        [sys.executable, str(repo_root / "toolkits/ckpt_convertor/convert_dcp_to_state_dict.py"),
-         "--dcp_path", str(reference.checkpoint(8) / "actor"), "--output_path", str(out)],
-        check=True, env=subprocess_env, capture_output=True,
+        [
+            sys.executable,
+            str(repo_root / "toolkits/ckpt_convertor/convert_dcp_to_state_dict.py"),
+            "--dcp_path",
+            str(reference.checkpoint(10) / "actor"),
+            "--output_path",
+            str(out),
+        ],
+        check=True,
+        env=subprocess_env,
+        capture_output=True,
     )
-    state = torch.load(out, weights_only=True)
-    assert state.keys() == reference.weights.keys()
-    assert all(torch.equal(state[k], reference.weights[k]) for k in state)
+    assert_bit_equal(torch.load(out, weights_only=True), reference.weights(10))
 
     hf_dir = tmp_path / "hf"
     subprocess.run(
-        [sys.executable, str(repo_root / "toolkits/ckpt_convertor/convert_dcp_to_hf.py"),
-         "--ckpt_path", str(reference.checkpoint(8)), "--output_path", str(hf_dir)],
-        check=True, env=subprocess_env, capture_output=True,
+        [
+            sys.executable,
+            str(repo_root / "toolkits/ckpt_convertor/convert_dcp_to_hf.py"),
+            "--ckpt_path",
+            str(reference.checkpoint(10)),
+            "--output_path",
+            str(hf_dir),
+        ],
+        check=True,
+        env=subprocess_env,
+        capture_output=True,
     )
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in hf_dir.iterdir()}
     exported = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     live = AutoModelForCausalLM.from_config(exported.config).eval()
-    live.load_state_dict(reference.weights)
+    live.load_state_dict(reference.weights(10))
     tokens = torch.tensor([[5, 17, 22, 11, 30, 1, 40, 9]])
     with torch.no_grad():
         assert torch.equal(exported(tokens).logits, live(tokens).logits)
@@ -250,25 +246,46 @@ def test_inspector_lists_and_verifies(reference, tmp_path, repo_root, subprocess
     copy = tmp_path / "test"
     shutil.copytree(reference.experiment, copy)
     (copy / "checkpoints" / "global_step_6" / "manifest.json").unlink()
-    listing = subprocess.run([sys.executable, "-m", "rlrunner.checkpoint", "list", str(copy)],
-                             env=subprocess_env, capture_output=True, text=True, check=True).stdout
+    listing = subprocess.run(
+        [sys.executable, "-m", "rlrunner.checkpoint", "list", str(copy)],
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     rows = [line.split() for line in listing.splitlines()[1:] if line.strip() and line.split()[0].isdigit()]
-    assert [(r[0], r[2]) for r in rows] == [("8", "complete"), ("6", "incomplete"), ("3", "complete")]
-    good = subprocess.run([sys.executable, "-m", "rlrunner.checkpoint", "verify", str(copy / "checkpoints" / "global_step_8")],
-                          env=subprocess_env, capture_output=True, text=True)
-    assert good.returncode == 0 and "complete, step 8, world size 2" in good.stdout
-    bad = subprocess.run([sys.executable, "-m", "rlrunner.checkpoint", "verify", str(copy / "checkpoints" / "global_step_6")],
-                         env=subprocess_env, capture_output=True, text=True)
+    assert [(r[0], r[2]) for r in rows] == [
+        ("10", "complete"),
+        ("9", "complete"),
+        ("6", "incomplete"),
+        ("3", "complete"),
+    ]
+    good = subprocess.run(
+        [sys.executable, "-m", "rlrunner.checkpoint", "verify", str(copy / "checkpoints" / "global_step_10")],
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+    )
+    assert good.returncode == 0 and "complete, step 10, world size 2" in good.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "rlrunner.checkpoint", "verify", str(copy / "checkpoints" / "global_step_6")],
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 1 and "incomplete: no manifest.json" in bad.stdout
 
 
 @pytest.mark.parametrize("async_save", [True, False], ids=["background", "synchronous"])
-def test_a_failing_shard_write_commits_nothing(reference, tmp_path, async_save):
-    """A shard write that the OS refuses (a file-size limit in the actor processes: EFBIG, as a full disk gives ENOSPC)."""
+def test_a_failing_shard_write_commits_nothing(ray_session, tmp_path, async_save):
+    """A shard write that the OS refuses (a file-size limit in the actor processes: EFBIG, as a full disk gives
+    ENOSPC)."""
     limit = lambda self: resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, resource.RLIM_INFINITY))  # noqa: E731
     runner = Supervisor(
         run_config(tmp_path, *RUN, "runner.save_interval=2", "runner.max_steps=4", f"runner.async_save={async_save}"),
-        callbacks=[Inspect(lambda trainer: ray.get([w.__ray_call__.remote(limit) for w in trainer.actor_group.workers]))],
+        callbacks=[
+            Inspect(lambda trainer: ray.get([w.__ray_call__.remote(limit) for w in trainer.actor_group.workers]))
+        ],
     )
     with pytest.raises(CheckpointSaveError) as error:
         runner.run()
@@ -285,14 +302,27 @@ def test_a_failing_shard_write_commits_nothing(reference, tmp_path, async_save):
 
 
 def test_a_save_killed_halfway_is_skipped_by_auto(ray_session, tmp_path, subprocess_env, caplog):
-    """SIGKILL the driver while a save is staged; the next run removes the leftover and resumes from the newest complete."""
+    """SIGKILL the driver while a save is staged; the next run removes the leftover and resumes from the newest
+    complete."""
     overrides = [*RUN, "runner.save_interval=1", "runner.max_steps=8"]
-    base = [f"runner.output_dir={tmp_path}", "runner.experiment_name=test", "runner.logger.progress_bar=false",
-            "data.batch_size=4", "algorithm.group_size=4", "actor.micro_batch_size=4",
-            f"cluster.ray_address={ray_session.get_runtime_context().gcs_address}",
-            *TINY_MODEL, "data.synthetic.val_size=0"]
-    driver = subprocess.Popen([sys.executable, "-m", "rlrunner.main_grpo", *base, *overrides],
-                              env=subprocess_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    base = [
+        f"runner.output_dir={tmp_path}",
+        "runner.experiment_name=test",
+        "runner.logger.progress_bar=false",
+        "data.batch_size=4",
+        "algorithm.group_size=4",
+        "actor.micro_batch_size=4",
+        f"cluster.ray_address={ray_session.get_runtime_context().gcs_address}",
+        *TINY_MODEL,
+        "data.synthetic.val_size=0",
+    ]
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "rlrunner.main_grpo", *base, *overrides],
+        env=subprocess_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     root = tmp_path / "test" / "checkpoints"
     staged = None
     deadline = time.monotonic() + 120
@@ -313,7 +343,7 @@ def test_a_save_killed_halfway_is_skipped_by_auto(ray_session, tmp_path, subproc
     complete = [s.step for s in scan_checkpoints(LOCAL, str(root)) if s.status == COMPLETE]
     assert complete == list(range(killed_step - 1, 0, -1))
 
-    with caplog.at_level(logging.INFO, logger="rlrunner.checkpoint.handler"):
+    with caplog.at_level(logging.INFO, logger="rlrunner.checkpoint"):
         cfg = run_config(tmp_path, *overrides, "runner.resume_dir=auto")
         Supervisor(cfg).run()
     assert f"removing {staged.name}, left by a save or deletion that did not finish" in caplog.text
@@ -326,24 +356,30 @@ def test_a_save_killed_halfway_is_skipped_by_auto(ray_session, tmp_path, subproc
 
 
 def test_rolling_back_starts_a_branch_that_retention_and_auto_keep(reference, tmp_path):
-    """Resume on purpose from global_step_3 while 6 and 8 exist, keeping 1: the new branch survives, the old is moved aside."""
+    """Resume on purpose from global_step_6 while 9 and 10 exist, keeping 1: the new branch survives, the old is moved
+    aside."""
     copy = tmp_path / "test"
     shutil.copytree(reference.experiment, copy)
     root = copy / "checkpoints"
-    experiment, _ = resume_run(tmp_path, root / "global_step_3", "runner.max_ckpt_to_keep=1")
+    steps = f"runner.max_steps={REFERENCE_STEPS}"  # the reference's run
+    experiment, _ = resume_run(tmp_path, root / "global_step_6", steps, "runner.max_ckpt_to_keep=1")
     [abandoned] = list((root / layout.ABANDONED_DIR).iterdir())
-    assert sorted(p.name for p in abandoned.iterdir()) == ["global_step_6", "global_step_8"]
-    assert sorted(basename(u) for u in layout.step_dirs(LOCAL, str(root))) == ["global_step_8"]  # the new branch's, kept by retention
-    new_created = read_manifest(LOCAL, str(root / "global_step_8"))["created_unix"]
-    assert new_created > read_manifest(LOCAL, str(abandoned / "global_step_8"))["created_unix"]
+    assert sorted(p.name for p in abandoned.iterdir()) == ["global_step_10", "global_step_9"]
+    assert sorted(basename(u) for u in layout.step_dirs(LOCAL, str(root))) == [
+        "global_step_10"
+    ]  # the new branch's, kept by retention
+    new_created = read_manifest(LOCAL, str(root / "global_step_10"))["created_unix"]
+    assert new_created > read_manifest(LOCAL, str(abandoned / "global_step_10"))["created_unix"]
     # the same config and seed: the new branch is the same run, bit for bit, and metrics have each step once
-    final = load_model_weights(root / "global_step_8")
-    assert all(torch.equal(final[k], reference.weights[k]) for k in final)
+    assert_bit_equal(load_model_weights(root / "global_step_10"), load_model_weights(reference.checkpoint(10)))
     records = read_metrics(experiment / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["step"] for r in records] == list(range(1, 11))
     # a later `auto` (a relaunch) resumes from the live branch, not the abandoned one
-    _, runner = resume_run(tmp_path, "auto", "runner.max_ckpt_to_keep=1")
-    assert runner.trainer.global_step == 8 and read_manifest(LOCAL, str(root / "global_step_8"))["created_unix"] == new_created
+    _, runner = resume_run(tmp_path, "auto", steps, "runner.max_ckpt_to_keep=1")
+    assert (
+        runner.trainer.global_step == 10
+        and read_manifest(LOCAL, str(root / "global_step_10"))["created_unix"] == new_created
+    )
 
 
 def test_a_resumed_run_follows_its_own_lr_schedule(ray_session, tmp_path):
@@ -362,14 +398,14 @@ def test_a_resumed_run_follows_its_own_lr_schedule(ray_session, tmp_path):
 
 
 def test_synchronous_saves_give_the_same_run_and_checkpoints(reference, tmp_path):
-    """runner.async_save=false (the loop waits for each save) and the background default are the same run, bit for bit."""
-    Supervisor(run_config(tmp_path, *RUN, "runner.async_save=false")).run()
+    """runner.async_save=false (the loop waits for each save) and the background default are the same run, bit for
+    bit."""
+    Supervisor(run_config(tmp_path, *RUN, f"runner.max_steps={REFERENCE_STEPS}", "runner.async_save=false")).run()
     experiment = tmp_path / "test"
     assert without_time(read_metrics(experiment / "metrics.jsonl")) == without_time(reference.metrics)
-    for step in (3, 6, 8):
+    for step in (3, 6, 9, 10):
         saved = load_model_weights(experiment / "checkpoints" / f"global_step_{step}")
-        background = load_model_weights(reference.checkpoint(step))
-        assert all(torch.equal(saved[k], background[k]) for k in background)
+        assert_bit_equal(saved, load_model_weights(reference.checkpoint(step)))
         sync_files = read_manifest(LOCAL, str(experiment / "checkpoints" / f"global_step_{step}"))["files"]
         async_files = read_manifest(LOCAL, str(reference.checkpoint(step)))["files"]
         assert sync_files["data/data.pt"] == async_files["data/data.pt"]

@@ -1,0 +1,207 @@
+"""What the recovery tests (test_recovery_*.py) share: the multi-node Ray cluster, the run, the comparison with the
+session's reference run, and ways to kill or break workers at known points.
+
+Layout: the head node has 1 CPU and takes the rollout worker; a worker node with 2 CPUs takes the two actor ranks (1 CPU
+each, packed on one node). Every test that finishes its run ends with its metrics and final weights bit-identical to
+the uninterrupted reference run's (tests/reference_runs.py: the same numbers, other CPUs per worker and timeouts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import ray
+from ray import cloudpickle
+from reference_runs import REFERENCE_RUN, REFERENCE_STEPS, Reference
+
+from rlrunner.runner.supervisor import Supervisor
+from rlrunner.tools.convert import load_model_weights
+
+from conftest import TINY_MODEL, Inspect, assert_bit_equal, metrics_lines, once, read_metrics, run_config, without_time
+
+STEPS = REFERENCE_STEPS  # 10, saves at 3, 6, 9 and 10
+STEP_TIMEOUT_S = 30
+RUN = [
+    *REFERENCE_RUN,
+    "cluster.cpus_per_actor_worker=1",
+    "cluster.cpus_per_rollout_worker=1",
+    f"runner.recovery.step_timeout_s={STEP_TIMEOUT_S}",
+    "runner.recovery.wait_timeout_s=120",
+]
+
+
+def multi_node_cluster():
+    """A generator for each module's `cluster` fixture (module-scoped: a test may replace the actor node): the cluster,
+    with Ray connected to it; shut down afterwards."""
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    nodes.actor_node = nodes.add_node(num_cpus=2)  # where the actor group packs; replaced by the node-loss test
+    nodes.wait_for_nodes()
+    ray.init(address=nodes.address, logging_level="WARNING")
+    yield nodes
+    ray.shutdown()
+    nodes.shutdown()
+
+
+def final_checkpoint(output_dir: Path) -> Path:
+    return output_dir / "test" / "checkpoints" / f"global_step_{STEPS}"
+
+
+def assert_matches_reference(output_dir: Path, reference: Reference) -> None:
+    metrics = read_metrics(output_dir / "test" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert without_time(metrics) == without_time(reference.metrics)
+    assert_bit_equal(load_model_weights(final_checkpoint(output_dir)), load_model_weights(reference.checkpoint(STEPS)))
+
+
+def recovery_events(output_dir: Path, event: str) -> list[dict]:
+    path = output_dir / "test" / "recovery.jsonl"
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == event] if path.exists() else []
+
+
+def kill(pid: int, sig: int = signal.SIGKILL) -> None:
+    os.kill(pid, sig)
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+def worker_pids(trainer) -> dict[str, list[int]]:
+    return {group.name: [host["pid"] for host in group.hosts] for group in trainer.groups()}
+
+
+def assert_restored_from_memory(output_dir: Path, lost_steps: int = 0) -> dict:
+    """One restart, loaded from the in-memory snapshot of the last completed step (minus `lost_steps`)."""
+    [failure] = recovery_events(output_dir, "failure")
+    assert failure["restore_from"] == "snapshot" and failure["lost_steps"] == lost_steps, failure
+    [resumed] = recovery_events(output_dir, "resumed")
+    assert resumed["source"] == "snapshot" and resumed["step"] == failure["step"] - lost_steps, resumed
+    return failure
+
+
+def driver_command(cluster, output_dir: Path, *overrides: str) -> list[str]:
+    """The overrides of `python -m rlrunner.main_grpo` for RUN on `cluster`: run_config's, on the command line."""
+    base = [
+        f"runner.output_dir={output_dir}",
+        "runner.experiment_name=test",
+        "runner.logger.progress_bar=false",
+        "data.batch_size=4",
+        "algorithm.group_size=4",
+        "actor.micro_batch_size=4",
+        f"cluster.ray_address={cluster.address}",
+        *TINY_MODEL,
+        "data.synthetic.val_size=0",
+    ]
+    return [*base, *RUN, *overrides]
+
+
+# -- replacing code inside one worker process ------------------------------------------------------------------
+
+
+def patch_worker_module(worker, module: str, name: str, make_replacement) -> None:
+    """Replace a module-level function inside one worker process (Ray binds actor methods at creation)."""
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test helper module
+
+    def patch(self) -> None:
+        import sys
+
+        target = sys.modules[module]
+        setattr(target, name, make_replacement(getattr(target, name)))
+
+    ray.get(worker.__ray_call__.remote(patch))
+
+
+def patch_worker_attribute(worker, name: str, make_replacement) -> None:
+    """Replace an attribute of one worker object (e.g. the rollout worker's reward function)."""
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test helper module
+
+    def patch(self) -> None:
+        setattr(self, name, make_replacement(getattr(self, name)))
+
+    ray.get(worker.__ray_call__.remote(patch))
+
+
+def dying(original):
+    """A stand-in that kills its own process (a lost worker, at a known point of a step)."""
+
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return die
+
+
+def dying_sender(original):
+    """A weight sender that kills its own process when it sends (a rank lost after its snapshot copy)."""
+
+    class Sender:
+        def __getattr__(self, name):
+            return getattr(original, name)
+
+        def send(self, *args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return Sender()
+
+
+def raising(original):
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom from worker code")
+
+    return boom
+
+
+def kill_in_next_update(runner: Supervisor, rank: int, after_steps: int, tmp_path: Path) -> threading.Thread:
+    """Actor `rank` dies inside the first update after `after_steps` logged steps (in its log-probs, after the
+    forward)."""
+    return once(
+        lambda: metrics_lines(tmp_path) >= after_steps,
+        lambda: patch_worker_module(
+            runner.trainer.actor_group.workers[rank], "rlrunner.backends.actor", "token_log_probs", dying
+        ),
+    )
+
+
+# -- warm spares -------------------------------------------------------------------------------------------------
+
+SPARES = [
+    "cluster.cpus_per_actor_worker=0.5",
+    "cluster.cpus_per_rollout_worker=0.5",
+    "cluster.spare_workers.actor=2",
+    "cluster.spare_workers.rollout=1",
+]
+
+
+def spares_up(runner: Supervisor) -> bool:
+    pools = runner.ctx.spare_pools
+    return pools is not None and all(pool.all_up() for pool in pools.values())
+
+
+def with_spares_up(tmp_path: Path, *overrides: str, on_start=None) -> Supervisor:
+    """A run with warm spares whose first attempt trains once they are all up (started now, not after its first
+    step); `on_start(trainer)` as each attempt is ready to train."""
+    attempts: list[int] = []
+
+    def wait_for_spares(trainer) -> None:
+        attempts.append(1)
+        if len(attempts) == 1:
+            trainer.refill_spares()
+            wait_for(lambda: spares_up(runner))
+        if on_start is not None:
+            on_start(trainer)
+
+    runner = Supervisor(run_config(tmp_path, *RUN, *SPARES, *overrides), callbacks=[Inspect(on_start=wait_for_spares)])
+    return runner
