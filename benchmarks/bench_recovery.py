@@ -6,7 +6,7 @@ with the default job (configs/grpo.yaml: 2 FSDP2 actor ranks + 1 rollout worker 
 embedded tiny Qwen2, checkpoints every `runner.save_interval` steps). Every run writes to a fresh temp
 folder with the progress bar and TensorBoard off. Workers are killed with SIGKILL on their process id
 (`supervisor.trainer.actor_group.hosts[r]["pid"]`: the current attempt's group) from a thread while
-`Supervisor.run()` trains in the main thread, as tests/test_recovery.py does.
+`Supervisor.run()` trains in the main thread, as tests/integration/test_recovery_*.py do.
 
 1. Recovery time (`--recovery-steps` steps, `--kills` kills; benchlib/recovery_time.py). The first kill comes
    `--kill-delay` s after the first checkpoint is committed (so every restart loads one); each further kill comes
