@@ -47,8 +47,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, for rlrunner
-from rlrunner.backends.fsdp.worker import local_shard, shard_model  # noqa: E402
+from rlrunner.backends.fsdp.worker import shard_model  # noqa: E402
 from rlrunner.backends.optim import adamw_implementation  # noqa: E402
+from rlrunner.backends.rank_parts import local_shard  # noqa: E402
 from rlrunner.models.loading import meta_model  # noqa: E402
 
 GiB = 2**30

@@ -15,10 +15,10 @@ million parameters, sharded over `--workers` FSDP2 actor ranks on a local Ray:
   async the manager with background=True, i.e. runner.async_save=true:
         blocked                              start_save: what the training loop waits for (state copied off)
         background write                     the finish_save that follows at once (every rank's write done)
-        copy floor                           each rank copies the tensors of the same fsdp_state into fresh
+        copy floor                           each rank copies the tensors of the same state dict into fresh
                                              host tensors (pinned on GPU); the slowest rank's time
         and what the blocked time is made of: the ranks' own part of start_save (a second async save, timed
-        on the ranks: fsdp_state + start_dcp_save), within it building fsdp_state and DCP's DefaultStager.stage
+        on the ranks: rank_state().state_dict() + start_dcp_save), within it building that and DCP's DefaultStager.stage
         of it; the same copy into host tensors that already exist; a Ray round trip (ping)
   load  rlrunner checksum verification       inspect_checkpoint(path, checksums=True) (CRC-32 of every file)
         rlrunner ActorCheckpointManager.load DCP load into the live actor group

@@ -256,13 +256,13 @@ def _local_tensors(state: Any) -> list[torch.Tensor]:
 def _copy_floor(worker) -> dict[str, float]:
     """Runs in every FSDP actor: the pieces of an async save's blocked time on this rank, next to a plain copy.
 
-    Each piece starts from the same `fsdp_state` the save builds; the copies are dropped before the next
+    Each piece starts from the same `rank_state().state_dict()` the save builds; the copies are dropped before the next
     piece so that every one of them allocates fresh host memory, as a save does.
     """
-    from rlrunner.backends.fsdp.dcp_state import fsdp_state, new_stager
+    from rlrunner.backends.fsdp.dcp_state import new_stager
 
     pinned = torch.cuda.is_available()  # what the save's stager (new_stager) uses
-    state_s, state = timed(lambda: fsdp_state(worker.model, worker.optimizer, worker.scheduler, worker.rank))
+    state_s, state = timed(lambda: worker.rank_state().state_dict())
     tensors = _local_tensors(state)
 
     def fresh_copy() -> list[torch.Tensor]:
@@ -285,7 +285,7 @@ def _copy_floor(worker) -> dict[str, float]:
 
 
 def _timed_start_checkpoint(worker, url: str) -> float:
-    """Runs in every actor: seconds of the rank's own part of start_save (fsdp_state + start_dcp_save)."""
+    """Runs in every actor: seconds of the rank's own part of start_save (its state dict + start_dcp_save)."""
     seconds, _ = timed(lambda: worker.start_checkpoint(url, 1, True, None))
     return seconds
 

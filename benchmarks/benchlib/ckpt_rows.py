@@ -49,15 +49,15 @@ def megatron_rows(tp: int) -> BackendRows:
 
 # The FSDP backend's manager is the shared ActorCheckpointManager (get_backend("fsdp").checkpoint_manager(...)).
 SYNC_ROW = "  of which fsdp ActorCheckpointManager.save"  # start_save + finish_save, background=False
-COPY_FLOOR = "copy floor: fsdp_state tensors -> fresh host tensors (slowest rank)"
+COPY_FLOOR = "copy floor: the saved state's tensors -> fresh host tensors (slowest rank)"
 BLOCKED_ROW = "async save: blocked in start_save (background=True)"
 WAIT_ROW = "async save: background write, finish_save(wait=True) right after"
 WRITE_S_ROW = "async save: manager.write_s (slowest rank, start to written)"
-STATE_ROW = "rank: fsdp_state() (state dict of views, no copy)"
-STAGE_ROW = "rank: DefaultStager.stage(fsdp_state) (the async save's copy)"
+STATE_ROW = "rank: rank_state().state_dict() (views, no copy)"
+STAGE_ROW = "rank: DefaultStager.stage(that state dict) (the async save's copy)"
 RECOPY_ROW = "rank: copy into host tensors already allocated (memcpy alone)"
 PING_ROW = "driver: Ray round trip, call_all('ping')"
-RANK_START_ROW = "rank: its part of start_save (fsdp_state + start_dcp_save), timed on the rank"
+RANK_START_ROW = "rank: its part of start_save (rank_state().state_dict() + start_dcp_save), timed on the rank"
 RANK_START_DRIVER_ROW = "driver: the same call (same save), timed on the driver"
 ASYNC_ROWS = [COPY_FLOOR, BLOCKED_ROW, WAIT_ROW, WRITE_S_ROW]
 PIECE_ROWS = [RANK_START_ROW, RANK_START_DRIVER_ROW, STATE_ROW, STAGE_ROW, RECOPY_ROW, PING_ROW]

@@ -7,8 +7,9 @@ split into micro-batches whose gradients accumulate. What is minimised is the al
 the update gives it the log-probs and the whole mini-batch's token and sequence counts, known in advance.
 
 A backend supplies, as abstract methods: building the model (`setup`), the forward pass, the gradient reduction and
-clipped optimizer step, the checkpoint files, the full weights (`full_state_dict`) and what this rank
-sends in a weight sync (`weight_source`). The weight-sync endpoints and the save in flight are shared.
+clipped optimizer step, its state as named parts (`state_parts`: snapshots and checkpoints carry them), the checkpoint
+files, the full weights (`full_state_dict`) and what this rank sends in a weight sync (`weight_source`). The
+weight-sync endpoints and the save in flight are shared.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import torch
 from rlrunner.algorithms.grpo import token_entropy, token_log_probs
 from rlrunner.algorithms.objective import MicroBatch, MiniBatchCounts, PolicyObjective
 from rlrunner.backends.background_save import BackgroundSave
+from rlrunner.backends.rank_parts import RankRNG, local_tensors, placed_like
 from rlrunner.cluster.node import available_memory_bytes, node_ip
 from rlrunner.cluster.worker import Worker
 from rlrunner.models.hf_tensors import HFTensors
 from rlrunner.models.loading import warm_up_model_code
-from rlrunner.utils.rng import capture_rng, restore_rng
+from rlrunner.utils.stateful import Stateful, StateParts
 from rlrunner.utils.tensors import tensor_bytes
 from rlrunner.weight_sync.channels import connect_store, serve_store
 from rlrunner.weight_sync.endpoints import WeightSource
@@ -112,13 +114,9 @@ class ActorWorker(Worker, ABC):
         """Collective: load the state saved under `url`, resharding as needed; returns whether RNG was restored."""
 
     @abstractmethod
-    def training_state(self) -> dict[str, Any]:
-        """This rank's training state (parameters, optimizer state, LR schedule; no RNG) as a nested structure of the
-        live tensors (local shards, not DTensors): what an in-memory snapshot copies."""
-
-    @abstractmethod
-    def load_training_state(self, state: dict[str, Any]) -> None:
-        """Put back what `training_state` gave (a copy of it), into a rank freshly set up with the same layout."""
+    def state_parts(self) -> dict[str, Stateful]:
+        """This rank's "model", "optimizer" and "scheduler" as `Stateful` parts over the live objects (their state
+        dicts may hold DTensors): with the "rng" part, what `rank_state` gives a snapshot and the checkpoint files."""
 
     @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -127,6 +125,11 @@ class ActorWorker(Worker, ABC):
     @abstractmethod
     def weight_source(self) -> WeightSource:
         """What this rank sends to the rollout workers in a weight sync."""
+
+    def rank_state(self) -> StateParts:
+        """This rank's whole state as named parts: the backend's `state_parts` and the RNG. A snapshot is its state
+        dict; a checkpoint writes the same parts in the backend's files."""
+        return StateParts({**self.state_parts(), "rng": RankRNG(self.rank)})
 
     # -- checkpoint writes in flight ---------------------------------------------------------------
 
@@ -144,7 +147,7 @@ class ActorWorker(Worker, ABC):
         """This rank's part of a snapshot: its training state and RNG serialized off the live tensors (bytes of its own,
         in host memory); or, when that copy would leave this node less than `reserve_bytes` of free memory, why there
         is none."""
-        live = self.training_state()
+        live = local_tensors(self.rank_state().state_dict())
         needed = tensor_bytes(live)
         available = available_memory_bytes()
         if available - needed < reserve_bytes:
@@ -152,13 +155,13 @@ class ActorWorker(Worker, ABC):
                 f"actor rank {self.rank}: a {needed / 2**20:.0f} MiB copy would leave less than the "
                 f"{reserve_bytes / 2**30:g} GiB reserve of host memory free (runner.snapshot.reserve_memory_gb)"
             )
-        return serialize({"state": live, "rng": capture_rng()})
+        return serialize(live)
 
     def load_snapshot(self, part: bytes) -> None:
         """Put back this rank's part of a snapshot (`snapshot_part`'s), taken with the same ranks."""
         saved = torch.load(io.BytesIO(part), map_location="cpu", weights_only=True)
-        self.load_training_state(saved["state"])
-        restore_rng(saved["rng"])
+        state = self.rank_state()
+        state.load_state_dict(placed_like(saved, state.state_dict()))
 
     # -- the update ----------------------------------------------------------------------------
 

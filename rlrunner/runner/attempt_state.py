@@ -1,7 +1,10 @@
 """What an attempt saves and restores: the driver's state (the data position and the step) beside the actor's, into a
 checkpoint (committed only once every rank's write is done) or out of one, or out of an in-memory snapshot.
 
-`Trainer` (`trainer.py`) is an `AttemptState`: these methods use its `ctx`, `cfg`, `loader`, `actor_group`,
+The driver's state is a `DriverState` (`driver_state.py`) and each rank's its `rank_state` (`ActorWorker`): the same
+named parts, saved and loaded through `state_dict`/`load_state_dict`, whether into a checkpoint or a snapshot.
+
+`Trainer` (`trainer.py`) is an `AttemptState`: these methods use its `ctx`, `cfg`, `driver_state`, `actor_group`,
 `global_step`, `last_saved_step`, `pending_save` and `_raise_if_lock_lost`.
 """
 
@@ -29,22 +32,20 @@ class AttemptState:
         self.save_checkpoint(step)
         return f"saved {basename(self.commit_pending_save(wait=True))}"
 
-    def data_state(self, step: int) -> dict[str, Any]:
-        """The driver's state after `step`: the data position and the step (a checkpoint's data/data.pt)."""
-        return {
-            "dataloader": self.loader.state_dict(),
-            "runner": {"global_step": step, "epoch": self.loader.epoch, "total_steps": self.ctx.total_steps},
-        }
+    def driver_state_of(self, step: int) -> dict[str, Any]:
+        """The driver's state after `step` (a checkpoint's data/data.pt, a snapshot's driver part)."""
+        if self.driver_state.step != step:
+            raise RuntimeError(f"saving step {step} with the driver's state of step {self.driver_state.step}")
+        return self.driver_state.state_dict()
 
     def save_checkpoint(self, step: int) -> None:
         """Save `step`: committed before returning, or (`runner.async_save`) written in the background and
         committed by `commit_pending_save` once every rank's write has finished. One save in flight at a time."""
         self.commit_pending_save(wait=True)
-        data_state = self.data_state(step)
         self.pending_save = self.ctx.handler.begin_save(
             step,
             self.ctx.checkpoint_manager(self.actor_group),
-            data_state,
+            self.driver_state_of(step),
             write_extra=self.ctx.write_hf_files,
             extra_manifest={"epoch": self.loader.epoch, "experiment_name": self.cfg.runner.experiment_name},
         )
@@ -66,19 +67,19 @@ class AttemptState:
         return path
 
     def restore(self, checkpoint: Checkpoint) -> None:
-        data_state = self.ctx.handler.load(checkpoint, self.ctx.checkpoint_manager(self.actor_group))
+        saved = self.ctx.handler.load(checkpoint, self.ctx.checkpoint_manager(self.actor_group))
         try:
-            self.loader.load_state_dict(data_state["dataloader"])
+            self.driver_state.load_state_dict(saved)
         except ValueError as exc:
             raise CheckpointError(f"checkpoint {checkpoint.url} does not fit this run's data: {exc}") from None
-        self.global_step = int(data_state["runner"]["global_step"])
+        self.global_step = self.driver_state.step
         self.last_saved_step = self.global_step
 
     def restore_snapshot(self, snapshot: Snapshot, last_saved_step: int | None) -> None:
         """Load an in-memory snapshot into the actor group (`last_saved_step`: the newest committed checkpoint's). A
         part lost since it was chosen fails the attempt (the ranks may hold half of it): the next attempt finds the
         snapshot incomplete and loads the checkpoint."""
-        data_state = self.ctx.snapshots.load(snapshot, self.actor_group, self.cfg.runner.recovery.step_timeout_s)
-        self.loader.load_state_dict(data_state["dataloader"])
-        self.global_step = int(data_state["runner"]["global_step"])
+        saved = self.ctx.snapshots.load(snapshot, self.actor_group, self.cfg.runner.recovery.step_timeout_s)
+        self.driver_state.load_state_dict(saved)
+        self.global_step = self.driver_state.step
         self.last_saved_step = last_saved_step

@@ -36,6 +36,7 @@ from rlrunner.runner.batching import (
     split_evenly,
 )
 from rlrunner.runner.context import RunContext
+from rlrunner.runner.driver_state import DriverState
 from rlrunner.runner.metrics import Progress, actor_metrics, rollout_metrics, validation_metrics
 from rlrunner.runner.placement import START_TIMEOUT_S, group_specs, spare_pools
 from rlrunner.runner.recovery import rollout_loss
@@ -50,6 +51,7 @@ class Trainer(AttemptState):
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.loader = ctx.new_loader()
+        self.driver_state = DriverState(self.loader, ctx.total_steps)  # the driver's part of a checkpoint or snapshot
         self.global_step = 0
         self.last_saved_step: int | None = None  # the newest committed checkpoint's step
         self.pending_save: PendingSave | None = None  # a save whose files are still being written
@@ -294,6 +296,7 @@ class Trainer(AttemptState):
         cfg, ctx = self.cfg, self.ctx
         started = time.perf_counter()
         prompts = self.loader.next_batch()
+        self.driver_state.step = step  # the data position is now the one after `step`
         epoch = self.loader.epoch
 
         samples = self.generate(step, prompts)
@@ -310,7 +313,7 @@ class Trainer(AttemptState):
         if ctx.snapshots.due(step):
             # Queued before the weight sync's calls, so the ranks' copies are made before the step completes: a rank
             # lost after that costs no completed step. Their hand-over to the holders overlaps the next generation.
-            ctx.snapshots.take(step, self.actor_group, self.data_state(step))
+            ctx.snapshots.take(step, self.actor_group, self.driver_state_of(step))
         sync_started = time.perf_counter()  # the snapshot's submission ends here: the loop never waits for more of it
 
         self.sync_weights_in_step(step)  # on the actor ranks it waits for their snapshot copies
@@ -356,11 +359,11 @@ class Trainer(AttemptState):
                 step = self.global_step + 1
                 committed_before = self.last_saved_step
                 self._raise_if_lock_lost(f"step {step}")
-                position = self.loader.state_dict()
+                before = self.driver_state.state_dict()
                 try:
                     last = self.train_step(step)
                 except (CallAbandoned, RewardFunctionError) as exc:
-                    self.loader.load_state_dict(position)  # the abandoned step never happened
+                    self.driver_state.load_state_dict(before)  # the abandoned step never happened
                     failed = exc if isinstance(exc, RewardFunctionError) else None
                     break
                 if self.validation_due(step):

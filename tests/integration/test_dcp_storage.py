@@ -104,7 +104,12 @@ def _rank_body(rank: int, url: str, options: dict, out: Path) -> None:
     import torch.distributed as dist
 
     from rlrunner.backends.background_save import BackgroundSave
-    from rlrunner.backends.fsdp.dcp_state import fsdp_state, load_fsdp_state, stager_for_next_save, start_dcp_save
+    from rlrunner.backends.fsdp.dcp_state import fsdp_parts, load_fsdp_state, stager_for_next_save, start_dcp_save
+    from rlrunner.backends.rank_parts import RankRNG
+    from rlrunner.utils.stateful import StateParts
+
+    def parts(model, optimizer, scheduler, rank: int) -> StateParts:
+        return StateParts({**fsdp_parts(model, optimizer, scheduler), "rng": RankRNG(rank)})
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -115,25 +120,25 @@ def _rank_body(rank: int, url: str, options: dict, out: Path) -> None:
     _train_step(*live, seed=10)
     results: dict = {"sync_saved": _tensors(*live, full=False), "sync_full": _tensors(*live, full=True)}
     results["rng_saved"] = torch.get_rng_state()
-    start_dcp_save(saver, join(url, "sync"), fsdp_state(*live, rank), False, options, group, None)
+    start_dcp_save(saver, join(url, "sync"), parts(*live, rank).state_dict(), False, options, group, None)
     results["sync_files"] = saver.finish()["files"]
 
     _train_step(*live, seed=11)
     results["async_saved"] = _tensors(*live, full=False)
     stager = stager_for_next_save(None)
-    start_dcp_save(saver, join(url, "async"), fsdp_state(*live, rank), True, options, group, stager)
+    start_dcp_save(saver, join(url, "async"), parts(*live, rank).state_dict(), True, options, group, stager)
     _train_step(*live, seed=12)  # training goes on while the upload runs
     results["async_live_after"] = _tensors(*live, full=False)
     results["async_files"] = saver.finish()["files"]
     # the next background save, with the stager the worker would use (the same one where torch allows)
     results["async2_saved"] = _tensors(*live, full=False)
     stager = stager_for_next_save(stager)
-    start_dcp_save(saver, join(url, "async2"), fsdp_state(*live, rank), True, options, group, stager)
+    start_dcp_save(saver, join(url, "async2"), parts(*live, rank).state_dict(), True, options, group, stager)
     results["async2_files"] = saver.finish()["files"]
 
     for name in ("sync", "async", "async2"):
         fresh = _build(seed=2)
-        results[f"{name}_restored_rng"] = load_fsdp_state(join(url, name), *fresh, rank, WORLD, options)
+        results[f"{name}_restored_rng"] = load_fsdp_state(join(url, name), parts(*fresh, rank), WORLD, options)
         results[f"{name}_rng_loaded"] = torch.get_rng_state()
         results[f"{name}_loaded"] = _tensors(*fresh, full=False)
     dist.destroy_process_group()
@@ -143,7 +148,7 @@ def _rank_body(rank: int, url: str, options: dict, out: Path) -> None:
             "gloo", init_method=f"file://{out}/store1", rank=0, world_size=1, timeout=timedelta(seconds=TIMEOUT_S)
         )
         alone = _build(seed=3)
-        results["alone_restored_rng"] = load_fsdp_state(join(url, "sync"), *alone, 0, 1, options)
+        results["alone_restored_rng"] = load_fsdp_state(join(url, "sync"), parts(*alone, 0), 1, options)
         results["alone_loaded"] = _tensors(*alone, full=True)
         dist.destroy_process_group()
     torch.save(results, out / f"rank{rank}.pt")

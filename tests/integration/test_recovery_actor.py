@@ -240,7 +240,7 @@ def test_a_save_slower_than_a_step_bound_is_not_a_hang(cluster, tmp_path):
             and len(runner.trainer.actor_group.hosts) == 2
         ),
         lambda: [
-            patch_worker_module(w, "rlrunner.backends.fsdp.worker", "fsdp_state", slow)
+            patch_worker_module(w, "rlrunner.backends.fsdp.worker", "start_dcp_save", slow)
             for w in runner.trainer.actor_group.workers
         ],
     )

@@ -78,8 +78,8 @@ def test_a_backend_written_from_the_guide_is_made_from_its_registry_line(
 
 def test_a_worker_missing_a_member_of_the_guide_cannot_be_made(tmp_path: Path) -> None:
     members = dict(vars(guide_worker()))
-    del members["training_state"]
-    with pytest.raises(TypeError, match="training_state"):
+    del members["state_parts"]
+    with pytest.raises(TypeError, match="state_parts"):
         type("Incomplete", (ActorWorker,), members)(0, 1, **actor_worker_kwargs(run_config(tmp_path)))
 
 

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 from rlrunner.backends.background_save import BackgroundSave
 from rlrunner.backends.fsdp.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, StorageFileSystem, saved_keys
 from rlrunner.storage import ChecksumWriter, open_storage
-from rlrunner.utils.rng import capture_rng, restore_rng
+from rlrunner.utils.stateful import StateParts
 
 logger = logging.getLogger(__name__)
 
@@ -99,14 +99,36 @@ def checksumming_writer(url: str | os.PathLike, storage_options: dict[str, Any] 
     return writer
 
 
-def fsdp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int) -> dict[str, Any]:
-    """The state DCP saves: model and optimizer shards, the LR scheduler, this rank's RNG states."""
-    return {
-        "model": get_model_state_dict(model),
-        "optimizer": get_optimizer_state_dict(model, optimizer),
-        "scheduler": scheduler.state_dict(),
-        "rng": {f"rank_{rank}": capture_rng()},
-    }
+def fsdp_parts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
+    """A rank's "model", "optimizer" and "scheduler" parts (`ActorWorker.state_parts`): DCP saves and loads them."""
+    return {"model": FSDPModelState(model), "optimizer": FSDPOptimizerState(model, optimizer), "scheduler": scheduler}
+
+
+class FSDPModelState:
+    """The "model" part: the model's sharded state dict (DTensors), what DCP saves and reshards."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state)
+
+
+class FSDPOptimizerState:
+    """The "optimizer" part: the optimizer's state keyed by parameter name, its moments sharded as their parameters."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
 
 
 def new_stager() -> DefaultStager:
@@ -169,30 +191,15 @@ def _save(state: dict[str, Any], writer: FileSystemWriter, process_group: Any) -
 
 
 def load_fsdp_state(
-    url: str,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    rank: int,
-    world_size: int,
-    storage_options: dict[str, Any] | None = None,
+    url: str, parts: StateParts, world_size: int, storage_options: dict[str, Any] | None = None
 ) -> bool:
-    """Load the shards under `url` (a local folder or any store's URL) into the live model/optimizer, resharding
-    as needed; returns whether RNG was restored."""
+    """Load the checkpoint under `url` (a local folder or any store's URL) into a rank's `parts` (`rank_state`),
+    resharding as needed; the RNG only when it was saved by as many ranks. Returns whether RNG was restored."""
     reader = SafeFileSystemReader(url, storage_options)  # one connection for the metadata and the shards
-    saved_world = _ranks_saved(reader.read_metadata().state_dict_metadata)
-    restore = saved_world == world_size
-    state: dict[str, Any] = {
-        "model": get_model_state_dict(model),
-        "optimizer": get_optimizer_state_dict(model, optimizer),
-        "scheduler": scheduler.state_dict(),
-    }
-    if restore:
-        state["rng"] = {f"rank_{rank}": capture_rng()}
+    restore = _ranks_saved(reader.read_metadata().state_dict_metadata) == world_size
+    if not restore:
+        parts = parts.without(["rng"])  # each rank's RNG has no meaning at another rank count
+    state = parts.state_dict()  # the live state: DCP loads into its tensors, resharding
     dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    if restore:
-        restore_rng(state["rng"][f"rank_{rank}"])
+    parts.load_state_dict(state)
     return restore

@@ -9,9 +9,15 @@ import torch
 import torch.distributed as dist
 
 from rlrunner.backends.actor import ActorWorker
-from rlrunner.backends.fsdp.dcp_state import fsdp_state, load_fsdp_state, stager_for_next_save, start_dcp_save
+from rlrunner.backends.fsdp.dcp_state import (
+    fsdp_parts,
+    load_fsdp_state,
+    stager_for_next_save,
+    start_dcp_save,
+)
 from rlrunner.backends.fsdp.weights import FSDPWeightSource, shard_rows
 from rlrunner.backends.optim import apply_schedule, build_optimizer
+from rlrunner.backends.rank_parts import local_shard
 from rlrunner.models.hf_tensors import BLOCK_ELEMENTS, HFTensors
 from rlrunner.models.loading import (
     build_hf_config,
@@ -68,28 +74,6 @@ def fill_own_rows(model: torch.nn.Module, tensors: HFTensors) -> None:
             hi = min(stop, (lo // rows_per_read + 1) * rows_per_read)
             local[lo - start : hi - start].copy_(tensors.read(name, 0, lo, hi).reshape(hi - lo, *local.shape[1:]))
             lo = hi
-
-
-def local_shard(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (the tensor itself otherwise), detached."""
-    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).detach()
-
-
-def _shard_like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """An optimizer state tensor put back as `param` is: a DTensor sharded like it when `param` is one and `value` is
-    its local shard (the moments), else as it is (the step count)."""
-    if not hasattr(param, "device_mesh") or value.dim() == 0:
-        return value
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
-        value.to(param.device),
-        param.device_mesh,
-        param.placements,
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
-    )
 
 
 class FSDPActorWorker(ActorWorker):
@@ -153,42 +137,20 @@ class FSDPActorWorker(ActorWorker):
 
     def start_checkpoint(self, url: str, step: int, background: bool, storage_options: dict[str, Any] | None) -> None:
         """Collective: every rank writes its DCP shard under `url`, straight there (a local folder or a store)."""
-        state = fsdp_state(self.model, self.optimizer, self.scheduler, self.rank)
+        state = self.rank_state().state_dict()  # model and optimizer shards, LR schedule, this rank's RNG
         if background:
             self.stager = stager_for_next_save(self.stager)
         start_dcp_save(self.saver, url, state, background, storage_options, self.checkpoint_group, self.stager)
 
     def load_checkpoint(self, url: str, storage_options: dict[str, Any] | None) -> bool:
-        restored_rng = load_fsdp_state(
-            url, self.model, self.optimizer, self.scheduler, self.rank, self.world_size, storage_options
-        )
+        restored_rng = load_fsdp_state(url, self.rank_state(), self.world_size, storage_options)
         apply_schedule(self.optimizer, self.scheduler)  # this run's schedule, not the saved run's
         return restored_rng
 
-    # -- in-memory snapshots --------------------------------------------------------------------
+    # -- state -------------------------------------------------------------------------------------
 
-    def training_state(self) -> dict[str, Any]:
-        optimizer = self.optimizer.state_dict()  # the live state tensors (DTensors: their local shards are taken)
-        return {
-            "model": {name: local_shard(param) for name, param in self.model.named_parameters()},
-            "optimizer": {
-                **optimizer,
-                "state": {i: {k: local_shard(v) for k, v in state.items()} for i, state in optimizer["state"].items()},
-            },
-            "scheduler": self.scheduler.state_dict(),
-        }
-
-    @torch.no_grad()
-    def load_training_state(self, state: dict[str, Any]) -> None:
-        for name, param in self.model.named_parameters():
-            local_shard(param).copy_(state["model"][name])
-        params = [param for group in self.optimizer.param_groups for param in group["params"]]
-        optimizer = dict(state["optimizer"])
-        optimizer["state"] = {
-            i: {k: _shard_like(v, params[i]) for k, v in s.items()} for i, s in optimizer["state"].items()
-        }
-        self.optimizer.load_state_dict(optimizer)
-        self.scheduler.load_state_dict(state["scheduler"])
+    def state_parts(self) -> dict[str, Any]:
+        return fsdp_parts(self.model, self.optimizer, self.scheduler)
 
     # -- weights out ---------------------------------------------------------------------------
 

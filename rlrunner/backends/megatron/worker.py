@@ -70,6 +70,35 @@ def replicated_names(model: TPQwen2ForCausalLM) -> set[str]:
     return {name for name, _ in model.named_parameters() if name.endswith("layernorm.weight")}
 
 
+class MegatronModelState:
+    """The "model" part: this tensor-parallel rank's weights; empty when they are sharded over the data-parallel
+    ranks (`actor.megatron.shard_weights`: the optimizer's part holds this rank's slice of them)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: DistributedAdamW):
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.optimizer.shard_weights else {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not self.optimizer.shard_weights:
+            self.model.load_state_dict(state)
+
+
+class MegatronOptimizerState:
+    """The "optimizer" part: this rank's slice of the flat parameter space (master weights, moments) and the step."""
+
+    def __init__(self, optimizer: DistributedAdamW):
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.local_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_local_state(state)
+
+
 class MegatronActorWorker(ActorWorker):
     def setup(self) -> None:
         """Build this rank's shard of the policy (and of the frozen reference when KL is on). Needs the process
@@ -230,21 +259,14 @@ class MegatronActorWorker(ActorWorker):
             restore_rng(rng_from_megatron_entry(loaded.rng_state))
         return loaded.rng_state is not None
 
-    # -- in-memory snapshots --------------------------------------------------------------------
+    # -- state -------------------------------------------------------------------------------------
 
-    def training_state(self) -> dict[str, Any]:
-        sharded = self.optimizer.shard_weights  # then the optimizer's local state holds this rank's slice of them
+    def state_parts(self) -> dict[str, Any]:
         return {
-            "model": {} if sharded else {k: v.detach() for k, v in self.model.state_dict().items()},
-            "optimizer": self.optimizer.local_state(),
-            "scheduler": self.scheduler.state_dict(),
+            "model": MegatronModelState(self.model, self.optimizer),
+            "optimizer": MegatronOptimizerState(self.optimizer),
+            "scheduler": self.scheduler,
         }
-
-    def load_training_state(self, state: dict[str, Any]) -> None:
-        if not self.optimizer.shard_weights:
-            self.model.load_state_dict(state["model"])
-        self.optimizer.load_local_state(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
 
     # -- weights out ---------------------------------------------------------------------------
 
