@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import ray
 from recovery_helpers import (
     RUN,
     assert_matches_reference,
@@ -115,10 +116,13 @@ def test_a_second_signal_exits_at_once(cluster, tmp_path, subprocess_env):
     )
     wait_for(lambda: metrics_lines(tmp_path) >= 4)
     # an actor rank stops answering, so the update in flight can never finish: only a second signal ends the run
+    # this cluster's actor ranks (asked of its GCS), not every FSDPActorWorker process on the machine
     actor_pids = [
-        int(p)
-        for p in subprocess.run(["pgrep", "-f", "ray::FSDPActorWorker"], capture_output=True, text=True).stdout.split()
+        actor["Pid"]
+        for actor in ray._private.state.actors().values()
+        if actor["ActorClassName"] == "FSDPActorWorker" and actor["State"] == "ALIVE"
     ]
+    assert len(actor_pids) == 2
     for pid in actor_pids:
         os.kill(pid, signal.SIGSTOP)
     try:
