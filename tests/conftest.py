@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -204,11 +206,23 @@ def repo_root() -> Path:
     return REPO
 
 
-@pytest.fixture
-def subprocess_env(repo_root) -> dict:
+def repo_env() -> dict:
+    """This process's environment with the repository first on PYTHONPATH: what a subprocess running our code needs."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(repo_root) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+@pytest.fixture
+def subprocess_env() -> dict:
+    return repo_env()
+
+
+def run_toolkit(name: str, *args: str) -> None:
+    """A script of toolkits/ckpt_convertor/ run as a user runs it, in a Python process of its own; fails the test if it
+    exits with an error."""
+    script = REPO / "toolkits" / "ckpt_convertor" / f"{name}.py"
+    subprocess.run([sys.executable, str(script), *args], check=True, env=repo_env(), capture_output=True)
 
 
 # -- an S3 API on 127.0.0.1 (moto), for the storage tests ---------------------------------------------

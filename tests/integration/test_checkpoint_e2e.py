@@ -33,7 +33,7 @@ from rlrunner.runner.supervisor import Supervisor
 from rlrunner.storage import basename
 from rlrunner.tools.convert import load_model_weights
 
-from conftest import LOCAL, TINY_MODEL, Inspect, assert_bit_equal, read_metrics, run_config, without_time
+from conftest import LOCAL, TINY_MODEL, Inspect, assert_bit_equal, read_metrics, run_config, run_toolkit, without_time
 
 pytestmark = pytest.mark.slow
 
@@ -200,39 +200,16 @@ def test_a_run_starts_from_a_checkpoint_given_as_model_path(reference, tmp_path)
     assert_bit_equal(seen["weights"], reference.weights(10))
 
 
-def test_converters_give_the_live_policy(reference, tmp_path, repo_root, subprocess_env):
+def test_converters_give_the_live_policy(reference, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "weights.pt"
-    subprocess.run(
-        [
-            sys.executable,
-            str(repo_root / "toolkits/ckpt_convertor/convert_dcp_to_state_dict.py"),
-            "--dcp_path",
-            str(reference.checkpoint(10) / "actor"),
-            "--output_path",
-            str(out),
-        ],
-        check=True,
-        env=subprocess_env,
-        capture_output=True,
-    )
+    actor = reference.checkpoint(10) / "actor"
+    run_toolkit("convert_dcp_to_state_dict", "--dcp_path", str(actor), "--output_path", str(out))
     assert_bit_equal(torch.load(out, weights_only=True), reference.weights(10))
 
     hf_dir = tmp_path / "hf"
-    subprocess.run(
-        [
-            sys.executable,
-            str(repo_root / "toolkits/ckpt_convertor/convert_dcp_to_hf.py"),
-            "--ckpt_path",
-            str(reference.checkpoint(10)),
-            "--output_path",
-            str(hf_dir),
-        ],
-        check=True,
-        env=subprocess_env,
-        capture_output=True,
-    )
+    run_toolkit("convert_dcp_to_hf", "--ckpt_path", str(reference.checkpoint(10)), "--output_path", str(hf_dir))
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in hf_dir.iterdir()}
     exported = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     live = AutoModelForCausalLM.from_config(exported.config).eval()

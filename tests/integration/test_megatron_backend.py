@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,7 +35,7 @@ from rlrunner.errors import CheckpointError
 from rlrunner.runner.supervisor import Supervisor
 from rlrunner.tools.convert import load_model_weights
 
-from conftest import LOCAL, Inspect, assert_bit_equal, read_metrics, run_config, without_time
+from conftest import LOCAL, Inspect, assert_bit_equal, read_metrics, run_config, run_toolkit, without_time
 
 pytestmark = pytest.mark.slow
 
@@ -131,7 +129,7 @@ def json_config(path: Path):
     return AutoConfig.from_pretrained(str(path.parent))
 
 
-def test_training_learns_and_the_converter_gives_the_live_policy(reference, tmp_path, repo_root, subprocess_env):
+def test_training_learns_and_the_converter_gives_the_live_policy(reference, tmp_path):
     from transformers import AutoModelForCausalLM
 
     last = reference.metrics[-1]
@@ -143,19 +141,7 @@ def test_training_learns_and_the_converter_gives_the_live_policy(reference, tmp_
     assert differs(reference.weights(learning[0]), reference.weights(learning[0] - 1))
     assert differs(reference.weights(), reference.weights(0))
     out = tmp_path / "hf"
-    subprocess.run(
-        [
-            sys.executable,
-            str(repo_root / "toolkits/ckpt_convertor/convert_megatron_to_hf.py"),
-            "--ckpt_path",
-            str(reference.checkpoint(10)),
-            "--output_path",
-            str(out),
-        ],
-        check=True,
-        env=subprocess_env,
-        capture_output=True,
-    )
+    run_toolkit("convert_megatron_to_hf", "--ckpt_path", str(reference.checkpoint(10)), "--output_path", str(out))
     model = AutoModelForCausalLM.from_pretrained(out)
     assert_same_weights(model.state_dict(), reference.weights(10))  # the HF model's key order
     assert_bit_equal(load_model_weights(reference.checkpoint(10)), reference.weights(10))

@@ -3,16 +3,13 @@ start from a model folder (HF or converted to Megatron's layout) with exactly th
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 from reference_runs import assert_same_weights, start_weights
 
 from rlrunner.errors import ConfigError
 from rlrunner.runner.supervisor import Supervisor
 
-from conftest import run_config
+from conftest import run_config, run_toolkit
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +64,7 @@ def test_a_model_that_does_not_split_is_refused_before_workers_start(tmp_path):
 
 
 @pytest.mark.parametrize("folder, backend", [("hf", "fsdp"), ("hf", "megatron"), ("megatron", "megatron")])
-def test_a_run_starts_from_a_model_folder_exactly(ray_session, tmp_path, repo_root, subprocess_env, folder, backend):
+def test_a_run_starts_from_a_model_folder_exactly(ray_session, tmp_path, folder, backend):
     """model.path at an HF folder (each rank reads only its rows and columns of the safetensors; the tied output layer
     from the embedding, which the folder does not repeat) or at convert_hf_to_megatron.py's output: the run starts from
     the folder's weights exactly."""
@@ -78,20 +75,14 @@ def test_a_run_starts_from_a_model_folder_exactly(ray_session, tmp_path, repo_ro
     path, hf_model = save_hf_folder(tmp_path / "hf", TIED)  # tied embeddings: lm_head is the embedding
     if folder == "megatron":
         path = tmp_path / "megatron"
-        subprocess.run(
-            [
-                sys.executable,
-                str(repo_root / "toolkits/ckpt_convertor/convert_hf_to_megatron.py"),
-                "--hf_path",
-                str(tmp_path / "hf"),
-                "--output_path",
-                str(path),
-                "--tensor_model_parallel_size",
-                "2",
-            ],
-            check=True,
-            env=subprocess_env,
-            capture_output=True,
+        run_toolkit(
+            "convert_hf_to_megatron",
+            "--hf_path",
+            str(tmp_path / "hf"),
+            "--output_path",
+            str(path),
+            "--tensor_model_parallel_size",
+            "2",
         )
         check_model_path(str(path))
     # the test config's model overrides, made to agree with the folder's shape
