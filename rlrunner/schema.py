@@ -34,6 +34,9 @@ class ClusterConfig:
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
     placement_timeout_s: float = 60.0
     spare_workers: SpareWorkersConfig = field(default_factory=SpareWorkersConfig)
+    # a run that ends as it should leaves its worker processes (imports done) to the next run of the same driver
+    # process with groups of the same shape (a sweep, a notebook, the tests); they hold their resources until then
+    reuse_workers: bool = True
 
 
 @dataclass

@@ -133,6 +133,13 @@ def is_embedded() -> bool:
     return _connection.mode == EMBEDDED
 
 
+def started_here() -> bool:
+    """Whether the Ray this process is attached to runs from processes it started (the embedded Ray, or a local
+    `ray.init()` of its own): a cluster no other driver is sent to, whose resources nobody else waits for."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    return ray.is_initialized() and node is not None and bool(node.all_processes.get("gcs_server"))
+
+
 def cluster_lost(force: bool = False) -> str | None:
     """Why the cluster this driver uses is gone, or None. Cheap (checks at most once a second unless `force`)."""
     if _connection.mode is None or _current_gcs_address() != _connection.gcs_address:

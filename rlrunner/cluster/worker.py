@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from datetime import timedelta
@@ -10,6 +11,8 @@ from rlrunner.cluster.node import node_id, node_ip
 from rlrunner.cluster.shared_storage import answer_probe_at
 from rlrunner.utils.heap import release_freed_memory
 
+_FRESH_RNG: object = None  # torch's CPU generator as this process started: what a reused worker starts from again
+
 
 class Worker:
     """Plain Python class (no Ray imports), so a worker can also be built and tested in-process."""
@@ -17,6 +20,9 @@ class Worker:
     def __init__(self, rank: int, world_size: int, threads: int = 1, use_gpu: bool = False):
         import torch
 
+        global _FRESH_RNG
+        if _FRESH_RNG is None:
+            _FRESH_RNG = torch.get_rng_state()
         release_freed_memory()  # a worker's peak memory is its state, not blocks freed long ago
         self.rank = rank
         self.world_size = world_size
@@ -37,6 +43,26 @@ class Worker:
     def close(self) -> None:
         """Free what this worker holds before its process is killed (called by `WorkerGroup.shutdown` on a graceful
         end; never after a failure, when it may not answer). Nothing by default."""
+
+    def release(self) -> None:
+        """A finished run's worker kept for the next run of the same driver (`WorkerGroup.park`): free everything it
+        holds (`close`, the process group, every attribute), keeping only the process and its imports."""
+        self.close()
+        self.leave_process_group()
+        self.__dict__.clear()
+        self.rank, self.world_size = -1, 0  # what `ping` tells while parked
+        gc.collect()
+        release_freed_memory()
+
+    def reinit(self, rank: int, world_size: int, **kwargs) -> dict:
+        """A released worker built again for a new run, as a new process would be (the same constructor, torch's
+        generator back at its start state); returns `ping()`."""
+        import torch
+
+        self.__dict__.clear()
+        torch.set_rng_state(_FRESH_RNG)
+        type(self).__init__(self, rank=rank, world_size=world_size, **kwargs)
+        return self.ping()
 
     def ping(self) -> dict:
         """Where this worker runs: used for placement checks and logs."""

@@ -20,7 +20,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlrunner.cluster.ray_setup import cluster_lost
+from rlrunner.cluster import parked_groups
+from rlrunner.cluster.ray_setup import cluster_lost, started_here
 from rlrunner.errors import ClusterLostError, ResourceError, describe
 
 logger = logging.getLogger(__name__)
@@ -69,13 +70,15 @@ class WorkerGroup:
         wait: bool = True,
         workers_per_bundle: int = 1,
         spares: Sequence[Any] = (),
+        reuse: bool = False,
     ):
         """Place the group and start its actors; with `wait`, also wait until they are ready (see `wait_ready`).
 
         `workers_per_bundle` consecutive ranks share one placement bundle, and a bundle is never split across
         nodes: a tensor-parallel group placed this way always runs on one node. `spares` (warm workers of the same
         class and arguments, already running: `rlrunner.cluster.spares`) become the first ranks, a whole number of
-        bundles of them; only the other ranks are placed and started.
+        bundles of them; only the other ranks are placed and started. With `reuse` and no spares, a group of the same
+        shape parked by an earlier run of this driver (`finish`) is built again in its processes and placement.
         """
         if workers_per_bundle < 1 or num_workers % workers_per_bundle:
             raise ValueError(f"{name}: {num_workers} workers do not fill bundles of {workers_per_bundle}")
@@ -91,26 +94,39 @@ class WorkerGroup:
             self._bundle["GPU"] = gpus_per_worker
         self.workers_per_bundle = workers_per_bundle
         self.placement_strategy = placement_strategy
+        self.reuse = reuse
+        self.distributed = distributed
+        # the shape a parked group must have to be taken
+        self._key = (name, worker_cls, num_workers, tuple(self._bundle.items()), workers_per_bundle, placement_strategy)
+        self._remote_cls = ray.remote(worker_cls)
+        self._worker_kwargs = dict(worker_kwargs or {})
+        self._cpus, self._gpus = cpus_per_worker, gpus_per_worker
+        self.start_timeout_s = start_timeout_s
+        self.dist_timeout_s = dist_timeout_s
+        self.hosts: list[dict] = []
+        self._created = time.monotonic()
+        self._starting: list[ray.ObjectRef] | None = None  # a reused group's rebuild (`Worker.reinit`)
+        parked = parked_groups.take(self._key) if reuse and not spares else None
+        if parked is not None:
+            self.placement_groups, self.rank_bundles = parked.placement_groups, parked.rank_bundles
+            self.idle_bundles, self.placement_wait_s, self.workers = parked.idle_bundles, 0.0, parked.workers
+            kwargs = self._worker_kwargs
+            self._starting = [
+                worker.reinit.remote(rank, num_workers, **kwargs) for rank, worker in enumerate(self.workers)
+            ]
+            if wait:
+                self.wait_ready(abandon)
+            return
         adopted = len(spares)
         self.placement_groups: list[
             Any
         ] = []  # every placement group the group's ranks were placed in (removed with it)
         self.rank_bundles: list[tuple[Any, int] | None] = [None] * adopted  # rank -> its (placement group, bundle)
-        self.idle_bundles: list[
-            tuple[Any, int]
-        ] = []  # bundles left by a rank replaced by a spare: for the next new rank
+        self.idle_bundles: list[tuple[Any, int]] = []  # bundles left by a rank replaced by a spare: for a new rank
         self.placement_wait_s = 0.0
         if adopted < num_workers:
             group = self._place((num_workers - adopted) // workers_per_bundle, placement_timeout_s, abandon)
             self.rank_bundles += [(group, rank // workers_per_bundle) for rank in range(num_workers - adopted)]
-        self.distributed = distributed
-        self.start_timeout_s = start_timeout_s
-        self.dist_timeout_s = dist_timeout_s
-        self.hosts: list[dict] = []
-        self._created = time.monotonic()
-        self._remote_cls = ray.remote(worker_cls)
-        self._worker_kwargs = dict(worker_kwargs or {})
-        self._cpus, self._gpus = cpus_per_worker, gpus_per_worker
         self.workers = list(spares) + [self._start_rank(rank) for rank in range(adopted, self.num_workers)]
         for rank, spare in enumerate(spares):
             spare.adopt.remote(rank, self.num_workers)  # runs before anything else this driver asks of it
@@ -196,7 +212,8 @@ class WorkerGroup:
         Groups created with `wait=False` can start side by side and be waited for one after the other.
         """
         try:
-            self.hosts = self.get(self.call_all_async("ping"), self.start_timeout_s, abandon)
+            starting, self._starting = self._starting or self.call_all_async("ping"), None
+            self.hosts = self.get(starting, self.start_timeout_s, abandon)
             if self.distributed:
                 host, port = self.get(self.workers[0].free_address.remote(), self.start_timeout_s, abandon)
                 refs = self.call_all_async("init_process_group", host, port, self.dist_timeout_s)
@@ -224,6 +241,8 @@ class WorkerGroup:
             ready, _ = ray.wait([ready_ref], timeout=max(0.0, min(1.0, remaining)))
             if ready:
                 return time.monotonic() - started
+            if parked_groups.evict():  # the groups an earlier run left parked give way to this one
+                continue
             waited = time.monotonic() - started
             if cluster_lost() is not None:
                 remove_placement_group_quietly(group)
@@ -327,6 +346,22 @@ class WorkerGroup:
             except Exception:  # still running something (busy, stuck): alive as far as Ray knows
                 pass
         return dead
+
+    def finish(self, close_timeout_s: float) -> None:
+        """The run ended as it should: with `reuse` on a Ray this process started (parked workers would hold resources
+        other drivers of a shared cluster wait for), the workers free what they hold (`Worker.release`, waiting at
+        most `close_timeout_s`) and the group is parked for this driver's next run; else (or when a worker does not
+        answer) `shutdown(close_timeout_s)`."""
+        if not self.reuse or not started_here() or cluster_lost() is not None:
+            self.shutdown(close_timeout_s)
+            return
+        try:
+            self.get(self.call_all_async("release"), close_timeout_s)
+        except Exception as exc:
+            logger.warning("%s group: not kept for the next run (%s)", self.name, describe(exc))
+            self.shutdown()
+            return
+        parked_groups.park(self._key, self)
 
     def shutdown(self, close_timeout_s: float = 0.0) -> None:
         """Kill every actor and free the placement group; safe to call on a half-dead group. With `close_timeout_s`,

@@ -34,6 +34,7 @@ def group_specs(ctx: RunContext, placement_timeout_s: float, abandon: Callable[[
         "abandon": abandon,
         "start_timeout_s": START_TIMEOUT_S,
         "wait": False,
+        "reuse": cluster.reuse_workers,
     }
     actor = {
         "name": "actor",

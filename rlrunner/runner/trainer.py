@@ -166,9 +166,13 @@ class Trainer(AttemptState):
         return [g for g in (self.actor_group, self.rollout_group) if g is not None]
 
     def close(self, close_timeout_s: float = 0.0) -> None:
-        """The groups go (their workers asked to close first, for at most `close_timeout_s`, on a graceful end)."""
+        """The groups go: on a graceful end (`close_timeout_s` > 0) their workers close first, waiting at most that,
+        and are kept for the driver's next run with `cluster.reuse_workers` (`WorkerGroup.finish`)."""
         for group in self.groups():
-            group.shutdown(close_timeout_s)
+            if close_timeout_s > 0:
+                group.finish(close_timeout_s)
+            else:
+                group.shutdown()
         self.actor_group = self.rollout_group = None
 
     def _stop_requested(self) -> bool:

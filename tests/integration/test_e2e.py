@@ -35,7 +35,8 @@ def rollout_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 def test_training_changes_weights_syncs_rollout_and_logs_every_metric(ray_session, tmp_path):
     """A 4-step run changes every weight, syncs them to the rollout worker and logs every metric; the same run with two
-    rollout workers logs the same metrics, bit for bit (one test: one run's start-up less for the suite)."""
+    rollout workers logs the same metrics, bit for bit, and so does the first run again in the worker processes the
+    runs before it left (one test: fewer start-ups for the suite)."""
     # Two new tokens: a random policy often emits a digit (a well-formed answer), so rewards vary from step 1.
     one_worker = ["actor.num_workers=2", "rollout.generation_batch_size=1", "rollout.max_new_tokens=2"]
     cfg = run_config(tmp_path, *one_worker, "rollout.num_workers=1")
@@ -44,6 +45,7 @@ def test_training_changes_weights_syncs_rollout_and_logs_every_metric(ray_sessio
     def start(trainer: Trainer) -> None:
         seen["before"] = trainer.policy_weights()
         seen["rollout_names"] = set(rollout_weights(trainer))
+        seen["pids"] = pids(trainer)
 
     def end(trainer: Trainer) -> None:
         seen["after"], seen["synced"] = trainer.policy_weights(), rollout_weights(trainer)
@@ -64,5 +66,25 @@ def test_training_changes_weights_syncs_rollout_and_logs_every_metric(ray_sessio
     assert any(r["rollout/reward_std"] > 0 and r["actor/grad_norm"] > 0 for r in records)
     assert list(log_dir.glob("events.out.tfevents.*")), "no TensorBoard event file"
 
-    Supervisor(run_config(tmp_path / "two", *one_worker, "rollout.num_workers=2")).run()
+    two = {}
+    Supervisor(
+        run_config(tmp_path / "two", *one_worker, "rollout.num_workers=2"),
+        callbacks=[Inspect(lambda trainer: two.update(pids=pids(trainer)))],
+    ).run()
     assert without_time(read_metrics(tmp_path / "two" / "test" / "metrics.jsonl")) == without_time(records)
+
+    # The first run again, in the processes the last two runs left (cluster.reuse_workers): the same run, bit for bit.
+    again = {}
+    Supervisor(
+        run_config(tmp_path / "again", *one_worker, "rollout.num_workers=1"),
+        callbacks=[
+            Inspect(lambda trainer: again.update(pids=pids(trainer)), lambda t: again.update(after=t.policy_weights()))
+        ],
+    ).run()
+    assert again["pids"] == {"actor": two["pids"]["actor"], "rollout": seen["pids"]["rollout"]}
+    assert without_time(read_metrics(tmp_path / "again" / "test" / "metrics.jsonl")) == without_time(records)
+    assert_bit_equal(again["after"], after)
+
+
+def pids(trainer: Trainer) -> dict[str, list[int]]:
+    return {group.name: [host["pid"] for host in group.hosts] for group in trainer.groups()}

@@ -9,6 +9,7 @@ import pytest
 import ray
 from ray import cloudpickle
 
+from rlrunner.cluster import parked_groups
 from rlrunner.cluster.worker import Worker
 from rlrunner.cluster.worker_group import CallAbandoned, CallTimeoutError, WorkerGroup, WorkerRaised
 from rlrunner.errors import ResourceError
@@ -32,6 +33,18 @@ class SumWorker(Worker):
         tensor = torch.tensor([float(self.rank + 1)])
         dist.all_reduce(tensor)
         return float(tensor.item())
+
+    def draw(self) -> list[float]:
+        """Two numbers from torch's global generator (never seeded here)."""
+        import torch
+
+        return torch.rand(2).tolist()
+
+    def remember(self, value: int) -> None:
+        self.remembered = value
+
+    def attributes(self) -> list[str]:
+        return sorted(vars(self))
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
@@ -80,6 +93,9 @@ def test_a_failing_rank_is_reported_without_waiting_for_hung_peers(ray_session):
         # rank 0 is still sleeping in its call and rank 1 raised: neither is dead
         assert group.dead_ranks(timeout_s=1) == []
         ray.kill(group.workers[1], no_restart=True)
+        deadline = time.monotonic() + 30  # ray.kill returns before the actor is gone
+        while group.dead_ranks(timeout_s=1) != [1] and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert group.dead_ranks(timeout_s=1) == [1]
     finally:
         group.shutdown()
@@ -180,3 +196,70 @@ def test_lost_ranks_are_replaced_in_place_and_the_process_group_formed_again(ray
             group.replace_ranks([0], spares=[spare, spare])
     finally:
         group.shutdown()
+
+
+def test_a_finished_group_is_built_again_in_its_processes_by_the_next_group_of_its_shape(ray_session):
+    """`finish` with `reuse` parks the group (its workers released); the next group of the same shape takes its
+    processes and placement, built with its own arguments as a new process would be: nothing kept from the last run,
+    torch's generator where a new process has it, the process group formed again. Another shape starts its own."""
+    shape = {"cpus_per_worker": 0.25, "distributed": True, "reuse": True}
+    first = WorkerGroup("sum", SumWorker, 2, worker_kwargs={"offset": 10}, **shape)
+    groups = [first]
+    try:
+        draws = first.call_all("draw")
+        first.call_all("remember", 5)
+        assert first.call_all("all_reduce_rank") == [3.0, 3.0]
+        first.finish(10.0)
+        second = WorkerGroup("sum", SumWorker, 2, worker_kwargs={"offset": 20}, **shape)
+        groups.append(second)
+        assert [h["pid"] for h in second.hosts] == [h["pid"] for h in first.hosts]
+        assert second.placement_groups == first.placement_groups
+        assert second.call_all("draw") == draws
+        kept = second.call_all("attributes")
+        assert second.call_all("rank_plus", 1) == [21, 22] and second.call_all("all_reduce_rank") == [3.0, 3.0]
+        second.finish(10.0)
+
+        other = WorkerGroup("sum", SumWorker, 3, worker_kwargs={"offset": 0}, **shape)  # another shape
+        groups.append(other)
+        assert not {h["pid"] for h in other.hosts} & {h["pid"] for h in first.hosts}
+        assert kept == other.call_all("attributes")[:2] and "remembered" not in kept[0]  # nothing left of the first
+        other.shutdown()
+        third = WorkerGroup("sum", SumWorker, 2, worker_kwargs={"offset": 30}, **shape)  # still parked meanwhile
+        groups.append(third)
+        assert [h["pid"] for h in third.hosts] == [h["pid"] for h in first.hosts]
+        third.finish(10.0)
+        ray.kill(third.workers[1], no_restart=True)  # a parked worker lost: its group is not taken
+        deadline = time.monotonic() + 30  # ray.kill returns before the actor is gone
+        while third.dead_ranks(timeout_s=1) != [1] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        fourth = WorkerGroup("sum", SumWorker, 2, worker_kwargs={"offset": 40}, **shape)
+        groups.append(fourth)
+        assert not {h["pid"] for h in fourth.hosts} & {h["pid"] for h in first.hosts}
+        assert fourth.call_all("all_reduce_rank") == [3.0, 3.0]
+        fourth.finish(10.0)
+        plain = WorkerGroup("sum", SumWorker, 2, worker_kwargs={"offset": 40}, cpus_per_worker=0.25)
+        groups.append(plain)  # reuse off: a group of its own, shut down by finish
+        assert not {h["pid"] for h in plain.hosts} & {h["pid"] for h in fourth.hosts}
+        plain.finish(10.0)
+        assert plain.dead_ranks(timeout_s=10.0) == [0, 1]
+    finally:
+        parked_groups.evict()
+        for group in groups:
+            group.shutdown()
+
+
+def test_parked_groups_give_way_to_a_group_that_does_not_fit_beside_them(ray_session):
+    parked = WorkerGroup("sum", SumWorker, 2, cpus_per_worker=0.5, reuse=True)
+    big = None
+    try:
+        parked.finish(10.0)
+        total = ray.cluster_resources()["CPU"]
+        big = WorkerGroup("big", SumWorker, 2, cpus_per_worker=total / 2, reuse=True, placement_timeout_s=30)
+        assert big.call_all("rank_plus", 1) == [1, 2]
+        assert parked.dead_ranks(timeout_s=10.0) == [0, 1]
+        assert parked_groups.take(parked._key) is None
+    finally:
+        parked_groups.evict()
+        parked.shutdown()
+        if big is not None:
+            big.shutdown()
