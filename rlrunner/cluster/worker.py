@@ -41,11 +41,12 @@ class Worker:
         return self.ping()
 
     def close(self) -> None:
-        """Free what this worker holds before its process is killed (called by `WorkerGroup.shutdown` on a graceful
-        end; never after a failure, when it may not answer). Nothing by default."""
+        """Free what this worker holds before its process is killed or kept for another run (called by
+        `WorkerGroup.shutdown` and `release` on a graceful end; never after a failure, when it may not answer). Nothing
+        by default."""
 
     def release(self) -> None:
-        """A finished run's worker kept for the next run of the same driver (`WorkerGroup.park`): free everything it
+        """A finished run's worker kept for the next run of the same driver (`WorkerGroup.finish`): free everything it
         holds (`close`, the process group, every attribute), keeping only the process and its imports."""
         self.close()
         self.leave_process_group()
