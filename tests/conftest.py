@@ -135,6 +135,11 @@ class Inspect:
             self.on_end(trainer)
 
 
+def worker_pids(trainer) -> dict[str, list[int]]:
+    """The process ids of an attempt's workers, by group name."""
+    return {group.name: [host["pid"] for host in group.hosts] for group in trainer.groups()}
+
+
 def error_line(capsys) -> str:
     """The one `rlrunner: error:` line the driver printed (and no traceback)."""
     err = capsys.readouterr().err

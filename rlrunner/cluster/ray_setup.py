@@ -136,8 +136,13 @@ def is_embedded() -> bool:
 def started_here() -> bool:
     """Whether the Ray this process is attached to runs from processes it started (the embedded Ray, or a local
     `ray.init()` of its own): a cluster no other driver is sent to, whose resources nobody else waits for."""
-    node = getattr(ray._private.worker, "_global_node", None)
+    node = _local_node()
     return ray.is_initialized() and node is not None and bool(node.all_processes.get("gcs_server"))
+
+
+def _local_node():
+    """The Ray node object of this process's `ray.init` (its `all_processes`: those it started), or None."""
+    return getattr(ray._private.worker, "_global_node", None)
 
 
 def cluster_lost(force: bool = False) -> str | None:
@@ -161,7 +166,7 @@ def cluster_lost(force: bool = False) -> str | None:
 
 
 def _embedded_process_exited() -> str | None:
-    node = getattr(ray._private.worker, "_global_node", None)  # the processes `ray.init` started here
+    node = _local_node()
     if node is None:
         return None
     for kind in _WATCHED_PROCESSES:

@@ -80,10 +80,6 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 120) -> None:
         time.sleep(0.01)
 
 
-def worker_pids(trainer) -> dict[str, list[int]]:
-    return {group.name: [host["pid"] for host in group.hosts] for group in trainer.groups()}
-
-
 def assert_restored_from_memory(output_dir: Path, lost_steps: int = 0) -> dict:
     """One restart, loaded from the in-memory snapshot of the last completed step (minus `lost_steps`)."""
     [failure] = recovery_events(output_dir, "failure")

@@ -9,7 +9,7 @@ import torch
 from rlrunner.runner.supervisor import Supervisor
 from rlrunner.runner.trainer import Trainer
 
-from conftest import Inspect, assert_bit_equal, read_metrics, run_config, without_time
+from conftest import Inspect, assert_bit_equal, read_metrics, run_config, without_time, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def test_training_changes_weights_syncs_rollout_and_logs_every_metric(ray_sessio
     def start(trainer: Trainer) -> None:
         seen["before"] = trainer.policy_weights()
         seen["rollout_names"] = set(rollout_weights(trainer))
-        seen["pids"] = pids(trainer)
+        seen["pids"] = worker_pids(trainer)
 
     def end(trainer: Trainer) -> None:
         seen["after"], seen["synced"] = trainer.policy_weights(), rollout_weights(trainer)
@@ -69,7 +69,7 @@ def test_training_changes_weights_syncs_rollout_and_logs_every_metric(ray_sessio
     two = {}
     Supervisor(
         run_config(tmp_path / "two", *one_worker, "rollout.num_workers=2"),
-        callbacks=[Inspect(lambda trainer: two.update(pids=pids(trainer)))],
+        callbacks=[Inspect(lambda trainer: two.update(pids=worker_pids(trainer)))],
     ).run()
     assert without_time(read_metrics(tmp_path / "two" / "test" / "metrics.jsonl")) == without_time(records)
 
@@ -78,13 +78,12 @@ def test_training_changes_weights_syncs_rollout_and_logs_every_metric(ray_sessio
     Supervisor(
         run_config(tmp_path / "again", *one_worker, "rollout.num_workers=1"),
         callbacks=[
-            Inspect(lambda trainer: again.update(pids=pids(trainer)), lambda t: again.update(after=t.policy_weights()))
+            Inspect(
+                lambda trainer: again.update(pids=worker_pids(trainer)),
+                lambda t: again.update(after=t.policy_weights()),
+            )
         ],
     ).run()
     assert again["pids"] == {"actor": two["pids"]["actor"], "rollout": seen["pids"]["rollout"]}
     assert without_time(read_metrics(tmp_path / "again" / "test" / "metrics.jsonl")) == without_time(records)
     assert_bit_equal(again["after"], after)
-
-
-def pids(trainer: Trainer) -> dict[str, list[int]]:
-    return {group.name: [host["pid"] for host in group.hosts] for group in trainer.groups()}

@@ -24,7 +24,6 @@ from recovery_helpers import (
     recovery_events,
     wait_for,
     with_spares_up,
-    worker_pids,
 )
 from reference_runs import Reference, reference_run
 
@@ -32,7 +31,7 @@ from rlrunner.checkpoint import layout
 from rlrunner.errors import RecoveryExhaustedError, WorkerError
 from rlrunner.runner.supervisor import Supervisor
 
-from conftest import Inspect, metrics_lines, once, read_metrics, run_config
+from conftest import Inspect, metrics_lines, once, read_metrics, run_config, worker_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.multinode]
 
