@@ -74,14 +74,47 @@ def megatron_models():
 def ray_session():
     """A local Ray with more logical CPUs than cores, so that several small worker groups fit on 2 cores.
 
-    Module-scoped: the recovery tests run their own multi-node cluster instead.
+    Kept from one module to the next, with the worker processes its runs park (`cluster.reuse_workers`): the modules
+    that use it run first (`pytest_collection_modifyitems`), and it is shut down before the first test of a module
+    that does not (those start a Ray of their own, a multi-node cluster, or none).
     """
     import ray
 
+    global _kept_ray
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING")
+        _kept_ray = True
     yield ray
-    ray.shutdown()
+
+
+_kept_ray = False  # ray_session's Ray is up
+_ray_session_modules: set[str] = set()
+
+
+def _module(item) -> str:
+    return item.nodeid.split("::")[0]
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """The modules that use ray_session first (in their order), so that they share one Ray and its parked workers."""
+    _ray_session_modules.update(_module(item) for item in items if "ray_session" in item.fixturenames)
+    items.sort(key=lambda item: _module(item) not in _ray_session_modules)
+
+
+def pytest_runtest_setup(item) -> None:
+    global _kept_ray
+    if _kept_ray and _module(item) not in _ray_session_modules:
+        import ray
+
+        ray.shutdown()
+        _kept_ray = False
+
+
+def pytest_sessionfinish(session) -> None:
+    if _kept_ray:
+        import ray
+
+        ray.shutdown()
 
 
 def run_config(tmp_path: Path, *overrides: str):

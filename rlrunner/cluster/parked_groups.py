@@ -17,7 +17,11 @@ from typing import Any, Hashable
 
 import ray
 
-_parked: dict[Hashable, Any] = {}  # shape -> a parked WorkerGroup
+# At most this many groups are kept (the oldest goes first): a sweep over shapes does not fill the memory with idle
+# processes, each holding torch and a backend's imports.
+MAX_PARKED = 3
+
+_parked: dict[Hashable, Any] = {}  # shape -> a parked WorkerGroup, oldest first
 _cluster: str | None = None  # the Ray cluster the parked groups live in
 
 
@@ -38,12 +42,15 @@ def _forget_other_clusters() -> None:
 
 
 def park(key: Hashable, group: Any) -> None:
-    """Keep `group` (its workers released) for a later group of the same `key`; one already parked there goes."""
+    """Keep `group` (its workers released) for a later group of the same `key`; one already parked there goes, and
+    so does the oldest beyond `MAX_PARKED`."""
     _forget_other_clusters()
     previous = _parked.pop(key, None)
     if previous is not None:
         previous.shutdown()
     _parked[key] = group
+    while len(_parked) > MAX_PARKED:
+        _parked.pop(next(iter(_parked))).shutdown()
 
 
 def take(key: Hashable) -> Any | None:
