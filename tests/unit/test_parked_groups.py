@@ -6,8 +6,8 @@ from rlrunner.cluster import parked_groups
 
 
 class Group:
-    def __init__(self, name: str, dead: bool = False):
-        self.name, self.dead, self.shut = name, dead, False
+    def __init__(self, dead: bool = False):
+        self.dead, self.shut = dead, False
 
     def dead_ranks(self, timeout_s: float) -> list[int]:
         return [0] if self.dead else []
@@ -18,7 +18,7 @@ class Group:
 
 def test_at_most_max_parked_groups_are_kept_and_the_oldest_goes_first():
     parked_groups.evict()
-    groups = [Group(f"g{i}") for i in range(parked_groups.MAX_PARKED + 2)]
+    groups = [Group() for _ in range(parked_groups.MAX_PARKED + 2)]
     for i, group in enumerate(groups):
         parked_groups.park(("shape", i), group)
     assert [g.shut for g in groups] == [True, True] + [False] * parked_groups.MAX_PARKED
@@ -30,7 +30,7 @@ def test_at_most_max_parked_groups_are_kept_and_the_oldest_goes_first():
 
 def test_a_group_parked_again_under_its_shape_replaces_the_old_one_and_a_dead_one_is_not_taken():
     parked_groups.evict()
-    old, new, dead = Group("old"), Group("new"), Group("dead", dead=True)
+    old, new, dead = Group(), Group(), Group(dead=True)
     parked_groups.park("a", old)
     parked_groups.park("a", new)
     assert old.shut and not new.shut
