@@ -80,41 +80,88 @@ def ray_session():
     """
     import ray
 
-    global _kept_ray
-    if not ray.is_initialized():
+    global _kept
+    if _kept != "ray_session":
+        if ray.is_initialized():
+            ray.shutdown()
         ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING")
-        _kept_ray = True
+        _kept = "ray_session"
     yield ray
 
 
-_kept_ray = False  # ray_session's Ray is up
-_ray_session_modules: set[str] = set()
+@pytest.fixture(scope="module")
+def cluster():
+    """The recovery tests' multi-node Ray cluster (tests/integration/recovery_helpers.py), with Ray connected to it.
+
+    The head node (1 CPU) is this process's own `ray.init`, so runs park their worker groups for the next test as on
+    a Ray a user starts (`cluster.reuse_workers`); a worker node with 2 CPUs (`cluster.actor_node`, which a test may
+    replace) is joined to it. Kept from one module to the next like ray_session's Ray: the modules that use it run
+    right after those.
+    """
+    global _kept, _kept_cluster
+    if _kept != "cluster":
+        _kept_cluster = _start_multi_node_cluster()
+        _kept = "cluster"
+    return _kept_cluster
+
+
+def _start_multi_node_cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=1, object_store_memory=150 * 1024**2, include_dashboard=False, logging_level="WARNING")
+    nodes = Cluster()  # no head of its own: the nodes it adds join ray.init's
+    nodes.head_node = ray._private.worker._global_node
+    nodes.actor_node = nodes.add_node(num_cpus=2)  # where the actor group packs
+    return nodes
+
+
+_kept: str | None = None  # the shared Ray that is up: "ray_session" or "cluster" (the fixture's name)
+_kept_cluster = None  # the cluster fixture's Cluster, while _kept == "cluster"
+# the modules that use each shared Ray, in the order they run: all those of one, then those of the next, then the rest
+_shared_modules: dict[str, set[str]] = {"ray_session": set(), "cluster": set()}
 
 
 def _module(item) -> str:
     return item.nodeid.split("::")[0]
 
 
+def _shared_ray_order(item) -> int:
+    return next(
+        (i for i, modules in enumerate(_shared_modules.values()) if _module(item) in modules), len(_shared_modules)
+    )
+
+
 def pytest_collection_modifyitems(session, config, items) -> None:
-    """The modules that use ray_session first (in their order), so that they share one Ray and its parked workers."""
-    _ray_session_modules.update(_module(item) for item in items if "ray_session" in item.fixturenames)
-    items.sort(key=lambda item: _module(item) not in _ray_session_modules)
+    """The modules that use ray_session first, then those that use the cluster (each in their order), so that each
+    set shares one Ray and its parked workers."""
+    for fixture, modules in _shared_modules.items():
+        modules.update(_module(item) for item in items if fixture in item.fixturenames)
+    items.sort(key=_shared_ray_order)
+
+
+def _shut_down_kept_ray() -> None:
+    global _kept, _kept_cluster
+    import ray
+
+    if _kept_cluster is not None:  # its worker nodes before the head (or their agents outlive them)
+        for node in list(_kept_cluster.worker_nodes):
+            _kept_cluster.remove_node(node)
+        _kept_cluster = None
+    ray.shutdown()
+    _kept = None
 
 
 def pytest_runtest_setup(item) -> None:
-    global _kept_ray
-    if _kept_ray and _module(item) not in _ray_session_modules:
-        import ray
-
-        ray.shutdown()
-        _kept_ray = False
+    if _kept is not None and _module(item) not in _shared_modules[_kept]:
+        _shut_down_kept_ray()
 
 
 def pytest_sessionfinish(session) -> None:
-    if _kept_ray:
-        import ray
-
-        ray.shutdown()
+    if _kept is not None:
+        _shut_down_kept_ray()
 
 
 def run_config(tmp_path: Path, *overrides: str):

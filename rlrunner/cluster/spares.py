@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from rlrunner.cluster import parked_groups
 from rlrunner.cluster.ray_setup import alive_nodes, cluster_lost
 from rlrunner.cluster.worker_group import kill_quietly
 
@@ -54,9 +55,11 @@ class SparePool:
         self._said_waiting = False
 
     def refill(self, avoid_nodes: Sequence[str] = ()) -> None:
-        """Start spares until the pool has `count` (never waits)."""
+        """Start spares until the pool has `count` (never waits). Groups an earlier run of this driver parked give
+        way first: a spare waits in Ray's queue for resources, where nothing would make them give way later."""
         if len(self.spares) >= self.count:
             return
+        parked_groups.evict()
         nodes = alive_nodes()
         while len(self.spares) < self.count:
             node = spare_node(nodes, [*avoid_nodes, *self.covering], [n for _, n, _ in self.spares])

@@ -351,8 +351,11 @@ class WorkerGroup:
         """The run ended as it should: with `reuse` on a Ray this process started (parked workers would hold resources
         other drivers of a shared cluster wait for), the workers free what they hold (`Worker.release`, waiting at
         most `close_timeout_s`) and the group is parked for this driver's next run; else (or when a worker does not
-        answer) `shutdown(close_timeout_s)`."""
-        if not self.reuse or not started_here() or cluster_lost() is not None:
+        answer) `shutdown(close_timeout_s)`. A group that adopted spares is not kept: they hold resources of their own
+        beside its placement group, which still holds the bundles of the ranks they replaced, so it would hold more
+        than a new group of its shape (and keep a later run's spares from fitting)."""
+        adopted_spares = self.idle_bundles or None in self.rank_bundles
+        if not self.reuse or adopted_spares or not started_here() or cluster_lost() is not None:
             self.shutdown(close_timeout_s)
             return
         try:

@@ -81,21 +81,41 @@ class Score:
 
 
 class Batch:
-    """Requests submitted together; complete once every one has a Score."""
+    """Requests submitted together; complete once every one has a Score, settled already once the first error in
+    order is known (every request before it scored)."""
 
     def __init__(self, size: int):
         self.scores: list[Score | None] = [None] * size
         self.left = size
+        self.in_order = 0  # how many leading requests have their Score
         self.done = threading.Event()
+        self.settled = threading.Event()  # done, or the scores up to the first error are in
+        self.discarded = False  # its caller stopped waiting: what is left of it is not scored
         if size == 0:
             self.done.set()
+            self.settled.set()
 
     def put(self, index: int, score: Score) -> None:
-        if self.scores[index] is None:
-            self.scores[index] = score
-            self.left -= 1
-            if self.left == 0:
-                self.done.set()
+        if self.scores[index] is not None:
+            return
+        self.scores[index] = score
+        self.left -= 1
+        while self.in_order < len(self.scores) and self.scores[self.in_order] is not None:
+            if self.scores[self.in_order].error is not None:  # type: ignore[union-attr]
+                self.settled.set()
+            self.in_order += 1
+        if self.left == 0:
+            self.done.set()
+            self.settled.set()
+
+    def until_first_error(self) -> list[Score]:
+        """The leading scores up to the first error, that error included (all of them when none failed)."""
+        scores: list[Score] = []
+        for score in self.scores[: self.in_order]:
+            scores.append(score)  # type: ignore[arg-type]
+            if score.error is not None:  # type: ignore[union-attr]
+                break
+        return scores
 
 
 class _Process:
@@ -160,12 +180,22 @@ class RewardScorer:
         self._wake()
         return batch
 
-    def wait(self, batch: Batch) -> list[Score]:
-        """The batch's scores, in order; RewardLoadError when the function could not be loaded."""
-        while not batch.done.wait(timeout=0.5):
+    def wait(self, batch: Batch, until_error: bool = False) -> list[Score]:
+        """The batch's scores, in order; RewardLoadError when the function could not be loaded. With `until_error`,
+        only those up to its first error (included), as soon as every request before that one is scored: a caller
+        that fails on an error does not wait for the rest (with a hung function, one timeout per request)."""
+        event = batch.settled if until_error else batch.done
+        while not event.wait(timeout=0.5):
             self._raise_if_broken()
         self._raise_if_broken()
-        return list(batch.scores)  # type: ignore[arg-type]
+        return batch.until_first_error() if until_error else list(batch.scores)  # type: ignore[arg-type]
+
+    def discard(self, batches: list[Batch]) -> None:
+        """Drop the queued requests of `batches` (their caller stopped waiting); calls already running finish."""
+        with self._lock:
+            for batch in batches:
+                batch.discarded = True
+            self._queue = deque(item for item in self._queue if not item[0].discarded)
 
     def score(self, requests: list[ScoreRequest]) -> list[Score]:
         return self.wait(self.submit(requests))
@@ -294,6 +324,6 @@ class RewardScorer:
         if process.work:
             batch, index, _ = process.work.pop(0)
             batch.put(index, Score(None, {}, why))
-            self._queue.extendleft(reversed(process.work))
+            self._queue.extendleft(reversed([item for item in process.work if not item[0].discarded]))
         self._processes[self._processes.index(process)] = self._start()
         logger.warning("reward scoring: %s; a new scoring process replaces it", why)

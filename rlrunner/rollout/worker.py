@@ -93,10 +93,7 @@ class RolloutWorker(Worker):
             batches.append(self.scorer.submit(scoring))  # scored while the engine generates the next chunk
         if validation:
             self.engine.reset_cache()
-        try:
-            scores = [score for batch in batches for score in self.scorer.wait(batch)]
-        except RewardLoadError as exc:
-            raise ConfigError(str(exc)) from None
+        scores = self._scores(batches, stop_at_error=self.reward.on_error == "raise")
         for position, (sample, score) in enumerate(zip(samples, scores)):
             if score.error is not None and self.reward.on_error == "raise":
                 where = "validation at step" if validation else "step"
@@ -109,6 +106,19 @@ class RolloutWorker(Worker):
             sample["reward_error"] = score.error is not None
             sample["reward_extras"] = score.extras
         return samples
+
+    def _scores(self, batches: list, stop_at_error: bool) -> list:
+        """The scores of `batches`, in order; with `stop_at_error`, only up to the first error (the rest dropped)."""
+        scores = []
+        try:
+            for batch in batches:
+                scores += self.scorer.wait(batch, until_error=stop_at_error)
+                if stop_at_error and scores and scores[-1].error is not None:
+                    self.scorer.discard(batches)
+                    break
+        except RewardLoadError as exc:
+            raise ConfigError(str(exc)) from None
+        return scores
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load full HF-layout weights passed in whole (the path before the collective weight sync; benchmarks)."""

@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 
 from rlrunner.cluster.ray_setup import alive_nodes, cluster_lost, is_embedded, restart_embedded
 from rlrunner.cluster.worker_group import CallAbandoned
-from rlrunner.errors import ClusterLostError, RecoveryExhaustedError, StoppedEarly, describe
+from rlrunner.errors import ClusterLostError, RecoveryExhaustedError, RewardFunctionError, StoppedEarly, describe
 from rlrunner.runner.context import RunContext
 from rlrunner.runner.recovery import RestartBudget, ranks_to_replace, repairable_cause, same_failure, unrepairable
 from rlrunner.runner.snapshots import Snapshot
@@ -116,7 +116,7 @@ class Supervisor:
                     )
                 graceful = True
                 return last
-            except StoppedEarly:
+            except (StoppedEarly, RewardFunctionError):  # ended on purpose: the user's function failed, no worker did
                 graceful = True
                 raise
             except CallAbandoned:  # stopped while the workers were starting: nothing new to save

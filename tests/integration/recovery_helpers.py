@@ -1,5 +1,5 @@
-"""What the recovery tests (test_recovery_*.py) share: the multi-node Ray cluster, the run, the comparison with the
-session's reference run, and ways to kill or break workers at known points.
+"""What the recovery tests (test_recovery_*.py) share: the run on conftest's multi-node `cluster`, the comparison with
+the session's reference run, and ways to kill or break workers at known points.
 
 Layout: the head node has 1 CPU and takes the rollout worker; a worker node with 2 CPUs takes the two actor ranks (1 CPU
 each, packed on one node). Every test that finishes its run ends with its metrics and final weights bit-identical to
@@ -21,6 +21,8 @@ import ray
 from ray import cloudpickle
 from reference_runs import REFERENCE_RUN, REFERENCE_STEPS, Reference
 
+from rlrunner.cluster import parked_groups
+from rlrunner.cluster.worker_group import WorkerGroup
 from rlrunner.runner.supervisor import Supervisor
 from rlrunner.tools.convert import load_model_weights
 
@@ -35,22 +37,6 @@ RUN = [
     f"runner.recovery.step_timeout_s={STEP_TIMEOUT_S}",
     "runner.recovery.wait_timeout_s=120",
 ]
-
-
-def multi_node_cluster():
-    """A generator for each module's `cluster` fixture (module-scoped: a test may replace the actor node): the cluster,
-    with Ray connected to it; shut down afterwards."""
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    nodes.actor_node = nodes.add_node(num_cpus=2)  # where the actor group packs; replaced by the node-loss test
-    nodes.wait_for_nodes()
-    ray.init(address=nodes.address, logging_level="WARNING")
-    yield nodes
-    ray.shutdown()
-    nodes.shutdown()
 
 
 def final_checkpoint(output_dir: Path) -> Path:
@@ -90,7 +76,9 @@ def assert_restored_from_memory(output_dir: Path, lost_steps: int = 0) -> dict:
 
 
 def driver_command(cluster, output_dir: Path, *overrides: str) -> list[str]:
-    """The overrides of `python -m rlrunner.main_grpo` for RUN on `cluster`: run_config's, on the command line."""
+    """The overrides of `python -m rlrunner.main_grpo` for RUN on `cluster`: run_config's, on the command line. The
+    groups earlier tests' runs parked on the cluster give way first: that driver waits for their resources."""
+    parked_groups.evict()
     base = [
         f"runner.output_dir={output_dir}",
         "runner.experiment_name=test",
@@ -108,9 +96,14 @@ def driver_command(cluster, output_dir: Path, *overrides: str) -> list[str]:
 # -- replacing code inside one worker process ------------------------------------------------------------------
 
 
-def patch_worker_module(worker, module: str, name: str, make_replacement) -> None:
-    """Replace a module-level function inside one worker process (Ray binds actor methods at creation)."""
+def patch_worker_module(group: WorkerGroup, rank: int, module: str, name: str, make_replacement) -> None:
+    """Replace a module-level function inside the process of `group`'s `rank` (Ray binds actor methods at creation).
+    Unless the replacement kills that process (`dying`), the group is not kept for a later run: a module's patch would
+    outlive `Worker.reinit`."""
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test helper module
+    if make_replacement is not dying:
+        group.reuse = False
+    worker = group.workers[rank]
 
     def patch(self) -> None:
         import sys
@@ -121,9 +114,11 @@ def patch_worker_module(worker, module: str, name: str, make_replacement) -> Non
     ray.get(worker.__ray_call__.remote(patch))
 
 
-def patch_worker_attribute(worker, name: str, make_replacement) -> None:
-    """Replace an attribute of one worker object (e.g. the rollout worker's reward function)."""
+def patch_worker_attribute(group: WorkerGroup, rank: int, name: str, make_replacement) -> None:
+    """Replace an attribute of the worker object of `group`'s `rank` (e.g. the rollout worker's reward function). A
+    kept worker's attributes go with `Worker.release`, so the patch never reaches a later run."""
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test helper module
+    worker = group.workers[rank]
 
     def patch(self) -> None:
         setattr(self, name, make_replacement(getattr(self, name)))
@@ -166,7 +161,7 @@ def kill_in_next_update(runner: Supervisor, rank: int, after_steps: int, tmp_pat
     return once(
         lambda: metrics_lines(tmp_path) >= after_steps,
         lambda: patch_worker_module(
-            runner.trainer.actor_group.workers[rank], "rlrunner.backends.actor", "token_log_probs", dying
+            runner.trainer.actor_group, rank, "rlrunner.backends.actor", "token_log_probs", dying
         ),
     )
 

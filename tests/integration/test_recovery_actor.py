@@ -17,7 +17,6 @@ from recovery_helpers import (
     dying_sender,
     kill,
     kill_in_next_update,
-    multi_node_cluster,
     patch_worker_attribute,
     patch_worker_module,
     raising,
@@ -34,11 +33,6 @@ from rlrunner.runner.supervisor import Supervisor
 from conftest import Inspect, metrics_lines, once, read_metrics, run_config, worker_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.multinode]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    yield from multi_node_cluster()
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +76,9 @@ def test_actor_rank_killed_around_its_snapshot_copy(cluster, reference, tmp_path
 
     def die_in_the_copy_then_in_the_weight_sync() -> None:
         wait_for(lambda: metrics_lines(tmp_path) >= 2)
-        patch_worker_module(runner.trainer.actor_group.workers[0], "rlrunner.backends.actor", "serialize", dying)
+        patch_worker_module(runner.trainer.actor_group, 0, "rlrunner.backends.actor", "serialize", dying)
         wait_for(lambda: metrics_lines(tmp_path) >= 6 and len(recovery_events(tmp_path, "resumed")) == 1)
-        patch_worker_attribute(runner.trainer.actor_group.workers[0], "weight_sync", dying_sender)
+        patch_worker_attribute(runner.trainer.actor_group, 0, "weight_sync", dying_sender)
 
     threading.Thread(target=die_in_the_copy_then_in_the_weight_sync, daemon=True).start()
     runner.run()
@@ -111,9 +105,7 @@ def test_snapshots_short_of_memory_are_skipped_and_storage_is_used(cluster, refe
     committed = tmp_path / "test" / "checkpoints" / "global_step_3" / "manifest.json"
     once(
         lambda: metrics_lines(tmp_path) >= 4 and committed.is_file(),
-        lambda: patch_worker_module(
-            runner.trainer.actor_group.workers[1], "rlrunner.backends.actor", "token_log_probs", dying
-        ),
+        lambda: patch_worker_module(runner.trainer.actor_group, 1, "rlrunner.backends.actor", "token_log_probs", dying),
     )
     with caplog.at_level("WARNING", logger="rlrunner.runner.snapshots"):
         runner.run()
@@ -140,9 +132,7 @@ def test_warm_spares_replace_a_lost_actor_rank_without_process_starts(cluster, r
     )
     once(
         lambda: metrics_lines(tmp_path) >= 2,
-        lambda: patch_worker_module(
-            runner.trainer.actor_group.workers[1], "rlrunner.backends.actor", "token_log_probs", dying
-        ),
+        lambda: patch_worker_module(runner.trainer.actor_group, 1, "rlrunner.backends.actor", "token_log_probs", dying),
     )
     runner.run()
     failure = assert_restored_from_memory(tmp_path)
@@ -198,7 +188,7 @@ def test_an_exception_in_worker_code_during_a_collective_ends_the_run_without_re
     once(
         lambda: metrics_lines(tmp_path) >= 2,
         lambda: patch_worker_module(
-            runner.trainer.actor_group.workers[1], "rlrunner.backends.actor", "token_log_probs", raising
+            runner.trainer.actor_group, 1, "rlrunner.backends.actor", "token_log_probs", raising
         ),
     )
     started = time.monotonic()
@@ -239,8 +229,10 @@ def test_a_save_slower_than_a_step_bound_is_not_a_hang(cluster, tmp_path):
             and len(runner.trainer.actor_group.hosts) == 2
         ),
         lambda: [
-            patch_worker_module(w, "rlrunner.backends.fsdp.worker", "start_dcp_save", slow)
-            for w in runner.trainer.actor_group.workers
+            patch_worker_module(
+                runner.trainer.actor_group, rank, "rlrunner.backends.fsdp.worker", "start_dcp_save", slow
+            )
+            for rank in range(2)
         ],
     )
     runner.run()

@@ -17,7 +17,6 @@ from recovery_helpers import (
     RUN,
     assert_matches_reference,
     driver_command,
-    multi_node_cluster,
     recovery_events,
     wait_for,
 )
@@ -32,11 +31,6 @@ from rlrunner.storage import basename
 from conftest import LOCAL, metrics_lines, once, run_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.multinode]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    yield from multi_node_cluster()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from recovery_helpers import (
     driver_command,
     kill,
     kill_in_next_update,
-    multi_node_cluster,
     recovery_events,
     wait_for,
 )
@@ -27,11 +26,6 @@ from rlrunner.runner.supervisor import Supervisor
 from conftest import metrics_lines, once, run_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.multinode]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    yield from multi_node_cluster()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from recovery_helpers import (
     RUN,
     assert_matches_reference,
     kill,
-    multi_node_cluster,
     recovery_events,
     wait_for,
     with_spares_up,
@@ -26,11 +25,6 @@ from rlrunner.runner.supervisor import Supervisor
 from conftest import Inspect, metrics_lines, once, run_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.multinode]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    yield from multi_node_cluster()
 
 
 @pytest.fixture(scope="module")

@@ -144,6 +144,27 @@ def test_a_call_that_raises_hangs_or_kills_its_process_is_an_error_and_the_rest_
         scorer.close()
 
 
+def test_a_caller_that_fails_on_an_error_gets_the_scores_up_to_the_first_one_without_the_rest(
+    reward_file: Path,
+) -> None:
+    """reward.on_error=raise: the first error in order ends the wait. Every call hangs after the first two: waiting for
+    all of them would cost one timeout each (here 6; at 256 samples and 60 s, hours before the run could fail)."""
+    scorer = RewardScorer(parse_spec(str(reward_file), "/"), {}, 1, timeout_s=1.0)
+    try:
+        first, second = scorer.submit(requests("4", "1", "hang", "4")), scorer.submit(requests(*["hang"] * 4))
+        scores = scorer.wait(first, until_error=True)
+        assert [s.value for s in scores] == [1.0, 0.0, None] and scores[2].error.startswith("timed out after 1 s")
+        assert not first.done.is_set()  # the fourth request was not waited for
+        scorer.discard([first, second])
+        assert not scorer._queue  # nothing of either batch is left to score
+        assert [s.value for s in scorer.score(requests("4", "3"))] == [1.0, 0.0]  # the next batch is scored at once
+        raising = scorer.submit(requests("raise", "4"))
+        assert [s.error for s in scorer.wait(raising, until_error=True)] == ["ValueError: no answer found"]
+        assert [s.value for s in scorer.wait(raising)] == [None, 1.0]  # waiting for all of them still can
+    finally:
+        scorer.close()
+
+
 def test_slow_calls_run_in_parallel(tmp_path: Path) -> None:
     (tmp_path / "slow.py").write_text(
         "import time\n\ndef compute_score(data_source, solution_str, ground_truth, "
