@@ -17,9 +17,9 @@ from typing import Any, Hashable
 
 import ray
 
-# At most this many groups are kept (the oldest goes first): a sweep over shapes does not fill the memory with idle
-# processes, each holding torch and a backend's imports.
-MAX_PARKED = 3
+# At most this many worker processes are kept, in whole groups (the oldest goes first): a sweep over shapes does not
+# fill the memory with idle processes, each holding torch and a backend's imports (about 0.6 GB of host memory).
+MAX_PARKED_WORKERS = 8
 
 _parked: dict[Hashable, Any] = {}  # shape -> a parked WorkerGroup, oldest first
 _cluster: str | None = None  # the Ray cluster the parked groups live in
@@ -43,13 +43,13 @@ def _forget_other_clusters() -> None:
 
 def park(key: Hashable, group: Any) -> None:
     """Keep `group` (its workers released) for a later group of the same `key`; one already parked there goes, and
-    so does the oldest beyond `MAX_PARKED`."""
+    so do the oldest while more than `MAX_PARKED_WORKERS` workers are kept."""
     _forget_other_clusters()
     previous = _parked.pop(key, None)
     if previous is not None:
         previous.shutdown()
     _parked[key] = group
-    while len(_parked) > MAX_PARKED:
+    while sum(len(parked.workers) for parked in _parked.values()) > MAX_PARKED_WORKERS:
         _parked.pop(next(iter(_parked))).shutdown()
 
 

@@ -241,7 +241,8 @@ class WorkerGroup:
             ready, _ = ray.wait([ready_ref], timeout=max(0.0, min(1.0, remaining)))
             if ready:
                 return time.monotonic() - started
-            if parked_groups.evict():  # the groups an earlier run left parked give way to this one
+            # the groups an earlier run left parked give way to this one, unless it can never fit the cluster
+            if fits_cluster(self.num_workers, bundle) and parked_groups.evict():
                 continue
             waited = time.monotonic() - started
             if cluster_lost() is not None:
@@ -410,6 +411,12 @@ def drain(pending) -> None:
             ray.get(ref, timeout=0)
         except Exception:
             pass
+
+
+def fits_cluster(num_workers: int, bundle: dict[str, float]) -> bool:
+    """Whether the cluster's resources, free or not, hold `num_workers` x `bundle`."""
+    total = ray.cluster_resources()
+    return all(value * num_workers <= total.get(key, 0) + 1e-9 for key, value in bundle.items())
 
 
 def missing_resources(num_workers: int, bundle: dict[str, float]) -> str:

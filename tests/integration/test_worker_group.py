@@ -263,3 +263,17 @@ def test_parked_groups_give_way_to_a_group_that_does_not_fit_beside_them(ray_ses
         parked.shutdown()
         if big is not None:
             big.shutdown()
+
+
+def test_a_group_the_cluster_can_never_fit_leaves_the_parked_groups_alone(ray_session):
+    """No eviction makes it fit: the parked group is kept, alive, for the next group of its shape."""
+    parked = WorkerGroup("sum", SumWorker, 2, cpus_per_worker=0.5, reuse=True)
+    try:
+        parked.finish(10.0)
+        total = ray.cluster_resources()["CPU"]
+        with pytest.raises(ResourceError, match="cannot place the huge group"):
+            WorkerGroup("huge", SumWorker, 2, cpus_per_worker=total, reuse=True, placement_timeout_s=2)
+        assert parked_groups.take(parked._key) is parked
+    finally:
+        parked_groups.evict()
+        parked.shutdown()
