@@ -61,3 +61,9 @@ class SnapshotHolder:
         """Free every part of a step older than `step` (once `step`'s snapshot is complete)."""
         self.parts = {key: part for key, part in self.parts.items() if key[0] >= step}
         self.driver_states = {s: state for s, state in self.driver_states.items() if s >= step}
+
+    def reset(self, reserve_bytes: int) -> int:
+        """Hold nothing, with `reserve_bytes` as the reserve: a holder kept for the driver's next run
+        (`SnapshotStore.close`); returns `ping()`."""
+        type(self).__init__(self, reserve_bytes)
+        return self.ping()

@@ -107,7 +107,7 @@ class RunContext:
         )
         self.lock = ExperimentLock(self.storage, self.experiment)
         # in-memory snapshots of the actor, held across attempts (their holders start with the first snapshot)
-        self.snapshots = SnapshotStore(cfg.runner.snapshot)
+        self.snapshots = SnapshotStore(cfg.runner.snapshot, reuse=cfg.cluster.reuse_workers)
         self.spare_pools: dict[str, Any] | None = None  # warm spares by group (rlrunner.runner.placement.spare_pools)
         self.metrics: MetricsLogger | None = None  # metrics.jsonl and the trackers, once the run's start is known
 

@@ -1,6 +1,6 @@
 """In-memory snapshots of the actor: after a step, every actor rank's state copied into another node's host memory.
 
-    store = SnapshotStore(cfg.runner.snapshot)      # once per run (its holders outlive the attempts)
+    store = SnapshotStore(cfg.runner.snapshot, reuse)  # once per run (its holders outlive the attempts)
     store.take(step, actor_group, driver_state)     # after the step's update, before its weight sync: returns at once
     snapshot = store.newest(world_size, min_step, max_step)  # after a failure: the newest complete one, or None
     driver_state = store.load(snapshot, actor_group)
@@ -15,6 +15,10 @@ complete snapshot and the one being copied: the older one is dropped once every 
 A snapshot is used only when every rank's part of the same step is held by a live holder (`newest_complete`). A part
 that cannot be held (host memory short of `runner.snapshot.reserve_memory_gb`) leaves its step incomplete, with a
 warning: recovery then falls back to the newest checkpoint on storage.
+
+With `reuse` (`cluster.reuse_workers`) on a Ray this process started, a finished run's holders, emptied, are kept for
+its next run (`parked_groups`, one per node), as its worker groups are: a holder is a Ray worker process, started in
+about half a second of CPU.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from typing import Any, Mapping, Sequence
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rlrunner.cluster.ray_setup import alive_nodes, cluster_lost
+from rlrunner.cluster import parked_groups
+from rlrunner.cluster.ray_setup import alive_nodes, cluster_lost, started_here
 from rlrunner.cluster.snapshot_holder import SnapshotHolder
 from rlrunner.cluster.worker_group import kill_quietly
 from rlrunner.errors import describe
@@ -79,9 +84,29 @@ class Snapshot:
     holders: dict[int, Any]  # rank -> the holder (a Ray actor) keeping its part; rank 0's also has the driver's state
 
 
+class _KeptHolder:
+    """A holder in `parked_groups` (it holds no resources and no torch: not counted among its workers)."""
+
+    workers: list = []
+
+    def __init__(self, holder: Any):
+        self.holder = holder
+
+    def dead_ranks(self, timeout_s: float) -> list[int]:
+        try:
+            ray.get(self.holder.ping.remote(), timeout=timeout_s)
+            return []
+        except Exception:
+            return [0]
+
+    def shutdown(self) -> None:
+        kill_quietly(self.holder)
+
+
 class SnapshotStore:
-    def __init__(self, snapshot_cfg: Any):
+    def __init__(self, snapshot_cfg: Any, reuse: bool = False):
         self.enabled = bool(snapshot_cfg.enabled)
+        self.reuse = reuse
         self.interval = int(snapshot_cfg.interval)
         self.reserve_bytes = int(snapshot_cfg.reserve_memory_gb * 2**30)
         self.holders: dict[str, Any] = {}  # node id -> its holder
@@ -187,6 +212,10 @@ class SnapshotStore:
             self._warned = kind
 
     def _holder(self, node: str) -> Any:
+        kept = parked_groups.take(("snapshot holder", node)) if self.reuse and node not in self.holders else None
+        if kept is not None:
+            kept.holder.reset.remote(self.reserve_bytes)  # before anything else this driver asks of it
+            self.holders[node] = kept.holder
         if node not in self.holders:
             self.holders[node] = (
                 ray.remote(SnapshotHolder)
@@ -233,10 +262,16 @@ class SnapshotStore:
         self.holders, self.in_flight, self.complete_step, self._placed = {}, None, None, None
 
     def close(self) -> None:
-        """Kill the holders: the run is over."""
+        """The run is over: the holders, emptied, are kept for the driver's next run (`reuse` on a Ray this process
+        started), else killed."""
         if cluster_lost(force=True) is not None:
             self.forget()  # every call would block on a GCS that is gone
             return
-        for holder in self.holders.values():
-            kill_quietly(holder)
+        keep = self.reuse and started_here()
+        for node, holder in self.holders.items():
+            if keep:
+                holder.reset.remote(0)  # the parts go now, not when the next run takes it
+                parked_groups.park(("snapshot holder", node), _KeptHolder(holder))
+            else:
+                kill_quietly(holder)
         self.forget()

@@ -26,6 +26,11 @@ REQUIRED_METRICS = {
 }
 
 
+def holder_pids(trainer: Trainer) -> list[int]:
+    """The process ids of the run's snapshot holders (one per node)."""
+    return ray.get([holder.ping.remote() for holder in trainer.ctx.snapshots.holders.values()])
+
+
 def rollout_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     worker = trainer.rollout_group.workers[0]
     return ray.get(
@@ -69,7 +74,7 @@ def test_training_changes_weights_syncs_rollout_and_logs_every_metric(ray_sessio
     two = {}
     Supervisor(
         run_config(tmp_path / "two", *one_worker, "rollout.num_workers=2"),
-        callbacks=[Inspect(lambda trainer: two.update(pids=worker_pids(trainer)))],
+        callbacks=[Inspect(lambda trainer: two.update(pids=worker_pids(trainer), holders=holder_pids(trainer)))],
     ).run()
     assert without_time(read_metrics(tmp_path / "two" / "test" / "metrics.jsonl")) == without_time(records)
 
@@ -79,11 +84,12 @@ def test_training_changes_weights_syncs_rollout_and_logs_every_metric(ray_sessio
         run_config(tmp_path / "again", *one_worker, "rollout.num_workers=1"),
         callbacks=[
             Inspect(
-                lambda trainer: again.update(pids=worker_pids(trainer)),
+                lambda trainer: again.update(pids=worker_pids(trainer), holders=holder_pids(trainer)),
                 lambda t: again.update(after=t.policy_weights()),
             )
         ],
     ).run()
     assert again["pids"] == {"actor": two["pids"]["actor"], "rollout": seen["pids"]["rollout"]}
+    assert again["holders"] == two["holders"] and len(two["holders"]) == 1  # the snapshot holder was kept too
     assert without_time(read_metrics(tmp_path / "again" / "test" / "metrics.jsonl")) == without_time(records)
     assert_bit_equal(again["after"], after)

@@ -64,6 +64,14 @@ def test_a_holder_keeps_parts_and_drops_older_steps():
     assert holder.held() == {5: [0]} and holder.driver_states == {5: {"step": 5}}
 
 
+def test_a_holder_kept_for_the_next_run_is_emptied_and_takes_that_runs_reserve():
+    holder = SnapshotHolder(reserve_bytes=0)
+    holder.put(4, 0, b"rank0-step4", driver_state={"step": 4})
+    assert holder.reset(2**62) == holder.ping()
+    assert holder.held() == {} and holder.driver_states == {}
+    assert "below the" in holder.put(1, 0, b"part")  # the new reserve holds
+
+
 def test_a_holder_refuses_a_part_that_would_eat_its_nodes_reserve():
     holder = SnapshotHolder(reserve_bytes=2**62)
     reason = holder.put(1, 0, b"part")
