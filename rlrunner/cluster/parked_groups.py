@@ -50,7 +50,8 @@ def park(key: Hashable, group: Any) -> None:
         previous.shutdown()
     _parked[key] = group
     while sum(len(parked.workers) for parked in _parked.values()) > MAX_PARKED_WORKERS:
-        _parked.pop(next(iter(_parked))).shutdown()
+        oldest = next(key for key, parked in _parked.items() if parked.workers)  # what holds no worker stays
+        _parked.pop(oldest).shutdown()
 
 
 def take(key: Hashable) -> Any | None:
