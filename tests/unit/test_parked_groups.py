@@ -43,3 +43,14 @@ def test_a_group_parked_again_under_its_shape_replaces_the_old_one_and_a_dead_on
     assert parked_groups.take("b") is None and dead.shut
     assert parked_groups.take("a") is new
     assert parked_groups.evict() == 0
+
+
+def test_the_cap_passes_over_what_holds_no_worker():
+    parked_groups.evict()
+    holder = Group(workers=0)  # a kept snapshot holder: not counted, so shutting it down would free nothing
+    parked_groups.park("holder", holder)
+    groups = [Group() for _ in range(parked_groups.MAX_PARKED_WORKERS // 2 + 1)]
+    for i, group in enumerate(groups):
+        parked_groups.park(("shape", i), group)
+    assert groups[0].shut and not any(g.shut for g in groups[1:]) and not holder.shut
+    assert parked_groups.evict() == len(groups)
