@@ -132,6 +132,9 @@ class AlgorithmConfig:
     # seq-mean-token-sum-norm's constant normaliser (Dr. GRPO): the tokens a response may have
     loss_scale_factor: int = II("rollout.max_new_tokens")
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # k >= 1: step t trains on samples generated with the weights after step t-1-k, so the generation of later
+    # batches overlaps the update (0: generate, then update); needs rollout_correction.tis_cap
+    policy_lag: int = 0
 
 
 @dataclass

@@ -33,7 +33,9 @@ MEGATRON = [
     "actor.training_backend=megatron",
     "actor.tensor_model_parallel_size=2",
 ]
-BACKEND_OVERRIDES = {"fsdp": [], "megatron": MEGATRON}
+# an overlapped run (generation one step ahead of the update, test_overlap.py)
+LAG1 = ["algorithm.policy_lag=1", "algorithm.rollout_correction.tis_cap=2.0"]
+BACKEND_OVERRIDES = {"fsdp": [], "megatron": MEGATRON, "fsdp_lag1": LAG1, "megatron_lag1": [*MEGATRON, *LAG1]}
 
 
 @dataclass
@@ -140,8 +142,9 @@ _references: dict[str, Reference | BaseException] = {}
 
 
 def reference_run(backend: str, tmp_path_factory) -> Reference:
-    """The session's reference run of `backend` ("fsdp" or "megatron"): trained at the first call, inside the Ray that
-    is up (else a local one, shut down afterwards), then the same files for every later call."""
+    """The session's reference run of `backend` ("fsdp" or "megatron"; "..._lag1" with LAG1): trained at the first
+    call, inside the Ray that is up (else a local one, shut down afterwards), then the same files for every later
+    call."""
     if backend not in _references:
         output_dir = tmp_path_factory.mktemp(f"{backend}_reference")
         own_ray = not ray.is_initialized()

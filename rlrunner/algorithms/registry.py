@@ -51,3 +51,11 @@ def check_algorithm(algorithm: Any) -> None:
     cap = algorithm.rollout_correction.tis_cap
     if cap is not None and cap <= 0:
         raise ConfigError(f"algorithm.rollout_correction.tis_cap must be positive or null, got {cap}")
+    lag = algorithm.policy_lag
+    if lag < 0:
+        raise ConfigError(f"algorithm.policy_lag must be 0 (synchronous) or more, got {lag}")
+    if lag > 0 and cap is None:
+        raise ConfigError(
+            f"algorithm.policy_lag={lag} trains on samples {lag} update(s) old: set "
+            "algorithm.rollout_correction.tis_cap (e.g. 2.0) so the importance weights correct for it"
+        )

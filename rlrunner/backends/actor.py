@@ -71,6 +71,7 @@ class ActorWorker(Worker, ABC):
         self.objective = PolicyObjective(algorithm_cfg)
         self.saver = BackgroundSave()
         self.weight_sync: WeightSender | None = None
+        self._kept_weights: list[torch.Tensor] | None = None  # what the last sync with `keep` sent (a policy lag)
         self._weight_sync_store = None
         self.model: torch.nn.Module
         self.ref_model: torch.nn.Module | None = None
@@ -269,18 +270,21 @@ class ActorWorker(Worker, ABC):
             timeout_s,
             node_ip(),
         )
+        # the copy kept at the last sync outlives its channels (joined again after a rollout repair)
+        self.weight_sync.adopt_kept(self._kept_weights)
         return self.weight_sync.backend
 
-    def send_weights(self, bucket_bytes: int) -> dict[str, float]:
+    def send_weights(self, bucket_bytes: int, keep: bool = False, kept: bool = False) -> dict[str, float]:
         """Collective with every rollout worker's `receive_weights`: broadcast this rank's blocks in the rollout
-        dtype."""
+        dtype; `keep` a copy of them, or send the `kept` copy of an earlier sync (`WeightSender.send`)."""
         if self.weight_sync is None:
             raise RuntimeError("send_weights before join_weight_sync")
-        return self.weight_sync.send(bucket_bytes)
+        return self.weight_sync.send(bucket_bytes, keep, kept)
 
     def _drop_weight_sync_channels(self) -> None:
         sync, self.weight_sync = self.weight_sync, None
         if sync is not None:
+            self._kept_weights = sync.kept
             sync.close()
 
     def leave_process_group(self) -> None:

@@ -4,8 +4,8 @@ Finding the checkpoint to resume from (verified, its config checked) and loading
 `CheckpointReader` (resume.py). Commit protocol of `global_step_N` (a killed save never becomes a checkpoint):
   1. the backend's manager writes its shards under `<save folder>/actor/`, each file durable
      (fsync'd locally, a whole object on a store), possibly in the background (`begin_save`, then
-     `finish_save` when every rank's write has finished); the handler writes `data/data.pt` and any
-     extra files;
+     `finish_save` when every rank's write has finished); the handler writes `data/data.pt` (and
+     `data/in_flight.pt` when an overlapped run has batches generated ahead) and any extra files;
   2. the handler checks that every file is there with the size its writer reported;
   3. `manifest.json` is written last (atomically): files, sizes, CRC-32s, step, world size,
      backend, config fingerprint;
@@ -54,7 +54,7 @@ class PendingSave:
     step: int
     folder: str  # a staging folder on local disks, `global_step_N` itself on object stores
     manager: CheckpointManager
-    data_bytes: bytes  # data/data.pt, serialised when the save began
+    data_files: dict[str, bytes]  # data/data.pt and the driver's parts of their own, serialised when the save began
     write_extra: Callable[[str], None] | None
     extra_manifest: dict[str, Any]
 
@@ -130,7 +130,8 @@ class CheckpointHandler(CheckpointReader):
             if self.stages_locally
             else self._url(name)
         )
-        pending = PendingSave(step, folder, manager, _torch_bytes(data_state), write_extra, dict(extra_manifest or {}))
+        data_files = {file: _torch_bytes(part) for file, part in layout.split_data_state(data_state).items()}
+        pending = PendingSave(step, folder, manager, data_files, write_extra, dict(extra_manifest or {}))
         with self._failing_save(pending):
             if not self.stages_locally and self.storage.exists(folder):
                 # Saving a step again on a store without rename: the old one stops being a checkpoint first.
@@ -152,9 +153,8 @@ class CheckpointHandler(CheckpointReader):
                 return None
             folder = pending.folder
             files = {f"{layout.ACTOR_DIR}/{name}": record for name, record in actor_files.items()}
-            files[layout.DATA_FILE] = storage.write_bytes(
-                storage.join(folder, layout.DATA_FILE), pending.data_bytes
-            ).as_dict()
+            for name, data in pending.data_files.items():
+                files[name] = storage.write_bytes(storage.join(folder, name), data).as_dict()
             if pending.write_extra is not None:
                 files.update(self._write_extra_files(folder, pending.write_extra))
             self._check_reported_files(folder, files)

@@ -27,10 +27,31 @@ ABANDONED_DIR = "abandoned"
 MANIFEST_FILE = "manifest.json"
 ACTOR_DIR = "actor"
 DATA_FILE = "data/data.pt"
+# Parts of the driver's state written to files of their own beside data.pt, and only when not empty (a checkpoint
+# without one loads the part as {}): the batches an overlapped run generated ahead of its step (algorithm.policy_lag).
+DATA_PART_FILES = {"in_flight": "data/in_flight.pt"}
 HF_DIR = "huggingface"  # the HF config and tokenizer (no weights), beside a backend's actor files
 ACTOR_HF_DIR = f"{ACTOR_DIR}/{HF_DIR}"
 
 _STEP_NAME = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+
+
+def split_data_state(state: dict) -> dict[str, dict]:
+    """The driver's state as {file in the checkpoint: what it holds}: data.pt, and each non-empty part of its own."""
+    files = {DATA_FILE: {name: part for name, part in state.items() if name not in DATA_PART_FILES}}
+    for name, file in DATA_PART_FILES.items():
+        if state.get(name):
+            files[file] = state[name]
+    return files
+
+
+def join_data_state(files: dict[str, dict], listed: set[str]) -> dict:
+    """The driver's state back from `files` ({file: its contents}); a part whose file is not in `listed` (the
+    checkpoint's manifest) is {}."""
+    state = dict(files[DATA_FILE])
+    for name, file in DATA_PART_FILES.items():
+        state[name] = files[file] if file in listed else {}
+    return state
 
 
 def experiment_url(output_dir: str, experiment_name: str, storage_options: dict | None = None) -> tuple[Storage, str]:

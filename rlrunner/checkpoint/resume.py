@@ -135,7 +135,8 @@ class CheckpointReader:
         return Checkpoint(status.url, int(manifest["step"]), int(manifest["world_size"]), manifest, storage)
 
     def load(self, checkpoint: Checkpoint, manager: CheckpointManager) -> dict[str, Any]:
-        """Load the backend's shards into the workers; returns the driver's data state (`data/data.pt`)."""
+        """Load the backend's shards into the workers; returns the driver's state (`data/data.pt`, and the parts in
+        files of their own: `layout.DATA_PART_FILES`)."""
         if checkpoint.manifest["backend"] != manager.backend:
             raise CheckpointError(
                 f"checkpoint {checkpoint.url} was written by the {checkpoint.manifest['backend']} backend, "
@@ -152,8 +153,13 @@ class CheckpointReader:
         storage = checkpoint.storage
         try:
             manager.load(storage.join(checkpoint.url, layout.ACTOR_DIR))
-            data = storage.read_bytes(storage.join(checkpoint.url, layout.DATA_FILE))
-            return torch.load(io.BytesIO(data), weights_only=True)
+            listed = set(checkpoint.manifest["files"])
+            files = {
+                name: torch.load(io.BytesIO(storage.read_bytes(storage.join(checkpoint.url, name))), weights_only=True)
+                for name in (layout.DATA_FILE, *layout.DATA_PART_FILES.values())
+                if name in listed or name == layout.DATA_FILE
+            }
+            return layout.join_data_state(files, listed)
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise

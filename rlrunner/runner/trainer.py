@@ -6,9 +6,9 @@
     trainer.close()                                 # the groups go
 
 Each step reads top to bottom: rollout -> reward (scored by the rollout workers) -> advantages -> policy update ->
-weight sync, then the metrics line and, when the handler says so, a save. A lost or hung rollout worker costs no step:
-the attempt rebuilds its rollout group alone, pushes the actor's current weights and redoes the generation or the weight
-sync it interrupted (the same seeds give the same samples). For lost actor ranks the supervisor
+weight sync, then the metrics line and, when the handler says so, a save. With `algorithm.policy_lag` k >= 1 the step's
+batch was generated during an earlier step, and the generation of step + k runs beside the update (`in_flight.py`). A
+lost or hung rollout worker costs no step (`rollout_phase.py`: the rollout side of the attempt). For lost actor ranks the supervisor
 (`rlrunner.runner.supervisor`) has the Trainer replace them alone (`replace_actor_ranks`) and train on; for any other
 failure it makes a new Trainer, a new attempt from the newest snapshot or checkpoint.
 """
@@ -25,28 +25,22 @@ from rlrunner.checkpoint.handler import PendingSave
 from rlrunner.checkpoint.resume import Checkpoint
 from rlrunner.cluster.shared_storage import check_shared_folder
 from rlrunner.cluster.worker_group import CallAbandoned, WorkerGroup
-from rlrunner.errors import ExperimentLockedError, RewardFunctionError, StoppedEarly, exception_chain
+from rlrunner.errors import ExperimentLockedError, RewardFunctionError, StoppedEarly
 from rlrunner.runner.attempt_state import AttemptState
-from rlrunner.runner.batching import (
-    build_actor_batch,
-    chunk,
-    first_samples,
-    generation_chunking,
-    shard_actor_batch,
-    split_evenly,
-)
+from rlrunner.runner.batching import build_actor_batch, shard_actor_batch
 from rlrunner.runner.context import RunContext
 from rlrunner.runner.driver_state import DriverState
-from rlrunner.runner.metrics import Progress, actor_metrics, rollout_metrics, validation_metrics
+from rlrunner.runner.in_flight import GeneratedBatch, steps_ahead
+from rlrunner.runner.metrics import Progress, actor_metrics, rollout_metrics
 from rlrunner.runner.placement import START_TIMEOUT_S, group_specs, spare_pools
-from rlrunner.runner.recovery import rollout_loss
+from rlrunner.runner.rollout_phase import RolloutPhase
 from rlrunner.runner.snapshots import Snapshot
-from rlrunner.weight_sync.driver import DEFAULT_BUCKET_BYTES, connect_weight_sync, sync_weights
+from rlrunner.weight_sync.driver import connect_weight_sync
 
 logger = logging.getLogger(__name__)
 
 
-class Trainer(AttemptState):
+class Trainer(AttemptState, RolloutPhase):
     def __init__(self, ctx: RunContext):
         self.ctx = ctx
         self.cfg = ctx.cfg
@@ -63,6 +57,7 @@ class Trainer(AttemptState):
         self.spares_used = 0  # warm spares the attempt's groups took
         self.spares_due = False  # spares to start once the next step has completed
         self.started = False  # both groups up, the state restored and the weights pushed (`start` returned)
+        self.reward_failure: RewardFunctionError | None = None  # the reward function failed on a batch generated ahead
 
     # -- the attempt's groups --------------------------------------------------------------------
 
@@ -190,130 +185,42 @@ class Trainer(AttemptState):
 
     # -- one step ------------------------------------------------------------------------------
 
-    def sync_weights(self) -> None:
-        """Every actor rank sends its own part of the weights, in the rollout's dtype, to every rollout worker, straight
-        from worker to worker over collective channels: nothing passes through the driver or the object store."""
-        sync_weights(self.actor_group, self.rollout_group, DEFAULT_BUCKET_BYTES)
-
-    def sync_weights_in_step(self, step: int) -> None:
-        """`sync_weights` after an update; lost rollout workers are replaced, and the repair pushes the weights."""
-        try:
-            self.sync_weights()
-        except Exception as exc:
-            try:
-                self.repair_rollout(exc, step, "weight sync")
-            except CallAbandoned:
-                # Stopped during the repair. The update is done, so the step is complete: the loop stops after it and
-                # the emergency checkpoint holds it (a resumed run pushes the weights at its start).
-                pass
-
-    def generate(self, step: int, prompts: list[dict[str, Any]], validation: bool = False) -> list[dict[str, Any]]:
-        """Scored samples in prompt order; chunks of prompts are fixed here, so the result is the same for any worker
-        count, and after a lost rollout worker is replaced the generation is redone with the same result. A stop
-        request abandons a training generation in flight (CallAbandoned): nothing has changed yet. A validation
-        (`validation`: the `rollout.val.*` sampling) is never abandoned: it belongs to a step whose update is done."""
-        per_prompt, chunk_prompts = generation_chunking(self.cfg, validation)
-        chunks = chunk(prompts, chunk_prompts)
-        while True:
-            assignment = split_evenly(chunks, self.rollout_group.num_workers)
-            starts = first_samples(assignment, per_prompt)
-            refs = self.rollout_group.call_each_async(
-                "generate", [(step, part, first, validation) for part, first in zip(assignment, starts)]
-            )
-            try:
-                results = self.rollout_group.get(refs, abandon=None if validation else self._stop_requested)
-            except CallAbandoned:
-                raise
-            except Exception as exc:
-                failed = [err for err in exception_chain(exc) if isinstance(err, RewardFunctionError)]
-                if failed:  # the innermost: the worker's own error (the outer ones carry Ray's traceback)
-                    raise RewardFunctionError(str(failed[-1])) from None
-                self.repair_rollout(exc, step, "validation" if validation else "generation")
-                continue
-            return [sample for part in results for sample in part]
-
-    def validate(self, step: int) -> dict[str, Any]:
-        """The validation set generated with the current weights (those after `step`) and scored: `val/*` metrics."""
-        started = time.perf_counter()
-        samples = self.generate(step, self.ctx.val_dataset.items, validation=True)
-        return {**validation_metrics(samples), "time/val_s": time.perf_counter() - started}
-
-    def validation_due(self, step: int) -> bool:
-        """Whether the weights after `step` are validated: every `runner.val_interval` steps and at the last step
-        (step 0: before training, `runner.val_before_train`)."""
-        runner = self.cfg.runner
-        if self.ctx.val_dataset is None:
-            return False
-        if step == 0:
-            return runner.val_before_train is not False
-        return runner.val_interval > 0 and (step % runner.val_interval == 0 or step == self.ctx.total_steps)
-
-    def repair_rollout(self, exc: Exception, step: int, phase: str) -> None:
-        """Replace the rollout group after a loss or hang of rollout workers alone and push the actor's current weights
-        into it: no checkpoint is loaded and the actor is not touched, so no step is lost. A repair that fails the same
-        way is tried again. Raises the failure (the whole attempt is then repaired, or the run ends) for any other
-        failure, or once `runner.recovery.max_restarts` rollout repairs came without a step completed in between;
-        CallAbandoned after a stop request."""
-        recovery = self.cfg.runner.recovery
-        failed_at = time.time()
-        while True:
-            cause = rollout_loss(exc, self.actor_group, self.rollout_group) if recovery.enabled else None
-            if cause is None or self.rollout_repairs >= recovery.max_restarts:
-                raise exc
-            if self.ctx.stop.requested:
-                raise CallAbandoned(f"stopped during a rollout repair ({phase} of step {step})")
-            self.rollout_repairs += 1
-            started = time.monotonic()
-            logger.error("step %d, %s: %s; replacing the rollout group alone (no step is lost)", step, phase, cause)
-            self.rollout_group.shutdown()
-            try:
-                _, rollout = group_specs(self.ctx, recovery.wait_timeout_s, self._stop_requested)
-                rollout["spares"] = spares = spare_pools(self.ctx)["rollout"].take(rollout["num_workers"])
-                self.rollout_group = WorkerGroup(**rollout)
-                self.spares_due = True
-                self.rollout_group.wait_ready(self._stop_requested)
-                replaced = time.monotonic()
-                connect_weight_sync(self.actor_group, self.rollout_group, timeout_s=recovery.step_timeout_s)
-                self.sync_weights()
-            except CallAbandoned:
-                raise
-            except Exception as again:
-                exc = again
-                continue
-            waited = self.rollout_group.placement_wait_s
-            self.ctx.recovery_log.write(
-                "rollout_repaired",
-                cause=cause,
-                step=step,
-                phase=phase,
-                lost_steps=0,
-                repairs=self.rollout_repairs,
-                spares_used=len(spares),
-                failed_at_unix=failed_at,
-                wait_s=waited,
-                rebuild_s=replaced - started - waited,
-                sync_s=time.monotonic() - replaced,
-            )
-            return
-
     def train_step(self, step: int) -> dict[str, Any]:
+        """One step. With `algorithm.policy_lag` k >= 1 its batch was generated during an earlier step (`in_flight.py`)
+        and the batches up to step + k are generated while this step's update runs, with the weights before it."""
         cfg, ctx = self.cfg, self.ctx
         started = time.perf_counter()
-        prompts = self.loader.next_batch()
-        self.driver_state.step = step  # the data position is now the one after `step`
+        in_flight = self.driver_state.in_flight
+        batch = in_flight.pop(step)
+        if batch is None:  # nothing generated ahead (lag 0, the run's first step, a switch from lag 0)
+            batch = GeneratedBatch(step, step - 1, self.generate(step, self.loader.next_batch()))
         epoch = self.loader.epoch
-
-        samples = self.generate(step, prompts)
+        position = self.loader.state_dict()  # before the prompts drawn for the steps ahead
+        ahead = [
+            self.launch_generation(ahead_step, self.loader.next_batch())
+            for ahead_step in steps_ahead(step, in_flight.last_step(step), cfg.algorithm.policy_lag, ctx.total_steps)
+        ]
+        self.driver_state.step = step  # the data position is now the one after the last batch drawn
+        samples = batch.samples
         rollout_done = time.perf_counter()
 
         rewards = torch.tensor([s["reward"] for s in samples], dtype=torch.float32)
         lengths = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.long)
         advantages = ctx.advantages(rewards, cfg.algorithm.group_size, lengths, cfg.algorithm.norm_adv_by_std)
-        batch = build_actor_batch(samples, advantages, ctx.token_ids.pad)
-        shards = shard_actor_batch(batch, ctx.rank_map.dp, ctx.num_minibatches)
+        actor_batch = build_actor_batch(samples, advantages, ctx.token_ids.pad)
+        shards = shard_actor_batch(actor_batch, ctx.rank_map.dp, ctx.num_minibatches)
         per_rank = self.actor_group.call_each("update", [(shard,) for shard in ctx.rank_map.scatter(shards)])
         actor_stats = ctx.rank_map.collect(per_rank)
         update_done = time.perf_counter()
+        try:
+            generated = self.collect_generations(ahead, ahead=True)
+        except RewardFunctionError as exc:
+            # This step's update is done: it completes, and the run ends after it, its prompts ahead not drawn.
+            self.loader.load_state_dict(position)
+            generated, self.reward_failure = [], exc
+        for generation, samples_ahead in zip(ahead, generated):
+            in_flight.push(GeneratedBatch(generation.step, step - 1, samples_ahead))
+        ahead_done = time.perf_counter()
         if ctx.snapshots.due(step):
             # Queued before the weight sync's calls, so the ranks' copies are made before the step completes: a rank
             # lost after that costs no completed step. Their hand-over to the holders overlaps the next generation.
@@ -332,8 +239,11 @@ class Trainer(AttemptState):
             "time/weight_sync_s": sync_done - sync_started,
             "time/step_s": sync_done - started,
         }
+        if cfg.algorithm.policy_lag > 0 or batch.lag > 0:
+            metrics["rollout/policy_lag"] = batch.lag  # the samples' weights: those after step - 1 - lag
+            metrics["time/generation_wait_s"] = ahead_done - update_done  # the generation ahead outlasting the update
         if ctx.snapshots.enabled:
-            metrics["time/snapshot_s"] = sync_started - update_done
+            metrics["time/snapshot_s"] = sync_started - ahead_done
         return metrics
 
     # -- the loop ------------------------------------------------------------------------------
@@ -370,6 +280,7 @@ class Trainer(AttemptState):
                     self.driver_state.load_state_dict(before)  # the abandoned step never happened
                     failed = exc if isinstance(exc, RewardFunctionError) else None
                     break
+                failed, self.reward_failure = self.reward_failure, None  # scoring a batch ahead failed
                 if self.validation_due(step):
                     try:  # inside the step: a failure before it is logged redoes the step, validation included
                         last.update(self.validate(step))

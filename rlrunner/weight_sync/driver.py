@@ -40,10 +40,13 @@ def sync_weights(
     rollout_group: WorkerGroup,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     timeout_s: float | None = None,
+    keep: bool = False,
+    kept: bool = False,
 ) -> dict[str, float]:
-    """Push the actor's current weights into every rollout worker. Waits at most `timeout_s` (default: the groups' call
-    limits). Returns {"bytes": bytes into each rollout worker, "seconds": the slowest rollout worker's receive}."""
-    sends = actor_group.call_all_async("send_weights", bucket_bytes)
+    """Push the actor's current weights into every rollout worker (`keep`: the actor ranks keep a copy of what they
+    sent), or (`kept`) the copy kept at an earlier sync. Waits at most `timeout_s` (default: the groups' call limits).
+    Returns {"bytes": bytes into each rollout worker, "seconds": the slowest rollout worker's receive}."""
+    sends = actor_group.call_all_async("send_weights", bucket_bytes, keep, kept)
     receives = rollout_group.call_all_async("receive_weights", bucket_bytes)
     _, received = wait_both(actor_group, sends, rollout_group, receives, timeout_s)
     return {"bytes": received[0]["bytes"], "seconds": max(r["seconds"] for r in received)}

@@ -112,6 +112,7 @@ class WeightSender(_Member):
         super().__init__(timeout_s)
         self.rank = rank
         self.source = source
+        self.kept: list[torch.Tensor] | None = None  # the last sync's pieces, when it was asked to keep them
         store.set(f"device/actor/{rank}", device_tag(device))
         self.layout = {
             spec.name: spec
@@ -154,21 +155,39 @@ class WeightSender(_Member):
                 indices.append(index)
         return pieces, indices, blocks
 
-    def send(self, bucket_bytes: int) -> dict[str, float]:
-        """Broadcast this rank's blocks as they are now, in buckets; returns stats."""
-        return self._run(self._send, bucket_bytes)
+    def send(self, bucket_bytes: int, keep: bool = False, kept: bool = False) -> dict[str, float]:
+        """Broadcast this rank's blocks as they are now, in buckets; returns stats. `keep`: keep a copy of what was
+        sent (in the wire's dtypes) for a later `kept` send, which sends that copy instead of the blocks: the weights
+        an overlapped run's generation in flight was started with, after the update has changed the live ones."""
+        if kept and self.kept is None:
+            raise WeightSyncError(f"actor rank {self.rank}: no copy of an earlier sync's weights was kept")
+        return self._run(lambda size: self._send(size, keep, kept), bucket_bytes)
 
-    def _send(self, bucket_bytes: int) -> dict[str, float]:
+    def adopt_kept(self, kept: list[torch.Tensor] | None) -> None:
+        """Take over an earlier sender's kept copy (channels joined again), if it has this sender's pieces."""
+        if kept is not None and [(t.numel(), t.dtype) for t in kept] == [(p.numel, p.dtype) for p in self.pieces]:
+            self.kept = kept
+
+    def _send(self, bucket_bytes: int, keep: bool, kept: bool) -> dict[str, float]:
+        if kept:
+            return self._send_values(bucket_bytes, self.kept, None)
         try:
-            return self._send_blocks(bucket_bytes)
+            pieces, indices, blocks = self._pieces()
+            if pieces != self.pieces:
+                raise WeightSyncError(f"actor rank {self.rank}: the model's shards changed since the join; join again")
+            self.kept = None  # the copy of an older sync goes before a new one is made
+            copy: list[torch.Tensor] | None = [] if keep else None
+            stats = self._send_values(bucket_bytes, _BlockValues(self.source, blocks, indices), copy)
+            self.kept = copy
+            return stats
         finally:
             self.source.end_of_sync()
 
-    def _send_blocks(self, bucket_bytes: int) -> dict[str, float]:
-        pieces, indices, blocks = self._pieces()
-        if pieces != self.pieces:
-            raise WeightSyncError(f"actor rank {self.rank}: the model's shards changed since the join; join again")
-        flat = _BlockValues(self.source, blocks, indices)
+    def _send_values(self, bucket_bytes: int, flat: Any, copy: list[torch.Tensor] | None) -> dict[str, float]:
+        """Send piece k's flattened values `flat[k]`; with `copy`, each piece is also appended to it (wire dtype)."""
+        pieces = self.pieces
+        if copy is not None:
+            flat = _Copying(flat, pieces, copy)
         bucket_bytes = channel_bucket_bytes(pieces, bucket_bytes)
         buckets = plan_buckets(pieces, bucket_bytes)
         channel = self.channels[0]
@@ -188,6 +207,19 @@ class WeightSender(_Member):
             if work is not None:
                 channel.wait(work)
         return {"bytes": float(sum(b.nbytes for b in buckets)), "buckets": float(len(buckets))}
+
+
+class _Copying:
+    """Piece k's values from `flat`, each also copied into `copy` (in the piece's wire dtype) when first read."""
+
+    def __init__(self, flat: Any, pieces: list[Piece], copy: list[torch.Tensor]):
+        self.flat, self.pieces, self.copy = flat, pieces, copy
+
+    def __getitem__(self, piece: int) -> torch.Tensor:
+        values = self.flat[piece]
+        if piece == len(self.copy):
+            self.copy.append(values.to(self.pieces[piece].dtype, copy=True))
+        return values
 
 
 class _BlockValues:

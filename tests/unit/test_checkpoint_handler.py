@@ -228,8 +228,22 @@ def test_load_restores_the_backend_state_and_returns_data_state(store):
     save_steps(handler, [2, 4])
     backend = store.backend()
     data = handler.load(handler.find_resume("auto"), backend)
-    assert data == {"runner": {"global_step": 4}}
+    # a checkpoint without batches in flight has no in_flight file, and loads the part empty
+    assert data == {"runner": {"global_step": 4}, "in_flight": {}}
     assert [s["rank"] for s in backend.loaded] == [0, 1] and backend.loaded[0]["step"] == 4
+
+
+def test_batches_in_flight_are_a_file_of_their_own_in_the_commit(store):
+    handler = store.handler()
+    batches = {"batches": [{"step": 3, "weights_step": 1, "samples": [{"prompt_ids": [1, 2], "reward": 0.5}]}]}
+    handler.save(2, store.backend(), {"runner": {"global_step": 2}, "in_flight": batches})
+    checkpoint = handler.find_resume("auto")
+    assert "data/in_flight.pt" in checkpoint.manifest["files"] and "data/data.pt" in checkpoint.manifest["files"]
+    assert handler.load(checkpoint, store.backend()) == {"runner": {"global_step": 2}, "in_flight": batches}
+    # it is checksummed like every file of the checkpoint
+    store.write(checkpoint.url + "/data/in_flight.pt", b"flipped")
+    with pytest.raises(CheckpointError, match="in_flight.pt"):
+        handler.find_resume(checkpoint.url)
 
 
 def test_load_refuses_a_checkpoint_of_another_backend(tmp_path):

@@ -43,6 +43,11 @@ def test_print_config_writes_nothing(tmp_path, monkeypatch, capsys):
             "algorithm.adv_estimator must be one of grpo, rloo, reinforce_plus_plus_baseline, got 'ppo'",
         ),
         (["algorithm.loss_agg_mode=mean"], "algorithm.loss_agg_mode must be one of token-mean, seq-mean-token-sum"),
+        (["algorithm.policy_lag=-1"], "algorithm.policy_lag must be 0 (synchronous) or more, got -1"),
+        (
+            ["algorithm.policy_lag=1"],
+            "algorithm.policy_lag=1 trains on samples 1 update(s) old: set algorithm.rollout_correction.tis_cap",
+        ),
         (
             ["runner.logger.backends=[neptune]"],
             "runner.logger.backends: unknown tracker 'neptune' (choose from tensorboard, wandb, mlflow)",

@@ -11,6 +11,7 @@ import torch
 from rlrunner.backends.rank_parts import RankRNG, local_tensors, placed_like
 from rlrunner.data.loader import PromptLoader
 from rlrunner.runner.driver_state import DriverState
+from rlrunner.runner.in_flight import GeneratedBatch
 from rlrunner.utils.stateful import StateParts
 
 from conftest import assert_bit_equal
@@ -68,14 +69,32 @@ def test_the_driver_state_is_the_data_position_and_the_step_as_data_pt_holds_the
     loader.next_batch()
     state.step = 1
     saved = state.state_dict()
-    assert sorted(saved) == ["dataloader", "runner"]
+    assert sorted(saved) == ["dataloader", "in_flight", "runner"]
     assert saved["runner"] == {"global_step": 1, "epoch": 0, "total_steps": 5}
+    assert saved["in_flight"] == {}  # nothing generated ahead: a checkpoint gets no in_flight file
     expected = [loader.next_batch() for _ in range(4)]  # across the epoch's end
 
     again = DriverState(_loader(), total_steps=5)
     again.load_state_dict(saved)
     assert again.step == 1
     assert [again.counter.loader.next_batch() for _ in range(4)] == expected
+
+
+def test_the_driver_state_carries_the_batches_generated_ahead_of_its_step() -> None:
+    loader = _loader()
+    state = DriverState(loader, total_steps=5)
+    loader.next_batch()
+    state.step = 1
+    state.in_flight.push(GeneratedBatch(2, 0, [{"prompt_ids": [3], "reward": 1.0}]))
+    saved = state.state_dict()
+    again = DriverState(_loader(), total_steps=5)
+    again.load_state_dict(saved)
+    assert again.in_flight.state_dict() == saved["in_flight"]
+    assert again.in_flight.pop(2).samples == [{"prompt_ids": [3], "reward": 1.0}]
+    # batches that do not follow the state's step belong to another position: refused
+    saved["runner"]["global_step"] = 0
+    with pytest.raises(ValueError, match=r"the state of step 0 holds batches generated for steps \[2\]"):
+        DriverState(_loader(), total_steps=5).load_state_dict(saved)
 
 
 def test_the_rng_part_puts_this_process_rng_back() -> None:
