@@ -261,6 +261,46 @@ def test_runs_are_the_same_for_any_rollout_worker_count_after_a_killed_rollout_w
     assert_bit_equal(weights, reference_weights)
 
 
+def die_generating_step(step: int):
+    """Run inside a rollout worker: it SIGKILLs itself when it starts generating step `step`'s samples. Returns its
+    pid."""
+
+    def patch(worker) -> list[int]:
+        module = sys.modules["rlrunner.rollout.worker"]
+        original = module.derive_seed
+
+        def seed(*args):
+            if args[2] == step:  # derive_seed(seed, name, step, prompt index, sample)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(*args)
+
+        module.derive_seed = seed
+        return [os.getpid()]
+
+    return patch
+
+
+def test_lag_1_is_the_same_for_two_rollout_workers_one_lost_in_a_generation_ahead(ray_session, tmp_path):
+    """`algorithm.policy_lag=1` with vLLM: step 3's batch is generated during step 2's update, and the second of two
+    rollout workers dies starting it. The rollout group alone is replaced, gets the weights the actor ranks kept from
+    the sync before that update, and generates it again: the run is the one-worker lag-1 run, bit for bit."""
+    lag = ["algorithm.policy_lag=1", "algorithm.rollout_correction.tis_cap=2.0"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    Supervisor(run_config(one, *RUN, *lag)).run()
+    kill, killed = patched_at_the_first_start("rollout", 1, die_generating_step(3))
+    Supervisor(run_config(two, *RUN, *lag, "rollout.num_workers=2"), callbacks=[kill]).run()
+    assert killed and not psutil.pid_exists(killed[0][0]), "the rollout worker was not killed"
+    repair = rollout_repaired_alone(two)
+    assert repair["phase"] == "generation ahead" and repair["step"] == 3 and "rollout rank 1" in repair["cause"]
+    expected = read_metrics(one / "test" / "metrics.jsonl")
+    assert [m["rollout/policy_lag"] for m in expected] == [0, 1, 1, 1]
+    assert without_time(read_metrics(two / "test" / "metrics.jsonl")) == without_time(expected)
+    assert_bit_equal(
+        load_model_weights(two / "test" / "checkpoints" / "global_step_4"),
+        load_model_weights(one / "test" / "checkpoints" / "global_step_4"),
+    )
+
+
 def test_a_killed_engine_core_ends_its_rollout_worker_repaired_like_a_lost_one(reference, tmp_path):
     """With multiprocessing on, vLLM's engine core is a process of its own. Killed (here in step 3, just before its
     generate), it would leave that generate hung until the step's time bound: the engine's watcher thread makes the
