@@ -281,17 +281,17 @@ def die_generating_step(step: int):
 
 
 def test_lag_1_is_the_same_for_two_rollout_workers_one_lost_in_a_generation_ahead(ray_session, tmp_path):
-    """`algorithm.policy_lag=1` with vLLM: step 3's batch is generated during step 2's update, and the second of two
-    rollout workers dies starting it. The rollout group alone is replaced, gets the weights the actor ranks kept from
+    """`algorithm.policy_lag=1` with vLLM: step 3's batch is generated during step 2's update, and the first of two
+    rollout workers (the one with prompts: a step's 4 prompts are one chunk) dies starting it. The rollout group alone is replaced, gets the weights the actor ranks kept from
     the sync before that update, and generates it again: the run is the one-worker lag-1 run, bit for bit."""
     lag = ["algorithm.policy_lag=1", "algorithm.rollout_correction.tis_cap=2.0"]
     one, two = tmp_path / "one", tmp_path / "two"
     Supervisor(run_config(one, *RUN, *lag)).run()
-    kill, killed = patched_at_the_first_start("rollout", 1, die_generating_step(3))
+    kill, killed = patched_at_the_first_start("rollout", 0, die_generating_step(3))
     Supervisor(run_config(two, *RUN, *lag, "rollout.num_workers=2"), callbacks=[kill]).run()
     assert killed and not psutil.pid_exists(killed[0][0]), "the rollout worker was not killed"
     repair = rollout_repaired_alone(two)
-    assert repair["phase"] == "generation ahead" and repair["step"] == 3 and "rollout rank 1" in repair["cause"]
+    assert repair["phase"] == "generation ahead" and repair["step"] == 3 and "rollout rank 0" in repair["cause"]
     expected = read_metrics(one / "test" / "metrics.jsonl")
     assert [m["rollout/policy_lag"] for m in expected] == [0, 1, 1, 1]
     assert without_time(read_metrics(two / "test" / "metrics.jsonl")) == without_time(expected)
