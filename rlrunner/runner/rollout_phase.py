@@ -5,7 +5,7 @@ policy lag the copy the actor ranks kept of the last sync's) and the generation 
 the same samples).
 
 `Trainer` (`trainer.py`) is a `RolloutPhase`: these methods use its `ctx`, `cfg`, `actor_group`, `rollout_group`,
-`rollout_repairs`, `spares_due` and `_stop_requested`.
+`rollout_repairs`, `spares_due`, `generations_ahead`, `generations_kept` and `_stop_requested`.
 """
 
 from __future__ import annotations
@@ -34,9 +34,34 @@ class Generation:
     prompts: list[dict[str, Any]]
     validation: bool
     refs: list[Any]
+    group: WorkerGroup | None = None  # the rollout group it runs on
+    during: int | None = None  # a generation ahead: the step whose update it runs beside
+
+    def same_as(self, step: int, prompts: list[dict[str, Any]], group: WorkerGroup, during: int) -> bool:
+        """Whether it is the generation ahead that step `during` would start now: the same rollout group (so the same
+        weights, those after step `during` - 1, pushed again unchanged after an actor rank's repair), samples and
+        prompts."""
+        return (self.step, self.during, self.group, [p["index"] for p in self.prompts]) == (
+            step,
+            during,
+            group,
+            [p["index"] for p in prompts],
+        ) and not self.validation
 
 
 class RolloutPhase:
+    def generation_ahead(self, step: int, prompts: list[dict[str, Any]], during: int) -> Generation:
+        """Start generating step `step`'s batch beside step `during`'s update, or keep the one already running: an
+        actor rank lost in that update is replaced alone and the step redone, while the rollout workers, unaffected,
+        went on generating with the same weights."""
+        for running in self.generations_ahead:
+            if running.same_as(step, prompts, self.rollout_group, during):
+                self.generations_kept += 1
+                return running
+        generation = self.launch_generation(step, prompts)
+        generation.during = during
+        return generation
+
     def sync_weights(self, kept: bool = False) -> None:
         """Every actor rank sends its own part of the weights, in the rollout's dtype, to every rollout worker, straight
         from worker to worker over collective channels: nothing passes through the driver or the object store. With a
@@ -73,7 +98,7 @@ class RolloutPhase:
         refs = self.rollout_group.call_each_async(
             "generate", [(step, part, first, validation) for part, first in zip(assignment, starts)]
         )
-        return Generation(step, prompts, validation, refs)
+        return Generation(step, prompts, validation, refs, self.rollout_group)
 
     def collect_generations(self, generations: list[Generation], ahead: bool = False) -> list[list[dict[str, Any]]]:
         """The scored samples of each generation, in order. A lost or hung rollout worker is repaired and the
@@ -96,6 +121,8 @@ class RolloutPhase:
                 phase = "validation" if generation.validation else "generation ahead" if ahead else "generation"
                 self.repair_rollout(exc, generation.step, phase, kept_weights=ahead)
                 pending = [self.launch_generation(g.step, g.prompts, g.validation) for g in pending]
+                for again, before in zip(pending, generations[len(results) :]):
+                    again.during = before.during
                 continue
             results.append([sample for part in parts for sample in part])
             pending.pop(0)

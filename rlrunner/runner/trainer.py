@@ -8,9 +8,9 @@
 Each step reads top to bottom: rollout -> reward (scored by the rollout workers) -> advantages -> policy update ->
 weight sync, then the metrics line and, when the handler says so, a save. With `algorithm.policy_lag` k >= 1 the step's
 batch was generated during an earlier step, and the generation of step + k runs beside the update (`in_flight.py`). A
-lost or hung rollout worker costs no step (`rollout_phase.py`: the rollout side of the attempt). For lost actor ranks the supervisor
-(`rlrunner.runner.supervisor`) has the Trainer replace them alone (`replace_actor_ranks`) and train on; for any other
-failure it makes a new Trainer, a new attempt from the newest snapshot or checkpoint.
+lost or hung rollout worker costs no step (`rollout_phase.py`: the rollout side of the attempt). For lost actor ranks
+the supervisor (`rlrunner.runner.supervisor`) has the Trainer replace them alone (`replace_actor_ranks`) and train on;
+for any other failure it makes a new Trainer, a new attempt from the newest snapshot or checkpoint.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from rlrunner.runner.driver_state import DriverState
 from rlrunner.runner.in_flight import GeneratedBatch, steps_ahead
 from rlrunner.runner.metrics import Progress, actor_metrics, rollout_metrics
 from rlrunner.runner.placement import START_TIMEOUT_S, group_specs, spare_pools
-from rlrunner.runner.rollout_phase import RolloutPhase
+from rlrunner.runner.rollout_phase import Generation, RolloutPhase
 from rlrunner.runner.snapshots import Snapshot
 from rlrunner.weight_sync.driver import connect_weight_sync
 
@@ -58,6 +58,8 @@ class Trainer(AttemptState, RolloutPhase):
         self.spares_due = False  # spares to start once the next step has completed
         self.started = False  # both groups up, the state restored and the weights pushed (`start` returned)
         self.reward_failure: RewardFunctionError | None = None  # the reward function failed on a batch generated ahead
+        self.generations_ahead: list[Generation] = []  # started beside the update in flight, not yet collected
+        self.generations_kept = 0  # generations ahead kept running through an actor rank's repair
 
     # -- the attempt's groups --------------------------------------------------------------------
 
@@ -197,9 +199,10 @@ class Trainer(AttemptState, RolloutPhase):
         epoch = self.loader.epoch
         position = self.loader.state_dict()  # before the prompts drawn for the steps ahead
         ahead = [
-            self.launch_generation(ahead_step, self.loader.next_batch())
+            self.generation_ahead(ahead_step, self.loader.next_batch(), during=step)
             for ahead_step in steps_ahead(step, in_flight.last_step(step), cfg.algorithm.policy_lag, ctx.total_steps)
         ]
+        self.generations_ahead = ahead  # still running if the update fails: a redo of this step may keep them
         self.driver_state.step = step  # the data position is now the one after the last batch drawn
         samples = batch.samples
         rollout_done = time.perf_counter()
@@ -218,6 +221,7 @@ class Trainer(AttemptState, RolloutPhase):
             # This step's update is done: it completes, and the run ends after it, its prompts ahead not drawn.
             self.loader.load_state_dict(position)
             generated, self.reward_failure = [], exc
+        self.generations_ahead = []
         for generation, samples_ahead in zip(ahead, generated):
             in_flight.push(GeneratedBatch(generation.step, step - 1, samples_ahead))
         ahead_done = time.perf_counter()

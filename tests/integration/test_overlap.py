@@ -60,9 +60,9 @@ def test_lag_1_is_the_same_for_two_rollout_workers_through_losses_and_a_stop(bac
     """Two rollout workers (the reference has one). Rollout worker 0 dies in the generation it is asked for after
     step 5 (a generation ahead, started before an update: the repair pushes the weights the actor ranks kept from the
     sync before it, which differ from the updated ones from step 5 on, the first that learns); actor rank 1 dies in
-    the update after step 7 (restored from the snapshot; the generation beside it is redone with the same weights); a
-    stop (the path of SIGTERM) after step 8; the run resumed to the end. Every step bit-identical to the uninterrupted
-    one-worker run, no step lost."""
+    the update after step 7 (restored from the snapshot; the generation beside it goes on, and the redone step keeps
+    it); a stop (the path of SIGTERM) after step 8; the run resumed to the end. Every step bit-identical to the
+    uninterrupted one-worker run, no step lost."""
     reference = reference_run(f"{backend}_lag1", request.getfixturevalue("tmp_path_factory"))
     run = [*RUN, *BACKEND_OVERRIDES[f"{backend}_lag1"], "rollout.num_workers=2", "cluster.cpus_per_rollout_worker=0.5"]
     runner = Supervisor(run_config(tmp_path, *run))
@@ -82,6 +82,8 @@ def test_lag_1_is_the_same_for_two_rollout_workers_through_losses_and_a_stop(bac
     assert repair["phase"] == "generation ahead" and repair["lost_steps"] == 0 and repair["step"] >= 6, repair
     failure = assert_restored_from_memory(tmp_path)
     assert failure["replaced"] == "actor ranks 1" and failure["step"] >= 7, failure
+    # the same Trainer went on, and the redone step kept the generation that had been running beside the lost update
+    assert runner.trainer.generations_kept == 1
 
     Supervisor(run_config(tmp_path, *run, "runner.resume_dir=auto")).run()
     assert_matches_reference(tmp_path, reference)

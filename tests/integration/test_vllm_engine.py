@@ -282,8 +282,9 @@ def die_generating_step(step: int):
 
 def test_lag_1_is_the_same_for_two_rollout_workers_one_lost_in_a_generation_ahead(ray_session, tmp_path):
     """`algorithm.policy_lag=1` with vLLM: step 3's batch is generated during step 2's update, and the first of two
-    rollout workers (the one with prompts: a step's 4 prompts are one chunk) dies starting it. The rollout group alone is replaced, gets the weights the actor ranks kept from
-    the sync before that update, and generates it again: the run is the one-worker lag-1 run, bit for bit."""
+    rollout workers (the one with prompts: a step's 4 prompts are one chunk) dies starting it. The rollout group alone
+    is replaced, gets the weights the actor ranks kept from the sync before that update, and generates it again: the
+    run is the one-worker lag-1 run, bit for bit."""
     lag = ["algorithm.policy_lag=1", "algorithm.rollout_correction.tis_cap=2.0"]
     one, two = tmp_path / "one", tmp_path / "two"
     Supervisor(run_config(one, *RUN, *lag)).run()
