@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, beside this script
-from benchlib.common import command_line, cpu_model, make_workdir, read_jsonl, stop_ray  # noqa: E402
+from benchlib.common import command_line, machine, make_workdir, read_jsonl, stop_ray  # noqa: E402
 
 LAGS = {"lag0": 0, "lag1": 1}
 
@@ -152,13 +152,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import ray
-    import torch
-
     from rlrunner.cluster.ray_setup import start_embedded
 
     print(f"command: {command_line()}")
-    print(f"machine: {os.cpu_count()} CPU cores ({cpu_model()}), torch {torch.__version__}, ray {ray.__version__}")
+    print(f"machine: {machine()}")
     work = make_workdir(args.dir, "bench_overlap_")
     order = [args.first, *(name for name in LAGS if name != args.first)]
     started = time.perf_counter()

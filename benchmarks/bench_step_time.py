@@ -32,8 +32,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
-import platform
 import shutil
 import statistics
 import sys
@@ -44,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, beside this script
-from benchlib.common import command_line, cpu_model, make_workdir, read_jsonl, stop_ray  # noqa: E402
+from benchlib.common import command_line, machine, make_workdir, read_jsonl, stop_ray  # noqa: E402
 
 TIMES = ["time/step_s", "time/update_s", "time/weight_sync_s", "time/rollout_s"]
 BACKENDS = ("fsdp", "megatron")
@@ -192,16 +190,6 @@ def first_rollout(runs: dict[str, BackendRun]) -> str:
         f"{b} " + ", ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in zip(keys, values[b])) for b in BACKENDS
     )
     return f"step 1 rollout ({same} in both runs, as the same initial weights and seeds should give): {shown}."
-
-
-def machine() -> str:
-    import ray
-    import torch
-
-    return (
-        f"{os.cpu_count()} CPU cores ({platform.machine()}, {cpu_model()}), "
-        f"Python {platform.python_version()}, torch {torch.__version__}, ray {ray.__version__}"
-    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -92,6 +92,17 @@ def cpu_model() -> str:
     return platform.processor() or "unknown processor"
 
 
+def machine() -> str:
+    """The cores, processor and the versions that shape the figures: Python, torch, Ray."""
+    import ray
+    import torch
+
+    return (
+        f"{os.cpu_count()} CPU cores ({platform.machine()}, {cpu_model()}), "
+        f"Python {platform.python_version()}, torch {torch.__version__}, ray {ray.__version__}"
+    )
+
+
 def filesystem_of(path: Path) -> str:
     """'<device> (<fstype>, mounted on <mount>)' of the mount holding `path`, from /proc/mounts."""
     best = ("?", "?", "")

@@ -33,6 +33,7 @@ from rlrunner.utils.stateful import Stateful, StateParts
 from rlrunner.utils.tensors import tensor_bytes
 from rlrunner.weight_sync.channels import connect_store, serve_store
 from rlrunner.weight_sync.endpoints import WeightSource
+from rlrunner.weight_sync.plan import WeightSyncError
 from rlrunner.weight_sync.transport import WeightSender
 
 ABANDON_SAVE_WAIT_S = 30.0  # how long a survivor of a lost rank waits for its save in flight to stop writing
@@ -270,21 +271,27 @@ class ActorWorker(Worker, ABC):
             timeout_s,
             node_ip(),
         )
-        # the copy kept at the last sync outlives its channels (joined again after a rollout repair)
-        self.weight_sync.adopt_kept(self._kept_weights)
         return self.weight_sync.backend
 
     def send_weights(self, bucket_bytes: int, keep: bool = False, kept: bool = False) -> dict[str, float]:
         """Collective with every rollout worker's `receive_weights`: broadcast this rank's blocks in the rollout
-        dtype; `keep` a copy of them, or send the `kept` copy of an earlier sync (`WeightSender.send`)."""
+        dtype; `keep` a copy of them (held here, so it outlives the channels: a rollout repair joins them again), or
+        send the `kept` copy of an earlier sync instead (`WeightSender.send_copy`)."""
         if self.weight_sync is None:
             raise RuntimeError("send_weights before join_weight_sync")
-        return self.weight_sync.send(bucket_bytes, keep, kept)
+        if kept:
+            if self._kept_weights is None:
+                raise WeightSyncError(f"actor rank {self.rank}: no copy of an earlier sync's weights was kept")
+            return self.weight_sync.send_copy(bucket_bytes, self._kept_weights)
+        self._kept_weights = None  # the older copy goes before a new one is made
+        copy: list[torch.Tensor] | None = [] if keep else None
+        stats = self.weight_sync.send(bucket_bytes, copy)
+        self._kept_weights = copy
+        return stats
 
     def _drop_weight_sync_channels(self) -> None:
         sync, self.weight_sync = self.weight_sync, None
         if sync is not None:
-            self._kept_weights = sync.kept
             sync.close()
 
     def leave_process_group(self) -> None:

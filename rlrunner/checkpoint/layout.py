@@ -45,13 +45,9 @@ def split_data_state(state: dict) -> dict[str, dict]:
     return files
 
 
-def join_data_state(files: dict[str, dict], listed: set[str]) -> dict:
-    """The driver's state back from `files` ({file: its contents}); a part whose file is not in `listed` (the
-    checkpoint's manifest) is {}."""
-    state = dict(files[DATA_FILE])
-    for name, file in DATA_PART_FILES.items():
-        state[name] = files[file] if file in listed else {}
-    return state
+def join_data_state(files: dict[str, dict]) -> dict:
+    """The driver's state back from `files` ({file: its contents}, the checkpoint has no file of an empty part)."""
+    return {**files[DATA_FILE], **{name: files.get(file, {}) for name, file in DATA_PART_FILES.items()}}
 
 
 def experiment_url(output_dir: str, experiment_name: str, storage_options: dict | None = None) -> tuple[Storage, str]:

@@ -153,13 +153,13 @@ class CheckpointReader:
         storage = checkpoint.storage
         try:
             manager.load(storage.join(checkpoint.url, layout.ACTOR_DIR))
-            listed = set(checkpoint.manifest["files"])
+            listed = checkpoint.manifest["files"]
+            names = [layout.DATA_FILE, *(name for name in layout.DATA_PART_FILES.values() if name in listed)]
             files = {
                 name: torch.load(io.BytesIO(storage.read_bytes(storage.join(checkpoint.url, name))), weights_only=True)
-                for name in (layout.DATA_FILE, *layout.DATA_PART_FILES.values())
-                if name in listed or name == layout.DATA_FILE
+                for name in names
             }
-            return layout.join_data_state(files, listed)
+            return layout.join_data_state(files)
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise

@@ -34,19 +34,16 @@ class Generation:
     prompts: list[dict[str, Any]]
     validation: bool
     refs: list[Any]
-    group: WorkerGroup | None = None  # the rollout group it runs on
+    group: WorkerGroup  # the rollout group it runs on
     during: int | None = None  # a generation ahead: the step whose update it runs beside
 
     def same_as(self, step: int, prompts: list[dict[str, Any]], group: WorkerGroup, during: int) -> bool:
         """Whether it is the generation ahead that step `during` would start now: the same rollout group (so the same
-        weights, those after step `during` - 1, pushed again unchanged after an actor rank's repair), samples and
+        weights, those after step `during` - 1, pushed again unchanged after an actor rank's repair), step and
         prompts."""
-        return (self.step, self.during, self.group, [p["index"] for p in self.prompts]) == (
-            step,
-            during,
-            group,
-            [p["index"] for p in prompts],
-        ) and not self.validation
+        if self.validation or (self.step, self.during, self.group) != (step, during, group):
+            return False
+        return [p["index"] for p in self.prompts] == [p["index"] for p in prompts]
 
 
 class RolloutPhase:
@@ -58,9 +55,7 @@ class RolloutPhase:
             if running.same_as(step, prompts, self.rollout_group, during):
                 self.generations_kept += 1
                 return running
-        generation = self.launch_generation(step, prompts)
-        generation.during = during
-        return generation
+        return self.launch_generation(step, prompts, during=during)
 
     def sync_weights(self, kept: bool = False) -> None:
         """Every actor rank sends its own part of the weights, in the rollout's dtype, to every rollout worker, straight
@@ -89,16 +84,18 @@ class RolloutPhase:
         (`validation`: the `rollout.val.*` sampling) is never abandoned: it belongs to a step whose update is done."""
         return self.collect_generations([self.launch_generation(step, prompts, validation)])[0]
 
-    def launch_generation(self, step: int, prompts: list[dict[str, Any]], validation: bool = False) -> Generation:
+    def launch_generation(
+        self, step: int, prompts: list[dict[str, Any]], validation: bool = False, during: int | None = None
+    ) -> Generation:
         """Start generating step `step`'s samples of `prompts` on the rollout workers (collected by
-        `collect_generations`)."""
+        `collect_generations`); `during`: beside that step's update."""
         per_prompt, chunk_prompts = generation_chunking(self.cfg, validation)
         assignment = split_evenly(chunk(prompts, chunk_prompts), self.rollout_group.num_workers)
         starts = first_samples(assignment, per_prompt)
         refs = self.rollout_group.call_each_async(
             "generate", [(step, part, first, validation) for part, first in zip(assignment, starts)]
         )
-        return Generation(step, prompts, validation, refs, self.rollout_group)
+        return Generation(step, prompts, validation, refs, self.rollout_group, during)
 
     def collect_generations(self, generations: list[Generation], ahead: bool = False) -> list[list[dict[str, Any]]]:
         """The scored samples of each generation, in order. A lost or hung rollout worker is repaired and the
@@ -120,9 +117,7 @@ class RolloutPhase:
                     raise RewardFunctionError(str(failed[-1])) from None
                 phase = "validation" if generation.validation else "generation ahead" if ahead else "generation"
                 self.repair_rollout(exc, generation.step, phase, kept_weights=ahead)
-                pending = [self.launch_generation(g.step, g.prompts, g.validation) for g in pending]
-                for again, before in zip(pending, generations[len(results) :]):
-                    again.during = before.during
+                pending = [self.launch_generation(g.step, g.prompts, g.validation, g.during) for g in pending]
                 continue
             results.append([sample for part in parts for sample in part])
             pending.pop(0)

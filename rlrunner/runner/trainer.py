@@ -197,11 +197,9 @@ class Trainer(AttemptState, RolloutPhase):
         if batch is None:  # nothing generated ahead (lag 0, the run's first step, a switch from lag 0)
             batch = GeneratedBatch(step, step - 1, self.generate(step, self.loader.next_batch()))
         epoch = self.loader.epoch
-        position = self.loader.state_dict()  # before the prompts drawn for the steps ahead
-        ahead = [
-            self.generation_ahead(ahead_step, self.loader.next_batch(), during=step)
-            for ahead_step in steps_ahead(step, in_flight.last_step(step), cfg.algorithm.policy_lag, ctx.total_steps)
-        ]
+        ahead_steps = steps_ahead(step, in_flight.last_step(step), cfg.algorithm.policy_lag, ctx.total_steps)
+        position = self.loader.state_dict() if ahead_steps else None  # before the prompts drawn for the steps ahead
+        ahead = [self.generation_ahead(s, self.loader.next_batch(), during=step) for s in ahead_steps]
         self.generations_ahead = ahead  # still running if the update fails: a redo of this step may keep them
         self.driver_state.step = step  # the data position is now the one after the last batch drawn
         samples = batch.samples

@@ -112,7 +112,6 @@ class WeightSender(_Member):
         super().__init__(timeout_s)
         self.rank = rank
         self.source = source
-        self.kept: list[torch.Tensor] | None = None  # the last sync's pieces, when it was asked to keep them
         store.set(f"device/actor/{rank}", device_tag(device))
         self.layout = {
             spec.name: spec
@@ -155,39 +154,31 @@ class WeightSender(_Member):
                 indices.append(index)
         return pieces, indices, blocks
 
-    def send(self, bucket_bytes: int, keep: bool = False, kept: bool = False) -> dict[str, float]:
-        """Broadcast this rank's blocks as they are now, in buckets; returns stats. `keep`: keep a copy of what was
-        sent (in the wire's dtypes) for a later `kept` send, which sends that copy instead of the blocks: the weights
-        an overlapped run's generation in flight was started with, after the update has changed the live ones."""
-        if kept and self.kept is None:
-            raise WeightSyncError(f"actor rank {self.rank}: no copy of an earlier sync's weights was kept")
-        return self._run(lambda size: self._send(size, keep, kept), bucket_bytes)
+    def send(self, bucket_bytes: int, copy: list[torch.Tensor] | None = None) -> dict[str, float]:
+        """Broadcast this rank's blocks as they are now, in buckets; returns stats. With `copy`, each piece sent is also
+        appended to it, in the wire's dtype: this sync's weights, for a later `send_copy`."""
+        return self._run(lambda size: self._send(size, copy), bucket_bytes)
 
-    def adopt_kept(self, kept: list[torch.Tensor] | None) -> None:
-        """Take over an earlier sender's kept copy (channels joined again), if it has this sender's pieces."""
-        if kept is not None and [(t.numel(), t.dtype) for t in kept] == [(p.numel, p.dtype) for p in self.pieces]:
-            self.kept = kept
+    def send_copy(self, bucket_bytes: int, copy: list[torch.Tensor]) -> dict[str, float]:
+        """Broadcast `copy` (an earlier `send`'s) instead of the blocks: the weights an overlapped run's generation in
+        flight was started with, after the update has changed the live ones."""
+        if [(t.numel(), t.dtype) for t in copy] != [(p.numel, p.dtype) for p in self.pieces]:
+            raise WeightSyncError(f"actor rank {self.rank}: the kept copy of the weights does not fit these channels")
+        return self._run(lambda size: self._send_values(size, copy), bucket_bytes)
 
-    def _send(self, bucket_bytes: int, keep: bool, kept: bool) -> dict[str, float]:
-        if kept:
-            return self._send_values(bucket_bytes, self.kept, None)
+    def _send(self, bucket_bytes: int, copy: list[torch.Tensor] | None) -> dict[str, float]:
         try:
             pieces, indices, blocks = self._pieces()
             if pieces != self.pieces:
                 raise WeightSyncError(f"actor rank {self.rank}: the model's shards changed since the join; join again")
-            self.kept = None  # the copy of an older sync goes before a new one is made
-            copy: list[torch.Tensor] | None = [] if keep else None
-            stats = self._send_values(bucket_bytes, _BlockValues(self.source, blocks, indices), copy)
-            self.kept = copy
-            return stats
+            flat = _BlockValues(self.source, blocks, indices)
+            return self._send_values(bucket_bytes, flat if copy is None else _Copying(flat, pieces, copy))
         finally:
             self.source.end_of_sync()
 
-    def _send_values(self, bucket_bytes: int, flat: Any, copy: list[torch.Tensor] | None) -> dict[str, float]:
-        """Send piece k's flattened values `flat[k]`; with `copy`, each piece is also appended to it (wire dtype)."""
+    def _send_values(self, bucket_bytes: int, flat: Any) -> dict[str, float]:
+        """Send piece k's flattened values `flat[k]`, in buckets."""
         pieces = self.pieces
-        if copy is not None:
-            flat = _Copying(flat, pieces, copy)
         bucket_bytes = channel_bucket_bytes(pieces, bucket_bytes)
         buckets = plan_buckets(pieces, bucket_bytes)
         channel = self.channels[0]
