@@ -3,9 +3,9 @@
 
 For each training backend (`--backends`), actor layout (`--layouts`: ranks, and the tensor-parallel size for the
 megatron backend) and model size (`--sizes`), a GRPO run of `--steps` steps (a synchronous save at the last one;
-in-memory snapshots off unless `--snapshots`) on a local Ray private to this script. Once the run has trained, with
-its workers still up, each worker's peak resident set (VmHWM in /proc/<pid>/status: the machine is the only node) is
-read, and compared with:
+in-memory snapshots on, as by default, unless `--no-snapshots`) on a local Ray private to this script. Once the run
+has trained, with its workers still up, each worker's peak resident set (VmHWM in /proc/<pid>/status: the machine is
+the only node) is read, and compared with:
 
   share     the training state one actor rank would hold if it were split evenly: parameters, gradients and the
             two AdamW moments in float32 (16 bytes per parameter) over the actor ranks
@@ -141,10 +141,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--sizes", default="tiny,120m,358m,600m", help=f"comma-separated sizes of {sorted(SIZES)}")
     parser.add_argument("--steps", type=int, default=2, help="training steps per run")
     parser.add_argument(
-        "--snapshots",
+        "--no-snapshots",
         action="store_true",
-        help="keep the in-memory snapshots on (off by default: a rank's serialized copy of its state on "
-        "the way to its holder is measured apart)",
+        help="turn the in-memory snapshots off (on by default, as in a run: each rank streams its state to its "
+        "holder every step, and the peaks include what that costs the rank)",
     )
     from rlrunner.config_checks import FSDP_UNITS
 
@@ -268,7 +268,7 @@ def run_one(args: argparse.Namespace, workdir: Path, backend: str, layout: Layou
             "runner.logger.progress_bar=false",
             "runner.logger.backends=[]",
             "data.synthetic.val_size=0",
-            f"runner.snapshot.enabled={str(args.snapshots).lower()}",
+            f"runner.snapshot.enabled={str(not args.no_snapshots).lower()}",
             f"actor.training_backend={backend}",
             f"actor.num_workers={layout.ranks}",
             f"actor.tensor_model_parallel_size={layout.tp}",
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(REPO_ROOT)
     print(
         f"# rlrunner memory benchmark\n\ncommand: {command_line()}\nmachine: {os.cpu_count()} cores, "
-        f"{memory_gib():.1f} GiB",
+        f"{memory_gib():.1f} GiB\nin-memory snapshots: {'off' if args.no_snapshots else 'on (the default)'}",
         flush=True,
     )
     workdir = make_workdir(Path(args.workdir) if args.workdir else None, "bench_memory_")

@@ -14,7 +14,6 @@ weight-sync endpoints and the save in flight are shared.
 
 from __future__ import annotations
 
-import io
 import math
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Iterator
@@ -25,12 +24,12 @@ from rlrunner.algorithms.grpo import token_entropy, token_log_probs
 from rlrunner.algorithms.objective import MicroBatch, MiniBatchCounts, PolicyObjective
 from rlrunner.backends.background_save import BackgroundSave
 from rlrunner.backends.rank_parts import RankRNG, local_tensors, placed_like
-from rlrunner.cluster.node import available_memory_bytes, node_ip
+from rlrunner.backends.snapshot_stream import SnapshotStream, fetch_part
+from rlrunner.cluster.node import node_ip
 from rlrunner.cluster.worker import Worker
 from rlrunner.models.hf_tensors import HFTensors
 from rlrunner.models.loading import warm_up_model_code
 from rlrunner.utils.stateful import Stateful, StateParts
-from rlrunner.utils.tensors import tensor_bytes
 from rlrunner.weight_sync.channels import connect_store, serve_store
 from rlrunner.weight_sync.endpoints import WeightSource
 from rlrunner.weight_sync.plan import WeightSyncError
@@ -38,14 +37,6 @@ from rlrunner.weight_sync.transport import WeightSender
 
 ABANDON_SAVE_WAIT_S = 30.0  # how long a survivor of a lost rank waits for its save in flight to stop writing
 WeightsReader = Callable[[Any], HFTensors]  # HF config -> the HF tensors of model.path's checkpoint
-
-
-def serialize(state: Any) -> bytes:
-    """`state` (tensors, containers, plain values) as `torch.save` bytes: a copy of its own, read back with
-    `torch.load(weights_only=True)`."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
 
 
 class ActorWorker(Worker, ABC):
@@ -74,6 +65,7 @@ class ActorWorker(Worker, ABC):
         self.weight_sync: WeightSender | None = None
         self._kept_weights: list[torch.Tensor] | None = None  # what the last sync with `keep` sent (a policy lag)
         self._weight_sync_store = None
+        self._snapshot: SnapshotStream | None = None  # this rank's part of a snapshot on its way to its holder
         self.model: torch.nn.Module
         self.ref_model: torch.nn.Module | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -145,23 +137,31 @@ class ActorWorker(Worker, ABC):
 
     # -- in-memory snapshots (see rlrunner.runner.snapshots) ------------------------------------------
 
-    def snapshot_part(self, reserve_bytes: int) -> bytes | str:
-        """This rank's part of a snapshot: its training state and RNG serialized off the live tensors (bytes of its own,
-        in host memory); or, when that copy would leave this node less than `reserve_bytes` of free memory, why there
-        is none."""
-        live = local_tensors(self.rank_state().state_dict())
-        needed = tensor_bytes(live)
-        available = available_memory_bytes()
-        if available - needed < reserve_bytes:
-            return (
-                f"actor rank {self.rank}: a {needed / 2**20:.0f} MiB copy would leave less than the "
-                f"{reserve_bytes / 2**30:g} GiB reserve of host memory free (runner.snapshot.reserve_memory_gb)"
-            )
-        return serialize(live)
+    def start_snapshot(self, step: int, holder_address: tuple[str, int, str]) -> None:
+        """Start sending this rank's part of `step`'s snapshot (its training state and RNG, straight off the live
+        tensors) to the holder at `holder_address` (`SnapshotHolder.address`), from a thread: the calls queued after
+        this one (the weight sync) run meanwhile, and read the same tensors. Nothing may change them before
+        `finish_snapshot`."""
+        self.abandon_snapshot()
+        state = local_tensors(self.rank_state().state_dict())
+        self._snapshot = SnapshotStream(step, self.rank, holder_address, state)
 
-    def load_snapshot(self, part: bytes) -> None:
-        """Put back this rank's part of a snapshot (`snapshot_part`'s), taken with the same ranks."""
-        saved = torch.load(io.BytesIO(part), map_location="cpu", weights_only=True)
+    def finish_snapshot(self, timeout_s: float | None = None) -> str | None:
+        """Wait for the part started last: None once its holder keeps it whole, else why it keeps none."""
+        stream, self._snapshot = self._snapshot, None
+        if stream is None:
+            return f"actor rank {self.rank}: no snapshot part was started"
+        return stream.wait(timeout_s)
+
+    def abandon_snapshot(self) -> None:
+        """A part still on its way is given up (its thread ends at its holder's next answer)."""
+        stream, self._snapshot = self._snapshot, None
+        if stream is not None:
+            stream.wait(ABANDON_SAVE_WAIT_S)
+
+    def load_snapshot(self, holder: Any, step: int) -> None:
+        """Put back this rank's part of `step`'s snapshot, read from `holder` (taken with the same ranks)."""
+        saved = fetch_part(holder, step, self.rank)
         state = self.rank_state()
         state.load_state_dict(placed_like(saved, state.state_dict()))
 
@@ -298,6 +298,7 @@ class ActorWorker(Worker, ABC):
         """A survivor of a lost rank: drop the weight-sync channel, the save in flight and the process group. The rank
         is then set up again, in the group formed with the replacement, and loads its part of the snapshot."""
         self.close_weight_sync()
+        self.abandon_snapshot()
         self.saver.abandon(timeout_s=ABANDON_SAVE_WAIT_S)
         super().leave_process_group()
 

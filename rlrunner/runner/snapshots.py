@@ -1,16 +1,18 @@
 """In-memory snapshots of the actor: after a step, every actor rank's state copied into another node's host memory.
 
     store = SnapshotStore(cfg.runner.snapshot, reuse)  # once per run (its holders outlive the attempts)
-    store.take(step, actor_group, driver_state)     # after the step's update, before its weight sync: returns at once
+    store.take(step, actor_group)                    # right after the step's update: returns at once
+    store.finish(actor_group, driver_state, timeout_s)  # after the step's weight sync: the parts are held
     snapshot = store.newest(world_size, min_step, max_step)  # after a failure: the newest complete one, or None
     driver_state = store.load(snapshot, actor_group)
 
-Each rank copies its state off the live tensors (`ActorWorker.snapshot_part`: `torch.save` bytes) in a task queued right
-after the step's update, before the weight sync's: so once a step has completed, every rank's part is out of the rank's
-process (in Ray's object store, owned by the driver) and a killed rank process costs no completed step. The part then
-goes to a `SnapshotHolder` on another node than the rank's (`holder_nodes`), with the driver's state of the step beside
-rank 0's part, while the next step's generation runs. Nothing here waits for a transfer. The holders keep the newest
-complete snapshot and the one being copied: the older one is dropped once every part of the newer one has arrived.
+Each rank streams its state straight off the live tensors to a `SnapshotHolder` on another node than its own
+(`holder_nodes`), in bounded chunks from a thread of its own (`ActorWorker.start_snapshot`,
+`rlrunner.backends.snapshot_stream`): it never holds a second whole copy of its state, and the weight sync, queued
+after the start, runs meanwhile (with a policy lag, so does the wait for the generation ahead). The step completes only
+once every part is held (`finish`), so a rank lost after that costs no completed step, and no update changes the
+tensors while they are read. The driver's state of the step goes beside rank 0's part. The holders keep the newest
+complete snapshot and the one arriving: the older one is dropped once every part of the newer one is in.
 
 A snapshot is used only when every rank's part of the same step is held by a live holder (`newest_complete`). A part
 that cannot be held (host memory short of `runner.snapshot.reserve_memory_gb`) leaves its step incomplete, with a
@@ -110,7 +112,9 @@ class SnapshotStore:
         self.interval = int(snapshot_cfg.interval)
         self.reserve_bytes = int(snapshot_cfg.reserve_memory_gb * 2**30)
         self.holders: dict[str, Any] = {}  # node id -> its holder
-        self.in_flight: tuple[int, list[ray.ObjectRef], list[str]] | None = None  # (step, the puts, their nodes)
+        self.addresses: dict[str, tuple[Any, tuple[str, int, str]]] = {}  # node id -> (its holder, where it listens)
+        # the snapshot started in this step: (step, the ranks' start calls, the node holding each rank's part)
+        self.in_flight: tuple[int, list[ray.ObjectRef], list[str]] | None = None
         self.complete_step: int | None = None  # the newest step known complete
         self._warned: str | None = None
         self._said_own_node = False
@@ -122,26 +126,47 @@ class SnapshotStore:
 
     # -- taking ----------------------------------------------------------------------------------
 
-    def take(self, step: int, actor_group: Any, driver_state: dict[str, Any]) -> None:
-        """Start `step`'s snapshot. Returns at once: each rank copies its state in a task queued before any later call
-        to it, and hands the copy to its holder."""
-        if not self._settle():
-            # one snapshot in flight at a time, and the loop never waits for one: the newest complete one stays
-            self._warn(
-                "skipped",
-                f"the in-memory snapshot of step {step} is skipped: the one of step {self.in_flight[0]} is still "
-                "being handed to its holders",
-            )
-            return
+    def take(self, step: int, actor_group: Any) -> None:
+        """Start `step`'s snapshot, right after its update: each rank streams its part to its holder in a thread while
+        its next calls (the weight sync) run. Returns at once; `finish` waits for the parts."""
+        self.in_flight = None
         if cluster_lost() is not None:
             return  # every GCS call would block until Ray gives up: the next call to a worker reports the loss
         nodes = self._holder_nodes(actor_group)
-        copies = actor_group.call_all_async("snapshot_part", self.reserve_bytes)
-        puts = [
-            self._holder(node).put.remote(step, rank, part, driver_state if rank == 0 else None)
-            for rank, (node, part) in enumerate(zip(nodes, copies))
-        ]
-        self.in_flight = (step, puts, nodes)
+        try:
+            addresses = [self._address(node) for node in nodes]
+        except Exception as exc:  # a holder lost or not answering: this step has no snapshot, the run goes on
+            self._forget_dead_holders(nodes)
+            self._warn("incomplete", f"the in-memory snapshot of step {step} is skipped: {describe(exc)}")
+            return
+        starts = actor_group.call_each_async("start_snapshot", [(step, address) for address in addresses])
+        self.in_flight = (step, starts, nodes)
+
+    def finish(self, actor_group: Any, driver_state: dict[str, Any], timeout_s: float) -> None:
+        """Within the step `take` started, after its weight sync: wait until every rank's part is with its holder, so
+        that once the step completes a lost rank costs no completed step, and no later update changes the tensors
+        being read. `driver_state` goes beside rank 0's part. A part a holder refused or lost leaves the step's
+        snapshot incomplete, with a warning (as does a holder that takes half of `timeout_s`, the step's); a rank lost
+        on the way fails the step."""
+        if self.in_flight is None:
+            return
+        step, starts, nodes = self.in_flight
+        self.in_flight = None
+        self._holder(nodes[0]).put_driver_state.remote(step, driver_state)
+        finishes = actor_group.call_all_async("finish_snapshot", timeout_s / 2)
+        reasons = [r for r in actor_group.get([*starts, *finishes], timeout_s)[len(starts) :] if r]
+        if reasons:
+            self._forget_dead_holders(nodes)
+            self._warn(
+                "incomplete",
+                f"the in-memory snapshot of step {step} is incomplete, so a failure now recovers from the newest "
+                f"checkpoint on storage: {reasons[0]}",
+            )
+            return
+        self.complete_step = step
+        self._warned = None
+        for holder in self.holders.values():
+            holder.drop_before.remote(step)
 
     def _holder_nodes(self, actor_group: Any) -> list[str]:
         """Where each rank's part goes; chosen once per group (asking the GCS for the nodes every step would make a
@@ -158,39 +183,11 @@ class SnapshotStore:
             self._placed = ((id(actor_group), rank_nodes), nodes)
         return self._placed[1]
 
-    def _settle(self) -> bool:
-        """Whether no snapshot is in flight any more (never waits). Once the one in flight has arrived whole, the older
-        one is dropped from every holder; a part refused or lost leaves it incomplete, with a warning."""
-        if self.in_flight is None:
-            return True
-        step, puts, nodes = self.in_flight
-        ready, _ = ray.wait(puts, num_returns=len(puts), timeout=0)
-        if len(ready) < len(puts):
-            return False
-        self.in_flight = None
-        reasons = []
-        for rank, (put, node) in enumerate(zip(puts, nodes)):
-            try:
-                reason = ray.get(put)
-            except Exception as exc:  # the rank died before its copy was handed over, or the holder died
-                if not self._alive(node):
-                    self.holders.pop(node, None)
-                    self._placed = None  # its parts go elsewhere from now on
-                reason = f"rank {rank}'s part was lost on the way ({describe(exc)})"
-            if reason is not None:
-                reasons.append(reason)
-        if reasons:
-            self._warn(
-                "incomplete",
-                f"the in-memory snapshot of step {step} is incomplete, so a failure now recovers from the newest "
-                f"checkpoint on storage: {reasons[0]}",
-            )
-            return True
-        self.complete_step = step
-        self._warned = None
-        for holder in self.holders.values():
-            holder.drop_before.remote(step)
-        return True
+    def _forget_dead_holders(self, nodes: Sequence[str]) -> None:
+        for node in set(nodes):
+            if node in self.holders and not self._alive(node):
+                self.holders.pop(node)
+                self._placed = None  # its parts go elsewhere from now on
 
     def _alive(self, node: str) -> bool:
         try:
@@ -210,6 +207,13 @@ class SnapshotStore:
         if kind != self._warned:  # one line when the trouble starts or changes, not one per step
             logger.warning(message)
             self._warned = kind
+
+    def _address(self, node: str) -> tuple[str, int, str]:
+        """Where ranks send the parts that `node`'s holder keeps (asked once per holder)."""
+        holder = self._holder(node)
+        if self.addresses.get(node, (None,))[0] is not holder:
+            self.addresses[node] = (holder, ray.get(holder.address.remote(), timeout=_ASK_TIMEOUT_S))
+        return self.addresses[node][1]
 
     def _holder(self, node: str) -> Any:
         kept = parked_groups.take(("snapshot holder", node)) if self.reuse and node not in self.holders else None
@@ -253,13 +257,13 @@ class SnapshotStore:
 
     def load(self, snapshot: Snapshot, actor_group: Any, timeout_s: float) -> dict[str, Any]:
         """Every rank loads its part of `snapshot` straight from its holder; the driver's state of that step."""
-        parts = [(snapshot.holders[rank].get.remote(snapshot.step, rank),) for rank in range(actor_group.num_workers)]
+        parts = [(snapshot.holders[rank], snapshot.step) for rank in range(actor_group.num_workers)]
         actor_group.call_each("load_snapshot", parts, timeout_s=timeout_s)
         return ray.get(snapshot.holders[0].get_driver_state.remote(snapshot.step), timeout=timeout_s)
 
     def forget(self) -> None:
         """Drop every holder (after the embedded Ray was restarted, they went with it)."""
-        self.holders, self.in_flight, self.complete_step, self._placed = {}, None, None, None
+        self.holders, self.addresses, self.in_flight, self.complete_step, self._placed = {}, {}, None, None, None
 
     def close(self) -> None:
         """The run is over: the holders, emptied, are kept for the driver's next run (`reuse` on a Ray this process

@@ -213,6 +213,9 @@ class Trainer(AttemptState, RolloutPhase):
         per_rank = self.actor_group.call_each("update", [(shard,) for shard in ctx.rank_map.scatter(shards)])
         actor_stats = ctx.rank_map.collect(per_rank)
         update_done = time.perf_counter()
+        snapshot_due = ctx.snapshots.due(step)
+        if snapshot_due:  # the ranks stream their parts while the generation ahead is waited for and the sync runs
+            ctx.snapshots.take(step, self.actor_group)
         try:
             generated = self.collect_generations(ahead, ahead=True)
         except RewardFunctionError as exc:
@@ -222,15 +225,13 @@ class Trainer(AttemptState, RolloutPhase):
         self.generations_ahead = []
         for generation, samples_ahead in zip(ahead, generated):
             in_flight.push(GeneratedBatch(generation.step, step - 1, samples_ahead))
-        ahead_done = time.perf_counter()
-        if ctx.snapshots.due(step):
-            # Queued before the weight sync's calls, so the ranks' copies are made before the step completes: a rank
-            # lost after that costs no completed step. Their hand-over to the holders overlaps the next generation.
-            ctx.snapshots.take(step, self.actor_group, self.driver_state_of(step))
-        sync_started = time.perf_counter()  # the snapshot's submission ends here: the loop never waits for more of it
+        sync_started = time.perf_counter()
 
-        self.sync_weights_in_step(step)  # on the actor ranks it waits for their snapshot copies
+        self.sync_weights_in_step(step)
         sync_done = time.perf_counter()
+        if snapshot_due:  # the step completes once every rank's part is held
+            ctx.snapshots.finish(self.actor_group, self.driver_state_of(step), cfg.runner.recovery.step_timeout_s)
+        snapshot_done = time.perf_counter()
 
         metrics = {
             "data/epoch": epoch,
@@ -239,13 +240,13 @@ class Trainer(AttemptState, RolloutPhase):
             "time/rollout_s": rollout_done - started,
             "time/update_s": update_done - rollout_done,
             "time/weight_sync_s": sync_done - sync_started,
-            "time/step_s": sync_done - started,
+            "time/step_s": snapshot_done - started,
         }
         if cfg.algorithm.policy_lag > 0 or batch.lag > 0:
             metrics["rollout/policy_lag"] = batch.lag  # the samples' weights: those after step - 1 - lag
-            metrics["time/generation_wait_s"] = ahead_done - update_done  # the generation ahead outlasting the update
+            metrics["time/generation_wait_s"] = sync_started - update_done  # the generation ahead outlasting the update
         if ctx.snapshots.enabled:
-            metrics["time/snapshot_s"] = sync_started - ahead_done
+            metrics["time/snapshot_s"] = snapshot_done - sync_done  # the streams outlasting the sync
         return metrics
 
     # -- the loop ------------------------------------------------------------------------------

@@ -68,19 +68,20 @@ def test_actor_ranks_killed_mid_save_then_mid_step_come_back(cluster, reference,
 
 
 def test_actor_rank_killed_around_its_snapshot_copy(cluster, reference, tmp_path):
-    """The copy of step k is made after k's update, before k's weight sync. Rank 0 dies inside its copy (step k's
-    snapshot is incomplete) after step 2; its replacement dies after its copy, in the weight sync, after step 6 (that
-    step's snapshot is whole, but the driver never completed the step). Either way step k-1's snapshot is used, and no
-    completed step is redone. (Two failures in one run: one run's start-up less for the suite.)"""
+    """Step k's snapshot streams after k's update, beside k's weight sync, and k completes once it is held. Rank 0 dies
+    inside its stream (step k's snapshot is incomplete) after step 2; its replacement dies in the weight sync after
+    step 6 (that step's snapshot may be whole, but the driver never completed the step). Either way step k-1's
+    snapshot is used, and no completed step is redone. (Two failures in one run: one run's start-up less for the
+    suite.)"""
     runner = Supervisor(run_config(tmp_path, *RUN))
 
-    def die_in_the_copy_then_in_the_weight_sync() -> None:
+    def die_in_the_stream_then_in_the_weight_sync() -> None:
         wait_for(lambda: metrics_lines(tmp_path) >= 2)
-        patch_worker_module(runner.trainer.actor_group, 0, "rlrunner.backends.actor", "serialize", dying)
+        patch_worker_module(runner.trainer.actor_group, 0, "rlrunner.backends.snapshot_stream", "byte_views", dying)
         wait_for(lambda: metrics_lines(tmp_path) >= 6 and len(recovery_events(tmp_path, "resumed")) == 1)
         patch_worker_attribute(runner.trainer.actor_group, 0, "weight_sync", dying_sender)
 
-    threading.Thread(target=die_in_the_copy_then_in_the_weight_sync, daemon=True).start()
+    threading.Thread(target=die_in_the_stream_then_in_the_weight_sync, daemon=True).start()
     runner.run()
     failures, resumed = recovery_events(tmp_path, "failure"), recovery_events(tmp_path, "resumed")
     assert len(failures) == 2 and len(resumed) == 2, (failures, resumed)

@@ -3,16 +3,22 @@ holder keeps, where a spare goes."""
 
 from __future__ import annotations
 
-import io
+import json
+import socket
+import threading
+import time
 
+import pytest
 import torch
 
-from rlrunner.backends.actor import serialize
+from rlrunner.backends.snapshot_stream import SnapshotStream, byte_views, join_state, split_state
 from rlrunner.cluster.snapshot_holder import SnapshotHolder
 from rlrunner.cluster.spares import spare_node
 from rlrunner.runner.snapshots import holder_nodes, newest_complete
 from rlrunner.utils.rng import capture_rng
 from rlrunner.utils.tensors import tensor_bytes
+
+from conftest import assert_bit_equal
 
 
 def test_parts_go_first_to_nodes_that_run_no_rank():
@@ -53,52 +59,117 @@ def test_a_snapshot_of_a_step_the_driver_did_not_complete_is_not_used():
     assert newest_complete({"a": {5: [0, 1]}}, world_size=2, max_step=4) is None
 
 
-def test_a_holder_keeps_parts_and_drops_older_steps():
+def live_state() -> dict:
+    return {
+        "model": {
+            "w": torch.arange(6.0).view(2, 3),
+            "b": torch.arange(5, dtype=torch.bfloat16)[::2],
+            "big": torch.arange(2**18, dtype=torch.float32),  # sent from its own memory, not copied
+        },
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(3.0), "mask": torch.tensor([True, False]), "empty": torch.ones(0)}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}],
+        },
+        "rng": capture_rng(),
+    }
+
+
+def assert_same_state(got: dict, expected: dict) -> None:
+    assert_bit_equal(got["model"], expected["model"])
+    assert_bit_equal(got["optimizer"]["state"][0], expected["optimizer"]["state"][0])
+    assert got["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"]
+    assert_bit_equal({"torch": got["rng"]["torch"]}, {"torch": expected["rng"]["torch"]})
+    assert got["rng"]["python"] == expected["rng"]["python"]
+
+
+def read_back(holder: SnapshotHolder, step: int, rank: int, chunk_bytes: int) -> dict:
+    """What `fetch_part` reads through Ray, read in this process."""
+    skeleton, num_chunks = holder.get(step, rank, chunk_bytes)
+    return join_state(skeleton, [holder.get_chunk(step, rank, i, chunk_bytes) for i in range(num_chunks)])
+
+
+def send(holder: SnapshotHolder, step: int, rank: int, state: dict) -> str | None:
+    return SnapshotStream(step, rank, holder.address(), state).wait(timeout_s=30)
+
+
+@pytest.mark.parametrize("chunk_bytes", [7, 2**16])
+def test_a_part_sent_to_a_holder_reads_back_bit_for_bit(chunk_bytes):
     holder = SnapshotHolder(reserve_bytes=0)
-    assert holder.put(4, 0, b"rank0-step4", driver_state={"step": 4}) is None
-    assert holder.put(4, 1, b"rank1-step4") is None
-    assert holder.put(5, 0, b"rank0-step5", driver_state={"step": 5}) is None
+    assert send(holder, 3, 1, live_state()) is None
+    assert holder.held() == {3: [1]}
+    skeleton, num_chunks = holder.get(3, 1, chunk_bytes)
+    assert num_chunks == -(-tensor_bytes(live_state()) // chunk_bytes)
+    assert_same_state(read_back(holder, 3, 1, chunk_bytes), live_state())
+
+
+def test_a_holder_keeps_whole_parts_and_drops_older_steps():
+    holder = SnapshotHolder(reserve_bytes=0)
+    for step, rank in [(4, 0), (4, 1), (5, 0)]:
+        assert send(holder, step, rank, {"w": torch.full((3,), float(10 * step + rank))}) is None
+    holder.put_driver_state(4, {"step": 4})
+    holder.put_driver_state(5, {"step": 5})
     assert holder.held() == {4: [0, 1], 5: [0]}
-    assert holder.get(4, 1) == b"rank1-step4" and holder.get_driver_state(4) == {"step": 4}
+    assert_bit_equal(read_back(holder, 4, 1, 4), {"w": torch.full((3,), 41.0)})
+    assert holder.get_driver_state(4) == {"step": 4}
     holder.drop_before(5)
     assert holder.held() == {5: [0]} and holder.driver_states == {5: {"step": 5}}
 
 
-def test_a_holder_kept_for_the_next_run_is_emptied_and_takes_that_runs_reserve():
+def test_a_sender_lost_halfway_leaves_nothing_held():
     holder = SnapshotHolder(reserve_bytes=0)
-    holder.put(4, 0, b"rank0-step4", driver_state={"step": 4})
-    assert holder.reset(2**62) == holder.ping()
-    assert holder.held() == {} and holder.driver_states == {}
-    assert "below the" in holder.put(1, 0, b"part")  # the new reserve holds
+    host, port, token = holder.address()
+    listening = threading.active_count()
+    header = {"token": token, "step": 1, "rank": 0, "skeleton_bytes": 4, "total_bytes": 100}
+    with socket.create_connection((host, port), timeout=10) as connection:
+        connection.sendall(json.dumps(header).encode() + b"\nskel")
+        assert connection.makefile("rb").readline() == b"\n"  # go on
+        connection.sendall(bytes(60))  # then the rank dies
+    deadline = time.monotonic() + 10
+    while threading.active_count() > listening and time.monotonic() < deadline:
+        time.sleep(0.01)  # the holder's thread for the connection sees it closed, and ends
+    assert threading.active_count() == listening
+    assert holder.held() == {}
+
+
+def test_a_sender_without_the_holders_token_is_not_read():
+    holder = SnapshotHolder(reserve_bytes=0)
+    host, port, _ = holder.address()
+    reason = SnapshotStream(1, 0, (host, port, "not-the-token"), {"w": torch.ones(4)}).wait(timeout_s=30)
+    assert "actor rank 0's part was lost on the way" in reason and "closed the connection" in reason
+    assert holder.held() == {}
 
 
 def test_a_holder_refuses_a_part_that_would_eat_its_nodes_reserve():
     holder = SnapshotHolder(reserve_bytes=2**62)
-    reason = holder.put(1, 0, b"part")
-    assert "below the" in reason and "runner.snapshot.reserve_memory_gb" in reason
+    reason = send(holder, 1, 0, {"w": torch.ones(2**18)})
+    assert "a 1 MiB part" in reason and "below the" in reason and "runner.snapshot.reserve_memory_gb" in reason
     assert holder.held() == {}
 
 
-def test_a_rank_without_a_part_passes_its_reason_on():
+def test_a_holder_kept_for_the_next_run_is_emptied_and_takes_that_runs_reserve():
     holder = SnapshotHolder(reserve_bytes=0)
-    assert holder.put(1, 0, "actor rank 0: no room") == "actor rank 0: no room"
-    assert holder.held() == {}
+    address = holder.address()
+    assert send(holder, 4, 0, {"w": torch.ones(2)}) is None
+    holder.put_driver_state(4, {"step": 4})
+    assert holder.reset(2**62) == holder.ping()
+    assert holder.held() == {} and holder.driver_states == {}
+    assert holder.address() == address  # it goes on listening where it did
+    assert "below the" in send(holder, 5, 0, {"w": torch.ones(2)})  # the new reserve holds
 
 
-def test_a_serialized_part_reads_back_with_weights_only_and_is_a_copy():
-    live = {
-        "model": {"w": torch.arange(6.0).view(2, 3)},
-        "optimizer": {
-            "state": {0: {"step": torch.tensor(3.0)}},
-            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}],
-        },
-    }
-    part = serialize({"state": live, "rng": capture_rng()})
-    live["model"]["w"].add_(1)  # the training goes on: the part must not change
-    saved = torch.load(io.BytesIO(part), weights_only=True)
-    assert torch.equal(saved["state"]["model"]["w"], torch.arange(6.0).view(2, 3))
-    assert saved["state"]["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.99)
-    assert tensor_bytes(live) == 6 * 4 + 4
+def test_a_part_cut_off_the_live_tensors_is_a_copy():
+    live = live_state()
+    skeleton, tensors = split_state(live)
+    sent = b"".join(bytes(view) for view in byte_views(tensors))  # what a holder receives
+    assert len(sent) == tensor_bytes(live)
+    live["model"]["w"].add_(1)  # the training goes on once the part is held: the part must not change
+    assert_same_state(join_state(skeleton, [sent]), live_state())
+
+
+def test_a_part_with_bytes_beyond_its_tensors_is_refused():
+    skeleton, _ = split_state({"w": torch.ones(2)})
+    with pytest.raises(ValueError, match="more bytes than its tensors"):
+        join_state(skeleton, [bytes(8), b"x"])
 
 
 def test_spares_go_off_the_nodes_of_the_group_they_cover_and_spread():

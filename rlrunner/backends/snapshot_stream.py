@@ -1,0 +1,168 @@
+"""An actor rank's part of an in-memory snapshot, streamed to its holder straight off the live tensors.
+
+    stream = SnapshotStream(step, rank, holder_address, local_tensors(rank_state().state_dict()))  # starts a thread
+    ... the weight sync runs meanwhile: it only reads the same tensors ...
+    reason = stream.wait()  # None once the holder has the whole part; else why it has none
+
+The part is a skeleton (the state with every tensor replaced by a meta tensor of its dtype and shape: `torch.save`
+bytes, read back with `weights_only=True`) and the tensors' raw bytes, in order, sent over a TCP connection to the
+holder (`SnapshotHolder.address`; the wire format is in `rlrunner.cluster.snapshot_holder`). A large host tensor's
+bytes are sent from its own memory; small and device tensors' through one host buffer of at most `CHUNK_BYTES`. So
+the rank holds no copy of its state beside it (the serialized part a snapshot used to be, or chunks in Ray's object
+store: every byte put there stays in the putting process's resident set).
+
+The tensors must not change until `wait` returns: the driver waits for the stream within the step it snapshots, before
+any later update (`rlrunner.runner.snapshots`). A part is read back from its holder in chunks (`fetch_part`).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+import threading
+from typing import Any, Iterable, Iterator
+
+import numpy
+import ray
+import torch
+
+from rlrunner.errors import describe
+from rlrunner.utils.tensors import map_tensors
+
+CHUNK_BYTES = 32 * 2**20  # small or device tensors' bytes go through a host buffer this big; parts are read back so
+DIRECT_BYTES = 2**20  # a host tensor this big is sent from its own memory
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s bytes as a flat uint8 tensor (a view when it is contiguous)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def split_state(state: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """`state`'s skeleton (`torch.save` bytes, every tensor a meta tensor of its dtype and shape) and its tensors in the
+    order `join_state` fills them back."""
+    tensors: list[torch.Tensor] = []
+
+    def placeholder(tensor: torch.Tensor) -> torch.Tensor:
+        tensors.append(tensor)
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+    buffer = io.BytesIO()
+    torch.save(map_tensors(state, placeholder), buffer)
+    return buffer.getvalue(), tensors
+
+
+def _small(tensor: torch.Tensor) -> bool:
+    return tensor.numel() * tensor.element_size() < DIRECT_BYTES
+
+
+def byte_views(tensors: list[torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> Iterator[memoryview]:
+    """The tensors' bytes, in order, as views to send: a host tensor of at least `DIRECT_BYTES` from its own memory
+    (copied only if not contiguous); smaller ones, and device tensors, copied through one reused host buffer of
+    `chunk_bytes` (so that a model's many small tensors go out in few sends). A view is valid until the next is asked
+    for."""
+    buffer: torch.Tensor | None = None
+    filled = 0
+    for tensor in tensors:
+        raw = _raw(tensor)
+        if raw.device.type == "cpu" and not _small(raw):
+            if filled:
+                yield memoryview(buffer[:filled].numpy())
+                filled = 0
+            yield memoryview(raw.numpy())
+            continue
+        if buffer is None:
+            staged = sum(t.numel() * t.element_size() for t in tensors if t.device.type != "cpu" or _small(t))
+            buffer = torch.empty(min(chunk_bytes, staged), dtype=torch.uint8, pin_memory=raw.device.type == "cuda")
+            chunk_bytes = buffer.numel()
+        start = 0
+        while start < raw.numel():
+            n = min(raw.numel() - start, chunk_bytes - filled)
+            buffer[filled : filled + n].copy_(raw[start : start + n])
+            filled, start = filled + n, start + n
+            if filled == chunk_bytes:
+                yield memoryview(buffer.numpy())
+                filled = 0
+    if filled:
+        yield memoryview(buffer[:filled].numpy())
+
+
+def join_state(skeleton: bytes, chunks: Iterable[bytes], device: torch.device | str = "cpu") -> Any:
+    """The state `split_state` took apart, its tensors (new ones, on `device`) filled from the chunks' bytes."""
+    chunk_iter = iter(chunks)
+    pending = memoryview(b"")
+
+    def filled(meta: torch.Tensor) -> torch.Tensor:
+        nonlocal pending
+        tensor = torch.empty(meta.shape, dtype=meta.dtype)
+        target = _raw(tensor).numpy()  # a view of the new tensor's bytes
+        start = 0
+        while start < target.size:
+            if not len(pending):
+                pending = memoryview(next(chunk_iter))
+            n = min(target.size - start, len(pending))
+            target[start : start + n] = numpy.frombuffer(pending[:n], dtype=numpy.uint8)
+            pending, start = pending[n:], start + n
+        return tensor.to(device)
+
+    state = map_tensors(torch.load(io.BytesIO(skeleton), weights_only=True), filled)
+    if len(pending) or next(chunk_iter, None) is not None:
+        raise ValueError("a snapshot part has more bytes than its tensors")
+    return state
+
+
+class SnapshotStream:
+    """One rank's part of `step` sent to the holder at `address` ((host, port, token): `SnapshotHolder.address`) from
+    a thread of its own."""
+
+    def __init__(self, step: int, rank: int, address: tuple[str, int, str], state: Any, timeout_s: float = 300.0):
+        self.step, self.rank, self.address, self.timeout_s = step, rank, address, timeout_s
+        self.reason: str | None = None
+        self._state = state  # read on the thread: the caller built it, nothing else refers to the structure
+        self._thread = threading.Thread(target=self._run, name=f"snapshot-step-{step}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            skeleton, tensors = split_state(self._state)
+            total = sum(t.numel() * t.element_size() for t in tensors)
+            host, port, token = self.address
+            header = {"token": token, "step": self.step, "rank": self.rank}
+            header.update(skeleton_bytes=len(skeleton), total_bytes=total)
+            with socket.create_connection((host, port), timeout=self.timeout_s) as connection:
+                connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the header waits for no ACK
+                answers = connection.makefile("rb")
+                connection.sendall(json.dumps(header).encode() + b"\n" + skeleton)
+                self.reason = _answer(answers)
+                if self.reason is not None:
+                    return
+                for view in byte_views(tensors):
+                    connection.sendall(view)
+                self.reason = _answer(answers)
+        except Exception as exc:  # the holder was lost: this step's snapshot is incomplete, the run goes on
+            self.reason = f"actor rank {self.rank}'s part was lost on the way ({describe(exc)})"
+        finally:
+            self._state = None  # the live tensors are no longer referenced from here
+
+    def wait(self, timeout_s: float | None = None) -> str | None:
+        """None once the holder keeps the whole part; else why it keeps none."""
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            return f"actor rank {self.rank}'s part was still on its way after {timeout_s:g} s"
+        return self.reason
+
+
+def _answer(answers: Any) -> str | None:
+    """The holder's answer line: None for go on (or held), else its reason."""
+    line = answers.readline()
+    if not line.endswith(b"\n"):
+        raise ConnectionError("the holder closed the connection")
+    return line.decode().strip() or None
+
+
+def fetch_part(holder: Any, step: int, rank: int, device: torch.device | str = "cpu") -> Any:
+    """`rank`'s part of `step` read back from `holder` (a `SnapshotHolder` actor), a chunk at a time."""
+    skeleton, num_chunks = ray.get(holder.get.remote(step, rank, CHUNK_BYTES))
+    chunks = (ray.get(holder.get_chunk.remote(step, rank, i, CHUNK_BYTES)) for i in range(num_chunks))
+    return join_state(skeleton, chunks, device)
