@@ -120,6 +120,8 @@ class SnapshotStream:
         self.step, self.rank, self.address, self.timeout_s = step, rank, address, timeout_s
         self.reason: str | None = None
         self._state = state  # read on the thread: the caller built it, nothing else refers to the structure
+        self._given_up = threading.Event()
+        self._connection: socket.socket | None = None
         self._thread = threading.Thread(target=self._run, name=f"snapshot-step-{step}", daemon=True)
         self._thread.start()
 
@@ -131,6 +133,7 @@ class SnapshotStream:
             header = {"token": token, "step": self.step, "rank": self.rank}
             header.update(skeleton_bytes=len(skeleton), total_bytes=total)
             with socket.create_connection((host, port), timeout=self.timeout_s) as connection:
+                self._connection = connection
                 connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the header waits for no ACK
                 answers = connection.makefile("rb")
                 connection.sendall(json.dumps(header).encode() + b"\n" + skeleton)
@@ -138,6 +141,8 @@ class SnapshotStream:
                 if self.reason is not None:
                     return
                 for view in byte_views(tensors):
+                    if self._given_up.is_set():
+                        raise ConnectionAbortedError("given up")
                     connection.sendall(view)
                 self.reason = _answer(answers)
         except Exception as exc:  # the holder was lost: this step's snapshot is incomplete, the run goes on
@@ -146,9 +151,19 @@ class SnapshotStream:
             self._state = None  # the live tensors are no longer referenced from here
 
     def wait(self, timeout_s: float | None = None) -> str | None:
-        """None once the holder keeps the whole part; else why it keeps none."""
+        """None once the holder keeps the whole part; else why it keeps none. A part still on its way after
+        `timeout_s` is given up before this returns (its connection cut, so that the holder keeps none of it): the
+        caller may then change the tensors."""
         self._thread.join(timeout_s)
         if self._thread.is_alive():
+            self._given_up.set()
+            connection = self._connection
+            if connection is not None:
+                try:
+                    connection.shutdown(socket.SHUT_RDWR)  # a send blocked on a stuck holder fails at once
+                except OSError:
+                    pass
+            self._thread.join()
             return f"actor rank {self.rank}'s part was still on its way after {timeout_s:g} s"
         return self.reason
 

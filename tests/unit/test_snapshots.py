@@ -139,6 +139,26 @@ def test_a_sender_without_the_holders_token_is_not_read():
     assert holder.held() == {}
 
 
+def test_a_part_given_up_on_a_stuck_holder_is_cut_off_before_wait_returns():
+    """A holder that stops reading: the wait gives the part up after its timeout and cuts the connection, so that the
+    tensors can change (the next update) with nothing more of them sent."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        stream = SnapshotStream(1, 0, ("127.0.0.1", listener.getsockname()[1], "token"), {"w": torch.ones(2**24)})
+        connection, _ = listener.accept()
+        with connection:
+            connection.makefile("rb").readline()  # the header; the skeleton is left unread
+            connection.sendall(b"\n")  # go on, then read nothing more
+            started = time.monotonic()
+            reason = stream.wait(timeout_s=0.5)
+            assert reason == "actor rank 0's part was still on its way after 0.5 s"
+            assert time.monotonic() - started < 10 and not stream._thread.is_alive()
+            received = b""
+            connection.settimeout(10)
+            while chunk := connection.recv(2**20):  # what reached the holder ends: the sender cut the connection
+                received += chunk
+            assert len(received) < 2**26
+
+
 def test_a_holder_refuses_a_part_that_would_eat_its_nodes_reserve():
     holder = SnapshotHolder(reserve_bytes=2**62)
     reason = send(holder, 1, 0, {"w": torch.ones(2**18)})
