@@ -96,7 +96,7 @@ class SnapshotHolder:
                 with self._lock:
                     self.parts[(step, rank)] = (skeleton, data)
                 connection.sendall(b"\n")
-            except (OSError, ValueError, KeyError):
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 return  # the sender died or sent garbage: its part is not held, and it learns so (if alive)
 
     def _refusal(self, total_bytes: int) -> str | None:

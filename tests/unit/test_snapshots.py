@@ -134,6 +134,10 @@ def test_a_sender_lost_halfway_leaves_nothing_held():
 def test_a_sender_without_the_holders_token_is_not_read():
     holder = SnapshotHolder(reserve_bytes=0)
     host, port, _ = holder.address()
+    for garbage in (b"[1, 2]\n", b"not json\n", b"{}\n"):
+        with socket.create_connection((host, port), timeout=10) as connection:
+            connection.sendall(garbage)
+            assert connection.makefile("rb").readline() == b""  # closed without an answer
     reason = SnapshotStream(1, 0, (host, port, "not-the-token"), {"w": torch.ones(4)}).wait(timeout_s=30)
     assert "actor rank 0's part was lost on the way" in reason and "closed the connection" in reason
     assert holder.held() == {}
