@@ -170,6 +170,20 @@ def test_a_holder_refuses_a_part_that_would_eat_its_nodes_reserve():
     assert holder.held() == {}
 
 
+def test_a_dropped_parts_memory_takes_the_next_part_of_its_size_without_the_reserve_check():
+    holder = SnapshotHolder(reserve_bytes=0)
+    for step in (1, 2):
+        assert send(holder, step, 0, {"w": torch.full((4,), float(step))}) is None
+    holder.drop_before(2)  # step 1's part goes: its memory stays for the next part of its size
+    holder.reserve_bytes = 2**62  # a part needing new memory is refused from now on
+    assert send(holder, 3, 0, {"w": torch.full((4,), 3.0)}) is None
+    assert_bit_equal(read_back(holder, 3, 0, 4), {"w": torch.full((4,), 3.0)})
+    assert "below the" in send(holder, 4, 0, {"w": torch.ones(8)})  # another size: new memory, refused
+    holder.drop_before(3)  # step 2's part goes, its buffer kept
+    holder.drop_before(3)  # again (nothing to drop): step 2's buffer, which no part took since, is freed
+    assert "below the" in send(holder, 5, 0, {"w": torch.ones(4)}) and holder.held() == {3: [0]}
+
+
 def test_a_holder_kept_for_the_next_run_is_emptied_and_takes_that_runs_reserve():
     holder = SnapshotHolder(reserve_bytes=0)
     address = holder.address()
