@@ -32,6 +32,7 @@ from rlrunner.utils.tensors import map_tensors
 
 CHUNK_BYTES = 32 * 2**20  # small or device tensors' bytes go through a host buffer this big; parts are read back so
 DIRECT_BYTES = 2**20  # a host tensor this big is sent from its own memory
+CONNECT_TIMEOUT_S = 10.0  # a holder that does not accept by then is lost: the wait for the part must not hang on it
 
 
 def _raw(tensor: torch.Tensor) -> torch.Tensor:
@@ -132,7 +133,8 @@ class SnapshotStream:
             host, port, token = self.address
             header = {"token": token, "step": self.step, "rank": self.rank}
             header.update(skeleton_bytes=len(skeleton), total_bytes=total)
-            with socket.create_connection((host, port), timeout=self.timeout_s) as connection:
+            with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as connection:
+                connection.settimeout(self.timeout_s)
                 self._connection = connection
                 connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the header waits for no ACK
                 answers = connection.makefile("rb")
