@@ -7,8 +7,8 @@
     driver_state = store.load(snapshot, actor_group)
 
 Each rank streams its state straight off the live tensors to a `SnapshotHolder` on another node than its own
-(`holder_nodes`), in bounded chunks from a thread of its own (`ActorWorker.start_snapshot`,
-`rlrunner.backends.snapshot_stream`): it never holds a second whole copy of its state, and the weight sync, queued
+(`holder_nodes`), over a TCP connection of its own from a thread of its own (`ActorWorker.start_snapshot`,
+`rlrunner.backends.snapshot_stream`): it never holds a second copy of its state, and the weight sync, queued
 after the start, runs meanwhile (with a policy lag, so does the wait for the generation ahead). The step completes only
 once every part is held (`finish`), so a rank lost after that costs no completed step, and no update changes the
 tensors while they are read. The driver's state of the step goes beside rank 0's part. The holders keep the newest
