@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, beside this script
-from benchlib.common import command_line, machine, make_workdir, read_jsonl, stop_ray  # noqa: E402
+from benchlib.common import command_line, machine, make_workdir, read_jsonl, runs_in_embedded_ray  # noqa: E402
 
 LAGS = {"lag0": 0, "lag1": 1}
 
@@ -152,19 +151,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from rlrunner.cluster.ray_setup import start_embedded
-
     print(f"command: {command_line()}")
     print(f"machine: {machine()}")
     work = make_workdir(args.dir, "bench_overlap_")
     order = [args.first, *(name for name in LAGS if name != args.first)]
     started = time.perf_counter()
-    try:
-        start_embedded(2)
-        runs = {name: run_one(args, name, work) for name in order}
-    finally:
-        stop_ray()
-        shutil.rmtree(work, ignore_errors=True)
+    runs = runs_in_embedded_ray(2, work, order, lambda name: run_one(args, name, work))
 
     first = args.warmup + 1
     step = {name: median(steps, "time/step_s", first) for name, steps in runs.items()}

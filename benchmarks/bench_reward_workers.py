@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
 import statistics
 import sys
 import textwrap
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, beside this script
-from benchlib.common import command_line, cpu_model, make_workdir, read_jsonl, stop_ray  # noqa: E402
+from benchlib.common import command_line, cpu_model, make_workdir, read_jsonl, runs_in_embedded_ray  # noqa: E402
 
 SLOW_REWARD = '''
 """A slow verifier: sleeps, then scores as the built-in arithmetic verifier."""
@@ -110,20 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import os
 
-    from rlrunner.cluster.ray_setup import start_embedded
-
     print(f"command: {command_line()}")
     print(f"machine: {os.cpu_count()} CPU cores ({cpu_model()})")
     work = make_workdir(args.dir, "bench_reward_workers_")
     reward_file = work / "slow_reward.py"
     reward_file.write_text(textwrap.dedent(SLOW_REWARD.format(seconds=args.sleep_ms / 1000)))
     started = time.perf_counter()
-    try:
-        start_embedded(4)
-        results = {workers: run(args, workers, reward_file, work) for workers in args.workers}
-    finally:
-        stop_ray()
-        shutil.rmtree(work, ignore_errors=True)
+    results = runs_in_embedded_ray(4, work, args.workers, lambda workers: run(args, workers, reward_file, work))
     first = args.warmup + 1
     base = args.workers[0]
     runs = {workers: steps for workers, (_, steps) in results.items()}

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib and bench_step_time, beside this script
 from bench_step_time import model_overrides  # noqa: E402
 
-from benchlib.common import command_line, machine, make_workdir, read_jsonl, stop_ray  # noqa: E402
+from benchlib.common import command_line, machine, make_workdir, read_jsonl, runs_in_embedded_ray  # noqa: E402
 
 RUNS = {"on": True, "off": False}
 TIMES = ("time/step_s", "time/weight_sync_s", "time/snapshot_s")
@@ -87,19 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from rlrunner.cluster.ray_setup import start_embedded
-
     print(f"command: {command_line()}")
     print(f"machine: {machine()}")
     work = make_workdir(args.dir, "bench_snapshot_cost_")
     order = [args.first, *(name for name in RUNS if name != args.first)]
     started = time.perf_counter()
-    try:
-        start_embedded(2)
-        runs = {name: run_one(args, name, work) for name in order}
-    finally:
-        stop_ray()
-        shutil.rmtree(work, ignore_errors=True)
+    runs = runs_in_embedded_ray(2, work, order, lambda name: run_one(args, name, work))
 
     medians = {
         name: {key: statistics.median(s[key] for s in steps) for key in TIMES if key in steps[0]}

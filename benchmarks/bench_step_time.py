@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import shutil
 import statistics
 import sys
 import tempfile
@@ -42,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, beside this script
-from benchlib.common import command_line, machine, make_workdir, read_jsonl, stop_ray  # noqa: E402
+from benchlib.common import command_line, machine, make_workdir, read_jsonl, runs_in_embedded_ray  # noqa: E402
 
 TIMES = ["time/step_s", "time/update_s", "time/weight_sync_s", "time/rollout_s"]
 BACKENDS = ("fsdp", "megatron")
@@ -237,7 +236,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from rlrunner.cluster.ray_setup import start_embedded
     from rlrunner.errors import ConfigError
 
     print(f"command: {command_line()}")
@@ -254,12 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         f"embedded Ray with {num_cpus} logical CPUs; runs in order {', '.join(order)}; output under {work}", flush=True
     )
     started = time.perf_counter()
-    try:
-        start_embedded(num_cpus)
-        runs = {backend: run_backend(args, backend, work) for backend in order}
-    finally:
-        stop_ray()
-        shutil.rmtree(work, ignore_errors=True)
+    runs = runs_in_embedded_ray(num_cpus, work, order, lambda backend: run_backend(args, backend, work))
 
     first_measured = args.warmup + 1
     print()

@@ -49,6 +49,21 @@ def stop_ray() -> None:
         ray.shutdown()
 
 
+def runs_in_embedded_ray(num_cpus: int, work: Path, names: list[Any], run: Callable[[Any], Any]) -> dict[Any, Any]:
+    """{name: run(name)} for each of `names` in order, one after the other on one embedded local Ray of `num_cpus`
+    started here and stopped after them; `work`, the runs' folder, is removed at the end either way."""
+    import shutil
+
+    from rlrunner.cluster.ray_setup import start_embedded
+
+    try:
+        start_embedded(num_cpus)
+        return {name: run(name) for name in names}
+    finally:
+        stop_ray()
+        shutil.rmtree(work, ignore_errors=True)
+
+
 # -- files -----------------------------------------------------------------------------------------------
 
 
