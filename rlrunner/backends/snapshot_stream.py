@@ -28,7 +28,7 @@ import ray
 import torch
 
 from rlrunner.errors import describe
-from rlrunner.utils.tensors import map_tensors
+from rlrunner.utils.tensors import map_tensors, tensor_bytes
 
 CHUNK_BYTES = 32 * 2**20  # small or device tensors' bytes go through a host buffer this big; parts are read back so
 DIRECT_BYTES = 2**20  # a host tensor this big is sent from its own memory
@@ -55,7 +55,7 @@ def split_state(state: Any) -> tuple[bytes, list[torch.Tensor]]:
 
 
 def _small(tensor: torch.Tensor) -> bool:
-    return tensor.numel() * tensor.element_size() < DIRECT_BYTES
+    return tensor_bytes(tensor) < DIRECT_BYTES
 
 
 def byte_views(tensors: list[torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> Iterator[memoryview]:
@@ -74,7 +74,7 @@ def byte_views(tensors: list[torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> I
             yield memoryview(raw.numpy())
             continue
         if buffer is None:
-            staged = sum(t.numel() * t.element_size() for t in tensors if t.device.type != "cpu" or _small(t))
+            staged = tensor_bytes([t for t in tensors if t.device.type != "cpu" or _small(t)])
             buffer = torch.empty(min(chunk_bytes, staged), dtype=torch.uint8, pin_memory=raw.device.type == "cuda")
             chunk_bytes = buffer.numel()
         start = 0
@@ -89,8 +89,8 @@ def byte_views(tensors: list[torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> I
         yield memoryview(buffer[:filled].numpy())
 
 
-def join_state(skeleton: bytes, chunks: Iterable[bytes], device: torch.device | str = "cpu") -> Any:
-    """The state `split_state` took apart, its tensors (new ones, on `device`) filled from the chunks' bytes."""
+def join_state(skeleton: bytes, chunks: Iterable[bytes]) -> Any:
+    """The state `split_state` took apart, its tensors (new ones, on the host) filled from the chunks' bytes."""
     chunk_iter = iter(chunks)
     pending = memoryview(b"")
 
@@ -105,7 +105,7 @@ def join_state(skeleton: bytes, chunks: Iterable[bytes], device: torch.device | 
             n = min(target.size - start, len(pending))
             target[start : start + n] = numpy.frombuffer(pending[:n], dtype=numpy.uint8)
             pending, start = pending[n:], start + n
-        return tensor.to(device)
+        return tensor
 
     state = map_tensors(torch.load(io.BytesIO(skeleton), weights_only=True), filled)
     if len(pending) or next(chunk_iter, None) is not None:
@@ -129,7 +129,7 @@ class SnapshotStream:
     def _run(self) -> None:
         try:
             skeleton, tensors = split_state(self._state)
-            total = sum(t.numel() * t.element_size() for t in tensors)
+            total = tensor_bytes(tensors)
             host, port, token = self.address
             header = {"token": token, "step": self.step, "rank": self.rank}
             header.update(skeleton_bytes=len(skeleton), total_bytes=total)
@@ -178,8 +178,8 @@ def _answer(answers: Any) -> str | None:
     return line.decode().strip() or None
 
 
-def fetch_part(holder: Any, step: int, rank: int, device: torch.device | str = "cpu") -> Any:
+def fetch_part(holder: Any, step: int, rank: int) -> Any:
     """`rank`'s part of `step` read back from `holder` (a `SnapshotHolder` actor), a chunk at a time."""
     skeleton, num_chunks = ray.get(holder.get.remote(step, rank, CHUNK_BYTES))
     chunks = (ray.get(holder.get_chunk.remote(step, rank, i, CHUNK_BYTES)) for i in range(num_chunks))
-    return join_state(skeleton, chunks, device)
+    return join_state(skeleton, chunks)
