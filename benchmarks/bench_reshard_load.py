@@ -57,8 +57,9 @@ def write_checkpoint(folder: Path, size: str, tp: int) -> int:
     import torch
 
     from rlrunner.backends.megatron.file_writes import write_tracker
-    from rlrunner.backends.megatron.files import megatron_args, megatron_rng_entry, rank_file, rank_state
+    from rlrunner.backends.megatron.files import megatron_args, rank_file, rank_state
     from rlrunner.backends.megatron.layout import iter_hf_to_megatron_rank
+    from rlrunner.backends.megatron.megatron_entries import rng_entry
     from rlrunner.backends.megatron.moment_files import moment_file, moment_slice_state
     from rlrunner.backends.megatron.rank_state import MegatronRankState
     from rlrunner.models.hf_tensors import SeededInit
@@ -83,7 +84,7 @@ def write_checkpoint(folder: Path, size: str, tp: int) -> int:
                     args,
                     {"lr": 1e-5, "distributed_optimizer": True},
                     {"last_epoch": 7},
-                    [megatron_rng_entry(capture_rng())],
+                    [rng_entry(capture_rng(), 1, rank)],
                 ),
                 # data-parallel size 1: one slice file holds the whole flat moments
                 moment_file(7, rank, 0): moment_slice_state(

@@ -50,6 +50,7 @@ class ActorWorker(Worker, ABC):
         init_seed: int,
         total_optimizer_steps: int,
         read_weights: WeightsReader | None = None,
+        samples_per_optimizer_step: int = 1,
         threads: int = 1,
         use_gpu: bool = False,
     ):
@@ -59,6 +60,7 @@ class ActorWorker(Worker, ABC):
         self.algorithm_cfg = algorithm_cfg
         self.init_seed = init_seed
         self.total_optimizer_steps = total_optimizer_steps
+        self.samples_per_optimizer_step = samples_per_optimizer_step  # the rows of a mini-batch, all ranks together
         self.read_weights = read_weights  # set when model.path is a training checkpoint (of any backend)
         self.objective = PolicyObjective(algorithm_cfg)
         self.saver = BackgroundSave()

@@ -84,6 +84,7 @@ class RunContext:
         self.total_steps = min(cfg.runner.max_steps, cfg.runner.max_epochs * self.new_loader().steps_per_epoch)
         self.num_minibatches = cfg.data.batch_size // mini_batch_prompts(cfg)
         self.optimizer_steps = self.total_steps * self.num_minibatches * cfg.actor.ppo_epochs
+        self.samples_per_optimizer_step = mini_batch_prompts(cfg) * cfg.algorithm.group_size  # a mini-batch's rows
         self.backend = get_backend(cfg.actor.training_backend)
         self.rank_map = self.backend.rank_map(cfg.actor)
         self.hf_config = build_hf_config(cfg.model, self.tokenizer)

@@ -46,6 +46,7 @@ def group_specs(ctx: RunContext, placement_timeout_s: float, abandon: Callable[[
             "algorithm_cfg": _plain(cfg.algorithm),
             "init_seed": derive_seed(cfg.runner.seed, "model_init"),
             "total_optimizer_steps": ctx.optimizer_steps,
+            "samples_per_optimizer_step": ctx.samples_per_optimizer_step,
             "read_weights": ctx.read_weights,
             **common,
         },

@@ -28,6 +28,7 @@ from reference_runs import (
 
 from rlrunner.backends.megatron.files import read_rank_states, read_tracker
 from rlrunner.backends.megatron.layout import Qwen2Dims, expected_megatron_keys
+from rlrunner.backends.megatron.megatron_entries import RLRUNNER_SCHEDULER, optimizer_step
 from rlrunner.backends.megatron.moment_files import read_moments
 from rlrunner.checkpoint.manifest import read_manifest
 from rlrunner.checkpoint.status import COMPLETE, scan_checkpoints
@@ -104,10 +105,20 @@ def test_checkpoints_are_in_megatrons_layout_and_read_with_weights_only(referenc
         assert len(state["rng_state"]) == 1 and {"random_rng_state", "np_rng_state", "torch_rng_state"} <= set(
             state["rng_state"][0]
         )
-        assert state["opt_param_scheduler"]["last_epoch"] == 6
+        # the optimizer and its schedule in Megatron's shapes (megatron-core's own loaders read them:
+        # test_megatron_core.py), our LR scheduler's state beside them; 6 steps of 16 samples each
+        scheduler = state["opt_param_scheduler"]
+        assert scheduler[RLRUNNER_SCHEDULER]["last_epoch"] == 6 and optimizer_step(state["optimizer"]) == 6
+        assert (args.global_batch_size, args.consumed_train_samples, scheduler["num_steps"]) == (16, 96, 96)
+        assert set(state["rng_state"][0]["rng_tracker_states"]) == {
+            "data-parallel-rng",
+            "model-parallel-rng",
+            "expert-parallel-rng",
+        }
         moments = read_moments(LOCAL, str(actor), 6, tp_rank)
         assert moments.step == 6
         weights = {k: v for k, v in state["model"].items() if v is not None}
+        assert_bit_equal(dict(moments.tensors("param")), weights)  # the fp32 weights, as megatron-core keeps them
         assert [name for name, _ in moments.layout] == list(weights)  # the model's order: the optimizer's flat order
         assert all(moments.tensor("exp_avg", k).shape == weights[k].shape for k in weights)
         # the padding rows of the vocabulary (99..255: rank 0's rows 99..127, all of rank 1's) are zero and never
@@ -248,7 +259,7 @@ def test_data_parallel_with_a_sharded_optimizer_matches_and_resumes_bitwise(refe
             "model_optim_rng.pt",
         ]
     moments = read_moments(LOCAL, str(actor), 2, 0)
-    assert moments.state["exp_avg"].shape == (moments.numel,)  # both DP ranks' slices in one file, no padding
+    assert moments.flat("exp_avg", 0, moments.numel).shape == (moments.numel,)  # both DP ranks' slices in one file
     assert all(moments.tensor("exp_avg", k).shape == t.shape for k, t in states[0]["model"].items() if t is not None)
 
     Supervisor(

@@ -1,5 +1,11 @@
-"""megatron-core's own GPTModel (CPU, gloo, spawned tensor-parallel ranks) loads our per-rank files strictly, and
-computes what the HF model does (megatron-core comes with the `test` extra: the check runs, never skips)."""
+"""megatron-core's own code (CPU, gloo, spawned tensor-parallel ranks) reads our Megatron-layout files: its GPTModel
+loads our per-rank files strictly and computes what the HF model does; and, from a training checkpoint of our run,
+its DDP and DistributedOptimizer with its LR scheduler load everything Megatron-LM's `load_checkpoint` loads, through
+megatron-core's own loaders, and hold what our run held: the weights, both Adam moments, the step, the LR schedule, the
+RNG (megatron-core comes with the `test` extra: the checks run, never skip).
+
+megatron-core runs in spawned ranks (tests/megatron_core_loader.py, which lists the CUDA calls it redirects there).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from rlrunner.backends.megatron import file_writes as mfw
 from rlrunner.backends.megatron import files as mf
@@ -18,6 +23,7 @@ from rlrunner.backends.megatron.to_hf import megatron_to_hf
 from rlrunner.storage import open_storage
 
 from conftest import assert_bit_equal
+from megatron_core_loader import gpt_model, held_state, resume_worker
 from megatron_models import free_port
 
 
@@ -28,50 +34,12 @@ def megatron_core_worker(rank: int, world: int, port: int, folder: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     storage = open_storage(folder)
     _, states = mf.read_rank_states(storage, storage.url)
-    args = states[rank]["args"]
-    config = TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels,
-        normalization=args.normalization,
-        layernorm_epsilon=args.norm_epsilon,
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu,
-        add_bias_linear=args.add_bias_linear,
-        add_qkv_bias=args.add_qkv_bias,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        params_dtype=args.params_dtype,
-        use_cpu_initialization=True,
-        perform_initialization=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-    )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        parallel_output=False,
-    ).eval()
+    _, model = gpt_model(states[rank]["args"])
+    model.eval()
     model.load_state_dict(dict(states[rank]["model"]), strict=True)
     # megatron-core assumes CUDA in two places of its forward: the rotary table's device and the dropout RNG fork
     torch.cuda.current_device = lambda: "cpu"
@@ -108,3 +76,44 @@ def test_megatron_core_gpt_model_loads_our_rank_files_strictly(tmp_path, megatro
     with torch.no_grad():
         reference = model(torch.tensor([[3, 17, 42, 98, 0, 5, 61]])).logits
     assert torch.allclose(logits[..., :99], reference, atol=1e-5)
+
+
+def test_megatron_core_resumes_our_training_checkpoint_holding_what_our_run_held(tmp_path, tmp_path_factory) -> None:
+    import random
+
+    import numpy as np
+    import torch.multiprocessing as mp
+    from reference_runs import reference_run
+
+    from rlrunner.backends.megatron.megatron_entries import rng_from_entry, tracker_states
+    from rlrunner.backends.megatron.moment_files import read_moments
+    from rlrunner.utils.rng import restore_rng
+
+    reference = reference_run("megatron", tmp_path_factory)  # tp 2 x dp 1, saved at steps 3, 6, 9 and 10
+    actor = str(reference.checkpoint(6) / "actor")
+    storage = open_storage(actor)
+    _, states = mf.read_rank_states(storage, actor)
+    args = states[0]["args"]
+    tp = args.tensor_model_parallel_size
+    world = tp * args.data_parallel_size
+    mp.spawn(resume_worker, args=(world, free_port(), actor, str(tmp_path)), nprocs=world)
+    results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(world)]
+
+    for tp_rank in range(tp):
+        moments = read_moments(storage, actor, 6, tp_rank)
+        weights = {k: v for k, v in states[tp_rank]["model"].items() if v is not None}
+        expected = {"param": weights, **{key: dict(moments.tensors(key)) for key in ("exp_avg", "exp_avg_sq")}}
+        held = held_state(results, tp_rank, {name: t.shape for name, t in weights.items()})
+        for key in expected:  # every element of every parameter, as our run held it (moments: as our reader reads)
+            assert_bit_equal(held[key], {name: t.reshape(-1) for name, t in expected[key].items()})
+        assert moments.step == 6
+    for result in results:
+        assert result["steps"] == [6.0]  # the Adam step count
+        assert result["num_steps"] == 6 * args.global_batch_size  # the scheduler, counted in samples as Megatron counts
+        assert result["lrs"] == [args.lr, args.lr]  # the reference's schedule is constant
+        assert_bit_equal(result["tracker"], tracker_states(args.seed, result["tp_rank"]))
+        # the CPU generators Megatron-LM restores are those of our run's data-parallel rank 0 after step 6
+        restore_rng(rng_from_entry(states[result["tp_rank"]]["rng_state"][0]))
+        assert torch.equal(torch.get_rng_state(), reference.rng(6)[result["tp_rank"]])
+        draws = [random.random(), float(np.random.rand()), torch.rand(3)]
+        assert draws[:2] == result["draws"][:2] and torch.equal(draws[2], result["draws"][2])

@@ -1,10 +1,12 @@
 """The Megatron backend's `mp_rank_XX/distrib_optim.pt`, one per tensor-parallel rank at every data-parallel size,
-saved by real `MegatronActorWorker`s over real gloo groups (spawned processes, no Ray): data-parallel rank 0 writes it
-while the other ranks stream their slices of the moments into it (`moment_save`), and it alone records it. A
+saved by real `MegatronActorWorker`s over real gloo groups (spawned processes, no Ray), in megatron-core's
+coalesced-bucket layout: data-parallel rank 0 writes it while the other ranks stream their slices of the weights and
+moments into it (`moment_save`), and it alone records it. A
 synchronous save with sharded weights (the units walked while model_optim_rng.pt is written, then the transfers) and a
 background one (the transfers in the saver's thread while the training thread runs collectives) give the same files,
-and a load at another data-parallel size gets the moments bit for bit; so does an older checkpoint's per
-data-parallel rank slice files (format 2)."""
+megatron-core's own loader at the saved layout holds the weights and moments bit for bit, and a load at another
+data-parallel size gets the moments bit for bit; so does an older checkpoint's per data-parallel rank slice files
+(format 2)."""
 
 from __future__ import annotations
 
@@ -20,11 +22,19 @@ import torch.multiprocessing as mp
 
 from rlrunner.backends.megatron import moment_save
 from rlrunner.backends.megatron.file_writes import write_state_file, write_tracker
-from rlrunner.backends.megatron.files import load_file, rank_file
-from rlrunner.backends.megatron.moment_files import MOMENTS, moment_file, moment_slice_state, optimizer_file
+from rlrunner.backends.megatron.files import load_file, rank_file, read_rank_states
+from rlrunner.backends.megatron.moment_files import (
+    COALESCED_FORMAT,
+    MOMENTS,
+    moment_file,
+    moment_slice_state,
+    optimizer_file,
+    read_moments,
+)
 from rlrunner.storage import open_storage
 
 from conftest import actor_worker_kwargs, assert_bit_equal, run_config
+from megatron_core_loader import held_state, resume_worker
 from megatron_models import free_port
 
 STEP = 4
@@ -113,14 +123,44 @@ def _load(worker, folders: list[str]) -> None:
 
 
 def _check_layout(root: Path, tp: int, dp: int) -> None:
+    storage = open_storage(str(root))
     for tp_rank in range(tp):
         folder = root / "iter_0000004" / f"mp_rank_{tp_rank:02d}"
         assert sorted(p.name for p in folder.iterdir()) == ["distrib_optim.pt", "model_optim_rng.pt"]
         state = load_file(str(folder / "distrib_optim.pt"))  # torch.load(weights_only=True)
-        numel = state["exp_avg"].numel()
-        assert_bit_equal({key: state[key] for key in MOMENTS}, _expected(tp_rank, numel))
+        assert (state["format"], state["buckets_coalesced"], state["data_parallel_size"]) == (
+            COALESCED_FORMAT,
+            True,
+            dp,
+        )
         assert state["step"] == STEP and state["tensor_model_parallel_size"] == tp
-        assert load_file(str(folder / "model_optim_rng.pt"))["args"].data_parallel_size == dp
+        moments = read_moments(storage, str(root), STEP, tp_rank)
+        assert_bit_equal(
+            {key: moments.flat(key, 0, moments.numel) for key in MOMENTS}, _expected(tp_rank, moments.numel)
+        )
+        model = load_file(str(folder / "model_optim_rng.pt"))
+        assert model["args"].data_parallel_size == dp
+        weights = {name: tensor for name, tensor in model["model"].items() if tensor is not None}
+        assert_bit_equal(dict(sorted(moments.tensors("param").items())), dict(sorted(weights.items())))
+
+
+def _megatron_core_holds_it(folder: str, out: Path) -> None:
+    """megatron-core at the saved layout (2 data-parallel ranks here) loads the file through its own loader
+    (`load_parameter_state`: data-parallel rank 0 reads it, scatters each rank its shard) and holds our weights and
+    moments, element for element, and the step."""
+    out.mkdir()
+    storage = open_storage(folder)
+    _, states = read_rank_states(storage, folder)
+    world = states[0]["args"].data_parallel_size
+    mp.spawn(resume_worker, args=(world, free_port(), folder, str(out)), nprocs=world)
+    results = [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(world)]
+    assert all(result["steps"] == [float(STEP)] for result in results)
+    weights = {name: tensor for name, tensor in states[0]["model"].items() if tensor is not None}
+    held = held_state(results, 0, {name: tensor.shape for name, tensor in weights.items()})
+    moments = read_moments(storage, folder, STEP, 0)
+    expected = {"param": weights, **{key: dict(moments.tensors(key)) for key in MOMENTS}}
+    for key, tensors in expected.items():
+        assert_bit_equal(held[key], {name: tensor.reshape(-1) for name, tensor in tensors.items()})
 
 
 def _as_slice_files(source: Path, target: Path, tp: int, dp: int) -> None:
@@ -129,10 +169,9 @@ def _as_slice_files(source: Path, target: Path, tp: int, dp: int) -> None:
     shutil.copytree(source, target)
     storage = open_storage(str(target))
     for tp_rank in range(tp):
-        state = load_file(str(target / optimizer_file(STEP, tp_rank)))
+        moments = read_moments(storage, str(target), STEP, tp_rank, mmap=False)
         (target / optimizer_file(STEP, tp_rank)).unlink()
-        layout = [(name, tuple(shape)) for name, shape in state["params"]]
-        numel = state["exp_avg"].numel()
+        numel = moments.numel
         size = -(-numel // dp)
         for d in range(dp):
             lo, hi = min(d * size, numel), min((d + 1) * size, numel)
@@ -142,11 +181,11 @@ def _as_slice_files(source: Path, target: Path, tp: int, dp: int) -> None:
                 dp,
                 d,
                 STEP,
-                layout,
+                moments.layout,
                 lo,
                 hi,
-                state["exp_avg"][lo:hi].clone(),
-                state["exp_avg_sq"][lo:hi].clone(),
+                moments.flat("exp_avg", lo, hi).clone(),
+                moments.flat("exp_avg_sq", lo, hi).clone(),
             )
             write_state_file(storage, str(target), moment_file(STEP, tp_rank, d), piece)
 
@@ -156,6 +195,7 @@ def test_dp2_tp1_saves_one_distrib_optim_file_and_loads_at_dp1_and_dp3(tmp_path)
     _spawn(2, _kwargs(tmp_path, 1, 2), _save, folders)  # sharded weights (the default at dp 2)
     for url in folders.values():
         _check_layout(Path(url), 1, 2)
+    _megatron_core_holds_it(folders["background"], tmp_path / "megatron_core")
     _as_slice_files(tmp_path / "sync", tmp_path / "old", 1, 2)
     loads = [*folders.values(), str(tmp_path / "old")]
     _spawn(1, _kwargs(tmp_path, 1, 1), _load, loads)

@@ -16,6 +16,7 @@ import torch
 from rlrunner.backends.megatron import file_writes as mfw
 from rlrunner.backends.megatron import files as mf
 from rlrunner.backends.megatron.layout import hf_to_megatron
+from rlrunner.backends.megatron.megatron_entries import rng_entry, rng_from_entry
 from rlrunner.storage import open_storage
 from rlrunner.utils.rng import capture_rng, restore_rng
 
@@ -54,7 +55,7 @@ def _rank_file_round_trip(storage, root, model) -> None:
     random.seed(7)
     np.random.seed(7)
     torch.manual_seed(7)
-    rng = [mf.megatron_rng_entry(capture_rng())]
+    rng = [rng_entry(capture_rng(), 11, 1)]
     draws = (random.random(), np.random.rand(), torch.rand(1))
     records = mfw.write_rank_file(storage, root, 50, 1, shards[1], args, optimizer.state_dict(), scheduler, rng)
     name = "iter_0000050/mp_rank_01/model_optim_rng.pt"
@@ -70,7 +71,10 @@ def _rank_file_round_trip(storage, root, model) -> None:
             "optimizer",
             "opt_param_scheduler",
             "rng_state",
+            "rerun_state_machine",
+            "num_floating_point_operations_so_far",
         }
+        assert (state["rerun_state_machine"], state["num_floating_point_operations_so_far"]) == (None, 0)
         assert (state["checkpoint_version"], state["iteration"], state["opt_param_scheduler"]) == (3.0, 50, scheduler)
         assert state["args"] == args
         assert list(state["model"]) == list(shards[1])
@@ -87,7 +91,7 @@ def _rank_file_round_trip(storage, root, model) -> None:
             "torch_rng_state",
             "rng_tracker_states",
         }
-        restore_rng(mf.rng_from_megatron_entry(state["rng_state"][0]))
+        restore_rng(rng_from_entry(state["rng_state"][0]))
         assert (random.random(), np.random.rand(), torch.rand(1)) == draws
 
 

@@ -1,8 +1,10 @@
-"""The Megatron backend's optimizer-moment files: one `distrib_optim.pt` per tensor-parallel rank, written by
-data-parallel rank 0 from every data-parallel rank's slice (sent a chunk at a time; the ranks are threads here, the
-transfers queues: tests/integration/test_megatron_distrib_optim_file.py runs real gloo groups), read back as one flat
-vector or per parameter at any data-parallel size. Older checkpoints' per data-parallel rank slice files (format 2)
-and whole per-parameter file (format 1) are still read the same way, checked for gaps and strays. Real files."""
+"""The Megatron backend's optimizer-state files: one `distrib_optim.pt` per tensor-parallel rank in megatron-core's
+coalesced-bucket layout, written by data-parallel rank 0 from every data-parallel rank's slice (sent a piece at a
+time; the ranks are threads here, the transfers queues: tests/integration/test_megatron_distrib_optim_file.py runs
+real gloo groups, tests/integration/test_megatron_core.py megatron-core's own loader), read back as one flat vector or
+per parameter at any data-parallel size. Older checkpoints' flat file (format 3), per data-parallel rank slice files
+(format 2) and whole per-parameter file (format 1) are still read the same way, checked for gaps and strays. Real
+files."""
 
 from __future__ import annotations
 
@@ -15,9 +17,14 @@ import torch
 from rlrunner.backends.megatron import file_writes as mfw
 from rlrunner.backends.megatron import files as mf
 from rlrunner.backends.megatron.moment_files import (
+    BUFFER_KEY,
+    COALESCED_FORMAT,
     FLAT_FORMAT,
     LEGACY_FORMAT,
+    CoalescedMoments,
     FlatMoments,
+    coalesced_offsets_of,
+    flat_moments_state,
     moment_file,
     moment_slice_state,
     optimizer_file,
@@ -36,6 +43,10 @@ def _flat(seed: int) -> torch.Tensor:
 
 
 MOMENTS = {"exp_avg": _flat(1), "exp_avg_sq": _flat(2).abs()}
+STATE = {"param": _flat(3), **MOMENTS}  # what the coalesced file holds
+# megatron-core's order of the same parameters (another than ours): the file holds c, then a, then b, each 64-aligned
+MEGATRON_ORDER = ["b.bias", "a.weight", "c.weight"]
+FILE_NUMEL = 128 + 5
 
 
 def _write_slices(root: str, dp: int, iteration: int = 5, tp_rank: int = 0, step: int = 7) -> None:
@@ -188,20 +199,27 @@ def test_missing_stray_and_inconsistent_slices_are_named(tmp_path) -> None:
         moment_slice_state(5, 1, 1, 0, 7, LAYOUT, 0, 4, torch.zeros(3), torch.zeros(4))
 
 
-# --- distrib_optim.pt (format 3): written by data-parallel rank 0, the other ranks' slices streamed into it ----------
+# --- distrib_optim.pt (format 4): written by data-parallel rank 0, the other ranks' slices streamed into it ----------
 
 
 def _own(dp: int, dp_rank: int, step: int = 7) -> dict:
     """`DistributedAdamW.own_slice` of data-parallel rank `dp_rank` of `dp`."""
     size = -(-NUMEL // dp)
     start, stop = min(dp_rank * size, NUMEL), min((dp_rank + 1) * size, NUMEL)
-    return {"step": step, "start": start, "stop": stop, **{key: flat[start:stop] for key, flat in MOMENTS.items()}}
+    return {"step": step, "start": start, "stop": stop, **{key: flat[start:stop] for key, flat in STATE.items()}}
+
+
+def _coalesced(flat: torch.Tensor) -> torch.Tensor:
+    """`flat` (our order) as megatron-core's buffer holds it for MEGATRON_ORDER: c at 0, a at 64, b at 128."""
+    out = torch.zeros(FILE_NUMEL)
+    out[0:6], out[64:76], out[128:133] = flat[17:23], flat[0:12], flat[12:17]
+    return out
 
 
 def _save(root: str, dp: int, chunk: int, rank0_parts=None, rank0_files=None, tp_rank: int = 0) -> list:
     """Save tensor-parallel rank `tp_rank`'s `distrib_optim.pt` from `dp` data-parallel ranks run as threads, each
     transfer a bounded queue (a sender waits until its chunk is taken, as over a process group); the ranks' saves.
-    `rank0_parts` wraps rank 0's parts of each moment, `rank0_files` adds files rank 0 writes first."""
+    `rank0_parts` wraps rank 0's parts of each tensor, `rank0_files` adds files rank 0 writes first."""
     import queue
     import threading
 
@@ -209,12 +227,16 @@ def _save(root: str, dp: int, chunk: int, rank0_parts=None, rank0_files=None, tp
     from rlrunner.backends.megatron.rank_state import MegatronRankState
 
     channels = [queue.Queue(maxsize=1) for _ in range(dp)]  # sender's rank -> its chunks to rank 0
+    offsets, numel = coalesced_offsets_of(LAYOUT, MEGATRON_ORDER, dp)
+    assert (offsets, numel) == ([64, 128, 0], FILE_NUMEL)
     saves = [
         MomentSave(
             5,
             2,
             tp_rank,
             LAYOUT,
+            offsets,
+            numel,
             _own(dp, d),
             chunk_elements=chunk,
             dp=dp,
@@ -258,20 +280,24 @@ def test_one_file_per_tensor_parallel_rank_from_every_data_parallel_slice(tmp_pa
     state = mf.load_file(str(path))  # torch.load(weights_only=True)
     assert state == {
         **state,
-        "format": FLAT_FORMAT,
+        "buckets_coalesced": True,
+        "format": COALESCED_FORMAT,
         "iteration": 5,
         "tensor_model_parallel_size": 2,
+        "data_parallel_size": dp,
         "step": 7,
-        "params": [[name, list(shape)] for name, shape in LAYOUT],
+        "params": [["a.weight", [3, 4], 64], ["b.bias", [5], 128], ["c.weight", [2, 3], 0]],
     }
-    assert_bit_equal({key: state[key] for key in MOMENTS}, MOMENTS)
+    buffer = state[0][BUFFER_KEY]
+    assert list(state[0]) == [BUFFER_KEY] and buffer["numel_unpadded"] == FILE_NUMEL
+    assert_bit_equal({key: buffer[key] for key in STATE}, {key: _coalesced(flat) for key, flat in STATE.items()})
     plain = io.BytesIO()  # torch.save's own file: the same records in the same places
     torch.save(dict(state), plain)
     assert path.stat().st_size == len(plain.getvalue())
 
     moments = read_moments(open_storage(root), root, 5, 1)
-    assert isinstance(moments, FlatMoments) and moments.step == 7 and moments.layout == LAYOUT
-    for key, flat in MOMENTS.items():
+    assert isinstance(moments, CoalescedMoments) and moments.step == 7 and moments.layout == LAYOUT
+    for key, flat in STATE.items():
         for reader_dp in (1, 2, 3, 5):  # each rank of another data-parallel size reads its own slice
             size = -(-NUMEL // reader_dp)
             for d in range(reader_dp):
@@ -279,9 +305,20 @@ def test_one_file_per_tensor_parallel_rank_from_every_data_parallel_slice(tmp_pa
                 assert torch.equal(moments.flat(key, start, stop), flat[start:stop])
         assert_bit_equal(dict(moments.tensors(key)), _per_parameter(flat))
     inside = moments.flat("exp_avg", 3, 9)  # a view of the mapped file: no copy
-    assert inside.untyped_storage().data_ptr() == moments.state["exp_avg"].untyped_storage().data_ptr()
+    assert inside.untyped_storage().data_ptr() == moments.buffer["exp_avg"].untyped_storage().data_ptr()
     with pytest.raises(ValueError, match=r"elements 20:24 are outside the 23 saved"):
         moments.flat("exp_avg", 20, 24)
+
+
+def test_the_earlier_flat_file_is_read_the_same_way(tmp_path) -> None:
+    root = str(tmp_path)
+    storage = open_storage(root)
+    mfw.write_state_file(storage, root, optimizer_file(5, 0), flat_moments_state(5, 1, 7, LAYOUT, **MOMENTS))
+    moments = read_moments(storage, root, 5, 0)
+    assert isinstance(moments, FlatMoments) and moments.step == 7 and moments.layout == LAYOUT
+    for key, flat in MOMENTS.items():
+        assert torch.equal(moments.flat(key, 4, 20), flat[4:20])
+        assert_bit_equal(dict(moments.tensors(key)), _per_parameter(flat))
 
 
 def test_a_failed_write_still_takes_every_slice_so_no_rank_is_left_waiting(tmp_path) -> None:
@@ -305,7 +342,19 @@ def test_a_slice_that_is_not_the_rank_s_own_is_refused() -> None:
     from rlrunner.backends.megatron.moment_save import MomentSave
 
     with pytest.raises(ValueError, match=r"DP rank 1 of 2 owns elements 11:23, expected 12:23 of 23"):
-        MomentSave(5, 1, 0, LAYOUT, {**_own(2, 1), "start": 11}, dp=2, dp_rank=1, send=print, receive=print)
+        MomentSave(
+            5,
+            1,
+            0,
+            LAYOUT,
+            [64, 128, 0],
+            FILE_NUMEL,
+            {**_own(2, 1), "start": 11},
+            dp=2,
+            dp_rank=1,
+            send=print,
+            receive=print,
+        )
 
 
 def test_a_truncated_or_foreign_file_is_named_in_one_line(tmp_path) -> None:
@@ -322,7 +371,8 @@ def test_a_truncated_or_foreign_file_is_named_in_one_line(tmp_path) -> None:
     mfw.write_state_file(open_storage(root), root, optimizer_file(5, 0), {"format": "something else"})
     with pytest.raises(
         ValueError,
-        match="not a distributed-optimizer file of format rlrunner.distrib_optim/3 or rlrunner.distrib_optim/1",
+        match="not a distributed-optimizer file of format rlrunner.distrib_optim/4 or rlrunner.distrib_optim/3 or "
+        "rlrunner.distrib_optim/1",
     ):
         read_moments(open_storage(root), root, 5, 0)
     state = {
@@ -351,9 +401,9 @@ def test_from_a_store_a_rank_reads_only_the_ranges_it_looks_up(tmp_path, s3_stor
     open_read = type(storage).open_read
     monkeypatch.setattr(type(storage), "open_read", lambda self, u: opened.append(u) or open_read(self, u))
     moments = read_moments(storage, url, 5, 0)
-    assert isinstance(moments, FlatMoments) and moments.step == 7 and moments.layout == LAYOUT
-    assert not any(moments.state[key].any() for key in MOMENTS)  # the structure only: no tensor bytes fetched
-    for key, flat in MOMENTS.items():
+    assert isinstance(moments, CoalescedMoments) and moments.step == 7 and moments.layout == LAYOUT
+    assert not any(moments.buffer[key].any() for key in STATE)  # the structure only: no tensor bytes fetched
+    for key, flat in STATE.items():
         for start, stop in ((0, 8), (8, 16), (16, 23), (5, 5), (0, 23)):
             assert torch.equal(moments.flat(key, start, stop), flat[start:stop])
         assert_bit_equal(dict(moments.tensors(key)), _per_parameter(flat))

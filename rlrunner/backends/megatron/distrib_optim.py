@@ -19,8 +19,8 @@ of one TP rank hold the same parameters, so they split the optimizer's work betw
 One optimizer per set of parameters (the gradient hooks belong to the parameters). The gradient norm is the whole
 model's (`GradientReducer.norm`).
 
-A checkpoint gathers nothing on one rank: each DP rank hands its own slice of the flat moments (`own_slice`) to DP
-rank 0, which streams them into the one file chunk by chunk (`moment_save.py`), and a load reads
+A checkpoint gathers nothing on one rank: each DP rank hands its own slice of the flat weights and moments
+(`own_slice`) to DP rank 0, which streams them into the one file chunk by chunk (`moment_save.py`), and a load reads
 a rank's slice back from them at any DP size (`load_flat_state`), or, when the TP size changed, takes each
 parameter's whole moment resharded like the weights (`load_full_state`, one tensor at a time).
 """
@@ -180,13 +180,15 @@ class DistributedAdamW:
 
     def own_slice(self, copy: bool) -> dict[str, Any]:
         """What this DP rank writes to a checkpoint, with no collective: the step count, the elements [start, stop) of
-        the flat moments it owns (clipped to the parameters: no padding) and both moments over them, views of the live
-        state (a synchronous save writes them before the next step) or, with `copy`, tensors of their own."""
+        the flat space it owns (clipped to the parameters: no padding) and the weights (`param`) and both moments over
+        them, views of the live state (a synchronous save writes them before the next step) or, with `copy`, tensors
+        of their own."""
         start, stop = self._own_range()
-        moments = {key: self.moments[key][: stop - start] for key in MOMENTS}
+        state = {"param": self.owned_params, **self.moments}
+        state = {key: tensor[: stop - start] for key, tensor in state.items()}
         if copy:
-            moments = {key: tensor.clone() for key, tensor in moments.items()}
-        return {"step": self._step_count(), "start": start, "stop": stop, **moments}
+            state = {key: tensor.clone() for key, tensor in state.items()}
+        return {"step": self._step_count(), "start": start, "stop": stop, **state}
 
     @torch.no_grad()
     def load_flat_state(

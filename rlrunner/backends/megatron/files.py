@@ -16,8 +16,9 @@ model's dimensions, the padded vocabulary and the parallel sizes), `checkpoint_v
 `opt_param_scheduler` (left out for a model-only checkpoint) and `rng_state`.
 
 `rng_state` has Megatron's shape: a list with one dict per data-parallel rank, each with
-`random_rng_state`, `np_rng_state`, `torch_rng_state`, `cuda_rng_state` (only where CUDA is) and
-`rng_tracker_states`. The one difference: numpy's MT19937 key is held as an int64 tensor instead of
+`random_rng_state`, `np_rng_state`, `torch_rng_state`, `cuda_rng_state` and `rng_tracker_states`
+(rlrunner.backends.megatron.megatron_entries, which also shapes `optimizer` and `opt_param_scheduler` as
+Megatron reads them). The one difference: numpy's MT19937 key is held as an int64 tensor instead of
 a numpy array, so that loading needs no numpy classes (`np.random.set_state`, which Megatron calls,
 accepts it as it is).
 
@@ -143,36 +144,6 @@ def megatron_args(
     return args
 
 
-# -- RNG ---------------------------------------------------------------------------------------------
-
-
-def megatron_rng_entry(state: Mapping[str, Any]) -> dict[str, Any]:
-    """One entry of Megatron's `rng_state` list from `rlrunner.utils.rng.capture_rng()`'s state."""
-    entry: dict[str, Any] = {
-        "random_rng_state": state["python"],
-        "np_rng_state": state["numpy"],
-        "torch_rng_state": state["torch"],
-    }
-    if "cuda" in state:
-        entry["cuda_rng_state"] = state["cuda"][torch.cuda.current_device()]  # Megatron keeps the current device's
-    entry["rng_tracker_states"] = {}  # megatron's named CUDA RNG streams; a backend with its own fills this in
-    return entry
-
-
-def rng_from_megatron_entry(entry: Mapping[str, Any]) -> dict[str, Any]:
-    """The state `rlrunner.utils.rng.restore_rng` puts back, from one entry of Megatron's `rng_state` list."""
-    state: dict[str, Any] = {
-        "python": entry["random_rng_state"],
-        "numpy": entry["np_rng_state"],
-        "torch": entry["torch_rng_state"],
-    }
-    if "cuda_rng_state" in entry and torch.cuda.is_available():
-        devices = torch.cuda.get_rng_state_all()
-        devices[torch.cuda.current_device()] = entry["cuda_rng_state"]
-        state["cuda"] = torch.stack(devices)
-    return state
-
-
 # -- what a file holds -------------------------------------------------------------------------------
 
 
@@ -185,7 +156,8 @@ def check_loadable(obj: Any, where: str = "checkpoint") -> None:
         obj = vars(obj)
     if isinstance(obj, (dict, collections.OrderedDict)):
         for key, value in obj.items():
-            if not isinstance(key, _PLAIN):
+            plain_tuple = type(key) is tuple and all(isinstance(part, _PLAIN) for part in key)  # (dtype, dtype)
+            if not isinstance(key, _PLAIN) and not plain_tuple:
                 raise TypeError(f"{where}: a key of type {type(key).__name__} cannot be loaded with weights_only")
             check_loadable(value, f"{where}[{key!r}]")
         return
@@ -209,6 +181,10 @@ def rank_state(
     """The dict a `model_optim_rng.pt` holds, in Megatron's key names (optimizer parts left out when None)."""
     state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": int(iteration)}
     state["model"] = dict(model)
+    # what Megatron-LM's own torch-format saves hold besides: no step to rerun, and the FLOPs it counts for its
+    # throughput log (not counted here)
+    state["rerun_state_machine"] = None
+    state["num_floating_point_operations_so_far"] = 0
     if optimizer is not None:
         state["optimizer"] = optimizer
     if opt_param_scheduler is not None:

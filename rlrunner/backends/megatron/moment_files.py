@@ -1,26 +1,34 @@
-"""The Adam moments of the Megatron backend's checkpoints: one `distrib_optim.pt` per tensor-parallel rank, as in
-Megatron-LM's legacy layout, written with no gather.
+"""The Adam moments (and fp32 weights) of the Megatron backend's checkpoints: one `distrib_optim.pt` per
+tensor-parallel rank, in megatron-core's own coalesced-bucket layout, written with no gather.
 
     <actor folder>/iter_0000050/mp_rank_01/model_optim_rng.pt    TP rank 1's weights, optimizer settings, RNG
-    <actor folder>/iter_0000050/mp_rank_01/distrib_optim.pt      TP rank 1's Adam moments, whole
+    <actor folder>/iter_0000050/mp_rank_01/distrib_optim.pt      TP rank 1's parameter state, whole
 
 The distributed optimizer (`DistributedAdamW`, ZeRO-2) keeps each tensor-parallel rank's moments as one flat
 vector (its parameters flattened and concatenated in order), split into equal slices over the data-parallel ranks.
-Data-parallel rank 0 writes the file, and the other data-parallel ranks send it their slices a chunk at a time as
+Data-parallel rank 0 writes the file, and the other data-parallel ranks send it their slices a piece at a time as
 it writes them (`moment_save`): no rank holds more than its own slice and a chunk. The file (format
-`rlrunner.distrib_optim/3`; Megatron-LM's own bucket layout is not used yet) holds:
+`rlrunner.distrib_optim/4`) is what megatron-core's `DistributedOptimizer.get_parameter_state_dp_zero` returns and
+`load_parameter_state_from_dp_zero` reads:
 
-    format, iteration, tensor_model_parallel_size, step
-    params      [[megatron-core name, shape], ...]: the flat order, every parameter of the tensor-parallel rank
-    exp_avg, exp_avg_sq    1-D float32 tensors of the flat vector, without padding (sum of the params' sizes)
+    buckets_coalesced: True
+    0: {(torch.float32, torch.float32): {param, exp_avg, exp_avg_sq: 1-D float32, numel_unpadded: int}}
 
-It does not depend on the data-parallel size it was written at. `SavedMoments` reads one saved tensor-parallel rank's
-moments back (memory-mapped: only what is looked up is read from disk): a range of the flat vector (what a
-data-parallel rank of the same tensor-parallel layout loads, at any data-parallel size: its own slice), or a
-parameter's whole moment shaped like the parameter (what a load that reshards over tensor-parallel sizes slices, one
-tensor at a time).
+the flat tensors laid out as megatron-core's gradient buffer lays the parameters out for this model and the run's
+data-parallel size (`buffer_geometry`: reverse order, each parameter 64-aligned, zeros between), and, which
+megatron-core does not read:
+
+    format, iteration, tensor_model_parallel_size, data_parallel_size, step
+    params      [[megatron-core name, shape, offset in the flat tensors], ...], in our flat order
+
+`SavedMoments` reads one saved tensor-parallel rank's moments back (memory-mapped: only what is looked up is read
+from disk): a range of our flat vector (what a data-parallel rank of the same tensor-parallel layout loads, at any
+data-parallel size: its own slice), or a parameter's whole moment shaped like the parameter (what a load that
+reshards over tensor-parallel sizes slices, one tensor at a time).
 
 Older checkpoints are still read:
+- format `rlrunner.distrib_optim/3`: `distrib_optim.pt` with the flat moments in our order, no padding
+  (`FlatMoments`);
 - format `rlrunner.distrib_optim/2`: one file per data-parallel rank, `distrib_optim_dp_DDD.pt` (`moment_file`),
   holding that rank's slice (`moment_slice_state`: also the data-parallel size and rank, and the slice's `start`
   and `stop`); each file is opened when a range it holds is first read (`SlicedMoments`);
@@ -31,22 +39,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from rlrunner.backends.megatron.buffer_geometry import coalesced_offsets
 from rlrunner.backends.megatron.distrib_optim import MOMENTS
 from rlrunner.backends.megatron.files import iteration_dir, rank_dir, read_torch_file
 from rlrunner.backends.megatron.flat_space import flat_offsets
 from rlrunner.backends.megatron.remote_records import open_remote_file
 from rlrunner.storage import Storage
 
-FLAT_FORMAT = "rlrunner.distrib_optim/3"  # what a save writes
+COALESCED_FORMAT = "rlrunner.distrib_optim/4"  # megatron-core's coalesced buckets: what a save writes
+FLAT_FORMAT = "rlrunner.distrib_optim/3"  # our flat order (read only)
 SLICE_FORMAT = "rlrunner.distrib_optim/2"  # per data-parallel rank files (read only)
 LEGACY_FORMAT = "rlrunner.distrib_optim/1"  # per parameter tensors (read only)
 OPTIMIZER_FILE = "distrib_optim.pt"
 
 Layout = list[tuple[str, tuple[int, ...]]]  # (parameter name, shape), in the flat order
+BUFFER_KEY = (torch.float32, torch.float32)  # megatron-core's buffer of fp32 parameters with fp32 gradients
+PARAM_STATE = ("param", *MOMENTS)  # what the coalesced file holds of each parameter, in its order
 
 
 def optimizer_file(iteration: int, tp_rank: int) -> str:
@@ -76,6 +88,47 @@ def flat_moments_state(
         "params": [[name, list(shape)] for name, shape in layout],
         "exp_avg": exp_avg,
         "exp_avg_sq": exp_avg_sq,
+    }
+
+
+def coalesced_offsets_of(layout: Layout, megatron_names: Sequence[str], dp: int) -> tuple[list[int], int]:
+    """(the offset of each parameter of `layout`, our flat order, in the coalesced file's tensors; their length),
+    megatron-core's geometry for its parameters `megatron_names` (its order) at data-parallel size `dp`."""
+    shapes = dict(layout)
+    if sorted(shapes) != sorted(megatron_names):
+        extra = sorted(set(shapes) ^ set(megatron_names))
+        raise ValueError(f"the optimizer's parameters are not megatron-core's for this model: {extra[:3]} differ")
+    offsets, numel = coalesced_offsets([math.prod(shapes[name]) for name in megatron_names], dp)
+    where = dict(zip(megatron_names, offsets))
+    return [where[name] for name, _ in layout], numel
+
+
+def coalesced_state(
+    iteration: int,
+    tp: int,
+    dp: int,
+    step: int,
+    layout: Layout,
+    offsets: Sequence[int],
+    tensors: Mapping[str, torch.Tensor],
+) -> dict[str, Any]:
+    """What a `distrib_optim.pt` of format 4 holds (see the module docstring): `tensors` are PARAM_STATE's flat
+    tensors, of the length `coalesced_offsets_of` gave; they may be stand-ins whose values are written as they arrive
+    (`moment_save`)."""
+    numel = next(iter(tensors.values())).numel() if tensors else 0
+    for key in PARAM_STATE:
+        tensor = tensors[key]
+        if tuple(tensor.shape) != (numel,) or tensor.dtype != torch.float32:
+            raise ValueError(f"{key} is {tensor.dtype} {tuple(tensor.shape)}, not float32 ({numel},)")
+    return {
+        "buckets_coalesced": True,
+        0: {BUFFER_KEY: {**{key: tensors[key] for key in PARAM_STATE}, "numel_unpadded": int(numel)}},
+        "format": COALESCED_FORMAT,
+        "iteration": int(iteration),
+        "tensor_model_parallel_size": int(tp),
+        "data_parallel_size": int(dp),
+        "step": int(step),
+        "params": [[name, list(shape), int(offset)] for (name, shape), offset in zip(layout, offsets)],
     }
 
 
@@ -252,6 +305,43 @@ class FlatMoments(SavedMoments):
         return self.state[key][start:stop] if self.read is None else self.read(self.state[key], start, stop)
 
 
+class CoalescedMoments(SavedMoments):
+    """One `distrib_optim.pt` of format 4: megatron-core's coalesced tensors, each parameter at its offset there; a
+    range of our flat vector is cut from them parameter by parameter (by ranged reads, `read`, for a file on an object
+    store)."""
+
+    def __init__(
+        self, state: Mapping[str, Any], where: str, read: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None
+    ):
+        layout = [(str(name), tuple(int(d) for d in shape)) for name, shape, _ in state["params"]]
+        super().__init__(int(state["step"]), layout)
+        self.file_offsets = [int(offset) for *_, offset in state["params"]]
+        buffer = state[0][BUFFER_KEY]
+        numel = int(buffer["numel_unpadded"])
+        for key in PARAM_STATE:
+            tensor = buffer[key]
+            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != (numel,):
+                raise ValueError(f"{where}: {key} is not a tensor of its numel_unpadded {numel} elements")
+        ends = [offset + math.prod(shape) for (_, shape), offset in zip(layout, self.file_offsets)]
+        if any(offset < 0 for offset in self.file_offsets) or max(ends, default=0) > numel:
+            raise ValueError(f"{where}: a parameter's offset lies outside the {numel} elements saved")
+        self.buffer, self.where = buffer, where
+        self.read = read or (lambda tensor, start, stop: tensor[start:stop])
+
+    def flat(self, key: str, start: int, stop: int) -> torch.Tensor:
+        if not 0 <= start <= stop <= self.numel:
+            raise ValueError(f"{self.where}: elements {start}:{stop} are outside the {self.numel} saved")
+        pieces = []
+        for index, offset in enumerate(self.file_offsets):
+            lo, hi = self.offsets[index], self.offsets[index + 1]
+            first, last = max(start, lo), min(stop, hi)
+            if first < last:
+                pieces.append(self.read(self.buffer[key], offset + first - lo, offset + last - lo))
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32)
+
+
 class WholeMoments(SavedMoments):
     """One `distrib_optim.pt` of the earlier layout (format 1): every parameter's moment whole."""
 
@@ -298,9 +388,13 @@ def read_moments(
     if storage.exists(whole):
         if mmap and not storage.is_local:  # on a store: its structure now, the elements looked up when they are
             state, read = open_remote_file(storage, whole)
+            if isinstance(state, dict) and state.get("format") == COALESCED_FORMAT:
+                return CoalescedMoments(state, whole, read)
             if isinstance(state, dict) and state.get("format") == FLAT_FORMAT:
                 return FlatMoments(state, whole, read)
-        state = _checked(read_torch_file(storage, whole, mmap), whole, FLAT_FORMAT, LEGACY_FORMAT)
+        state = _checked(read_torch_file(storage, whole, mmap), whole, COALESCED_FORMAT, FLAT_FORMAT, LEGACY_FORMAT)
+        if state["format"] == COALESCED_FORMAT:
+            return CoalescedMoments(state, whole)
         return FlatMoments(state, whole) if state["format"] == FLAT_FORMAT else WholeMoments(state)
     first_rank = dp_rank
     first = storage.join(root, moment_file(iteration, tp_rank, dp_rank))

@@ -1,12 +1,14 @@
 """Saving a tensor-parallel rank's `distrib_optim.pt` (`moment_files`) from its data-parallel ranks' slices, with no
 gather.
 
-Each data-parallel (DP) rank owns a slice of its tensor-parallel rank's flat moments (`DistributedAdamW.own_slice`).
-DP rank 0 writes the one file: its stand-in tensors for `exp_avg` and `exp_avg_sq` (the whole flat vectors) get their
-bytes as the file is written (`file_writes.write_state_file`'s `deferred`), first its own slice, then each other DP
-rank's, in rank order, received a chunk at a time (`CHUNK_ELEMENTS`) into one buffer and written before the next is
-received. The other DP ranks send theirs, in the same order (`exp_avg`, then `exp_avg_sq`), and write nothing. So no
-rank holds more than its own slice and a chunk, and at DP size 1 nothing is sent.
+Each data-parallel (DP) rank owns a slice of its tensor-parallel rank's flat state, our order
+(`DistributedAdamW.own_slice`: the fp32 weights and both moments). DP rank 0 writes the one file, laid out as
+megatron-core lays its buffer out (`buffer_geometry`): its stand-in tensors for `param`, `exp_avg` and `exp_avg_sq`
+get their bytes as the file is written (`file_writes.write_state_file`'s `deferred`), parameter after parameter in
+the file's order, zeros in the alignment gaps; each part of a parameter another DP rank owns is received a chunk at a
+time (at most `CHUNK_ELEMENTS`) into one buffer and written before the next is received. The other DP ranks send
+theirs, in the same order, and write nothing. So no rank holds more than its own slice and a chunk, and at DP size 1
+nothing is sent.
 
 The chunks travel over a process group of their own (`save_group`: the DP group's ranks, over gloo), created at
 set-up by every rank in the same order. A background save sends and receives in the saver's thread while the training
@@ -23,15 +25,15 @@ from __future__ import annotations
 
 import math
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from rlrunner.backends.megatron.distrib_optim import MOMENTS
-from rlrunner.backends.megatron.moment_files import Layout, flat_moments_state, optimizer_file
+from rlrunner.backends.megatron.flat_space import flat_offsets
+from rlrunner.backends.megatron.moment_files import PARAM_STATE, Layout, coalesced_state, optimizer_file
 
-CHUNK_ELEMENTS = 1 << 20  # 4 MiB of fp32: what DP rank 0 receives at once
+CHUNK_ELEMENTS = 1 << 20  # 4 MiB of fp32: the most DP rank 0 receives at once
 
 Send = Callable[[torch.Tensor, int], None]  # (tensor, to DP rank)
 Receive = Callable[[torch.Tensor, int], None]  # (into tensor, from DP rank)
@@ -60,7 +62,8 @@ def _bounds(numel: int, dp: int, dp_rank: int) -> tuple[int, int]:
 
 class MomentSave:
     """One DP rank's part in saving its tensor-parallel rank's `distrib_optim.pt` (see the module docstring). `own` is
-    `DistributedAdamW.own_slice`'s (the live moments for a synchronous save, a copy for a background one)."""
+    `DistributedAdamW.own_slice`'s (the live state for a synchronous save, a copy for a background one); `offsets`
+    and `numel` are the file's geometry (`moment_files.coalesced_offsets_of`) for `layout`."""
 
     def __init__(
         self,
@@ -68,6 +71,8 @@ class MomentSave:
         tp: int,
         tp_rank: int,
         layout: Layout,
+        offsets: Sequence[int],
+        numel: int,
         own: dict[str, Any],
         group: Any = None,
         chunk_elements: int | None = None,
@@ -80,7 +85,9 @@ class MomentSave:
         self.dp = dp if dp is not None else (1 if group is None else dist.get_world_size(group))
         self.dp_rank = dp_rank if dp_rank is not None else (0 if group is None else dist.get_rank(group))
         self.iteration, self.tp, self.tp_rank, self.layout, self.own = iteration, tp, tp_rank, layout, own
-        self.numel = sum(math.prod(shape) for _, shape in layout)
+        self.offsets, self.file_numel = list(offsets), int(numel)
+        sizes = [math.prod(shape) for _, shape in layout]
+        self.numel = sum(sizes)
         start, stop = _bounds(self.numel, self.dp, self.dp_rank)
         if (own["start"], own["stop"]) != (start, stop):
             raise ValueError(
@@ -90,20 +97,35 @@ class MomentSave:
         self.chunk = int(chunk_elements or CHUNK_ELEMENTS)
         self.send = send or (lambda tensor, to: dist.send(tensor, group=group, group_dst=to))
         self.receive = receive or (lambda into, src: dist.recv(into, group=group, group_src=src))
-        # the transfers, in the order DP rank 0 receives them (each moment's slices in rank order, a chunk at a time);
-        # a sender's are its own, in the same order
-        self.plan = [
-            (key, src, first, min(self.chunk, hi - first))
-            for key in MOMENTS
-            for src in range(1, self.dp)
-            for lo, hi in [_bounds(self.numel, self.dp, src)]
-            for first in range(lo, hi, self.chunk)
-        ]
+        # (file offset, our flat [lo, hi)) of each parameter, in the file's order
+        flat = flat_offsets(sizes)
+        self.segments = sorted((offset, flat[i], flat[i + 1]) for i, offset in enumerate(self.offsets) if sizes[i])
+        # the transfers, in the order DP rank 0 receives them (each key's pieces in the file's order, a chunk at a
+        # time); a sender's are its own, in the same order
+        self.plan = [(key, src, first, count) for key in PARAM_STATE for src, first, count in self._pieces() if src > 0]
         if self.dp_rank != 0:
             self.plan = [item for item in self.plan if item[1] == self.dp_rank]
         self.done = 0  # transfers of `plan` made
         self.broken = False  # a transfer failed: the peer or the group is gone, nothing more is tried
         self.buffer: torch.Tensor | None = None
+
+    def _pieces(self) -> Iterator[tuple[int, int, int]]:
+        """(owner DP rank, or -1 for an alignment gap of zeros; our flat index or file offset; count), in the file's
+        order, each at most a chunk."""
+        position = 0
+        for offset, lo, hi in self.segments:
+            if offset > position:
+                yield -1, position, offset - position
+            first = lo
+            while first < hi:
+                owner = first // -(-self.numel // self.dp)
+                last = min(hi, _bounds(self.numel, self.dp, owner)[1])
+                for piece in range(first, last, self.chunk):
+                    yield owner, piece, min(self.chunk, last - piece)
+                first = last
+            position = offset + hi - lo
+        if self.file_numel > position:
+            yield -1, position, self.file_numel - position
 
     @property
     def name(self) -> str:
@@ -111,19 +133,27 @@ class MomentSave:
 
     def files(self) -> tuple[dict[str, dict[str, Any]], dict[int, Callable[[], Any]]]:
         """({name: state} of the file this rank writes, {id(stand-in): its values' parts}): DP rank 0's
-        `distrib_optim.pt` whose moments are stand-ins (untouched memory) filled as the file is written; nothing on the
+        `distrib_optim.pt` whose tensors are stand-ins (untouched memory) filled as the file is written; nothing on the
         other DP ranks."""
         if self.dp_rank != 0:
             return {}, {}
-        stand_ins = {key: torch.empty(self.numel, dtype=torch.float32) for key in MOMENTS}
-        state = flat_moments_state(self.iteration, self.tp, self.own["step"], self.layout, **stand_ins)
-        return {self.name: state}, {id(stand_ins[key]): (lambda key=key: self._parts(key)) for key in MOMENTS}
+        stand_ins = {key: torch.empty(self.file_numel, dtype=torch.float32) for key in PARAM_STATE}
+        state = coalesced_state(
+            self.iteration, self.tp, self.dp, self.own["step"], self.layout, self.offsets, stand_ins
+        )
+        return {self.name: state}, {id(stand_ins[key]): (lambda key=key: self._parts(key)) for key in PARAM_STATE}
 
     def _parts(self, key: str) -> Iterator[torch.Tensor]:
-        """Moment `key`'s flat vector, a part at a time: this rank's slice, then every other DP rank's, as received."""
-        yield from self.own[key].split(self.chunk)
-        while self.done < len(self.plan) and self.plan[self.done][0] == key:
-            yield self._receive()
+        """`key`'s flat tensor of the file, a part at a time: zeros in the gaps, this rank's own pieces, the other DP
+        ranks' as received."""
+        lo = self.own["start"]
+        for owner, first, count in self._pieces():
+            if owner < 0:
+                yield torch.zeros(count, dtype=torch.float32)
+            elif owner == 0:
+                yield self.own[key][first - lo : first - lo + count]
+            else:
+                yield self._receive()
 
     def _receive(self) -> torch.Tensor:
         _, src, _, count = self.plan[self.done]

@@ -20,14 +20,9 @@ import torch
 import torch.distributed as dist
 
 from rlrunner.backends.actor import ActorWorker
+from rlrunner.backends.megatron.buffer_geometry import megatron_param_names
 from rlrunner.backends.megatron.distrib_optim import DistributedAdamW
-from rlrunner.backends.megatron.files import (
-    megatron_args,
-    megatron_rng_entry,
-    rank_file,
-    rank_state,
-    rng_from_megatron_entry,
-)
+from rlrunner.backends.megatron.files import megatron_args, rank_file, rank_state
 from rlrunner.backends.megatron.flat_space import bind_to_buffer
 from rlrunner.backends.megatron.layout import (
     DEFAULT_VOCAB_DIVISIBLE_BY,
@@ -36,7 +31,15 @@ from rlrunner.backends.megatron.layout import (
     expected_megatron_keys,
     iter_hf_to_megatron_rank,
 )
+from rlrunner.backends.megatron.megatron_entries import (
+    optimizer_entry,
+    our_scheduler,
+    rng_entry,
+    rng_from_entry,
+    scheduler_entry,
+)
 from rlrunner.backends.megatron.model import TPQwen2ForCausalLM
+from rlrunner.backends.megatron.moment_files import coalesced_offsets_of
 from rlrunner.backends.megatron.moment_save import MomentSave, save_group
 from rlrunner.backends.megatron.rank_state import MegatronRankState, load_rank
 from rlrunner.backends.megatron.to_hf import megatron_to_hf
@@ -186,8 +189,11 @@ class MegatronActorWorker(ActorWorker):
         `background`; the live tensors, before returning, without. Nothing but the RNG states is gathered."""
         own = self.optimizer.own_slice(copy=background)
         rng = [None] * self.data_parallel_size
-        dist.all_gather_object(rng, megatron_rng_entry(capture_rng()), group=self.dp_group)
-        moments = MomentSave(step, self.tp, self.tp_rank, self.optimizer.layout(), own, self.save_group)
+        dist.all_gather_object(rng, rng_entry(capture_rng(), self.init_seed, self.tp_rank), group=self.dp_group)
+        layout = self.optimizer.layout()
+        dims = Qwen2Dims.from_config(self.hf_config)
+        offsets, numel = coalesced_offsets_of(layout, megatron_param_names(dims), self.data_parallel_size)
+        moments = MomentSave(step, self.tp, self.tp_rank, layout, offsets, numel, own, self.save_group)
         # sharded weights are walked a unit at a time by every DP rank (`UnitCursor`); a synchronous save writes each
         # unit while it is gathered (a stand-in now, the values when they are due), a background one copies it now
         streamed = self.optimizer.shard_weights and not background
@@ -205,31 +211,8 @@ class MegatronActorWorker(ActorWorker):
             cursor.finish()  # the writer's walk ends in `write`
         files = {}
         if self.dp_rank == 0:
-            args = megatron_args(
-                self.hf_config,
-                self.tp,
-                self.data_parallel_size,
-                self.divisible_by,
-                torch.float32,
-                iteration=step,
-                train_iters=self.total_optimizer_steps,
-                lr=self.actor_cfg["optim"]["lr"],
-                use_distributed_optimizer=True,
-            )
             model = {**weights, **{k: None for k in _extra_state_keys(self)}}
-            optimizer = {
-                **self.optimizer.param_groups_state(),
-                "distributed_optimizer": True,
-                "state_files": "distrib_optim.pt",
-            }
-            files[rank_file(step, self.tp_rank)] = rank_state(
-                step,
-                model,
-                args,
-                optimizer,
-                self.scheduler.state_dict(),
-                rng,
-            )
+            files[rank_file(step, self.tp_rank)] = rank_state(step, model, *self._training_entries(step), rng)
         # every DP rank: the units' walk first (DP rank 0 writes model_optim_rng.pt), then the moments' transfers
         moment_files, moment_parts = moments.files()
         files.update(moment_files)
@@ -237,6 +220,51 @@ class MegatronActorWorker(ActorWorker):
         after = (cursor.finish, moments.finish) if streamed else (moments.finish,)
         state = MegatronRankState(files, deferred, after)
         self.saver.run(lambda: state.write(url, storage_options), background)
+
+    def _training_entries(self, step: int) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        """(`args`, `optimizer`, `opt_param_scheduler`) of a `model_optim_rng.pt`, as Megatron-LM reads them."""
+        optim = self.actor_cfg["optim"]
+        samples = self.samples_per_optimizer_step
+        steps_done = int(self.scheduler.last_epoch)
+        max_lr, min_lr = float(optim["lr"]), float(optim["lr"]) * float(optim["min_lr_ratio"])
+        betas = tuple(optim["betas"])
+        args = megatron_args(
+            self.hf_config,
+            self.tp,
+            self.data_parallel_size,
+            self.divisible_by,
+            torch.float32,
+            iteration=step,
+            train_iters=self.total_optimizer_steps,
+            global_batch_size=samples,
+            consumed_train_samples=steps_done * samples,
+            seed=self.init_seed,
+            optimizer="adam",
+            lr=max_lr,
+            min_lr=min_lr,
+            lr_decay_style=optim["lr_schedule"],
+            lr_warmup_iters=int(optim["warmup_steps"]),
+            lr_decay_iters=self.total_optimizer_steps,
+            weight_decay=float(optim["weight_decay"]),
+            adam_beta1=float(betas[0]),
+            adam_beta2=float(betas[1]),
+            use_distributed_optimizer=True,
+        )
+        group = self.optimizer.param_groups_state()
+        optimizer = optimizer_entry(
+            group["lr"], group["betas"], group["eps"], group["weight_decay"], group["step"], max_lr, min_lr
+        )
+        scheduler = scheduler_entry(
+            self.scheduler.state_dict(),
+            max_lr,
+            min_lr,
+            int(optim["warmup_steps"]),
+            self.total_optimizer_steps,
+            optim["lr_schedule"],
+            float(optim["weight_decay"]),
+            samples,
+        )
+        return args, optimizer, scheduler
 
     def load_checkpoint(self, url: str, storage_options: dict[str, Any] | None) -> bool:
         """Load this rank's state from the checkpoint's actor folder `url`, resharding over tensor-parallel sizes;
@@ -253,10 +281,10 @@ class MegatronActorWorker(ActorWorker):
         )
         self.model.load_megatron_shard(loaded.model, self.optimizer.load_weight)
         loaded.load_moments(self.optimizer)
-        self.scheduler.load_state_dict(loaded.scheduler)
+        self.scheduler.load_state_dict(our_scheduler(loaded.scheduler))
         apply_schedule(self.optimizer.optimizer, self.scheduler)  # this run's schedule, not the saved run's
         if loaded.rng_state is not None:
-            restore_rng(rng_from_megatron_entry(loaded.rng_state))
+            restore_rng(rng_from_entry(loaded.rng_state))
         return loaded.rng_state is not None
 
     # -- state -------------------------------------------------------------------------------------
