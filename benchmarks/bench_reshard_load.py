@@ -156,9 +156,9 @@ def child(mode: str, folder: str, size: str, tp: int) -> dict[str, float]:
 
 def _rank_shapes(config, tp: int) -> dict[str, tuple[int, ...]]:
     """The shape of every tensor of tensor-parallel rank 0's dict at size `tp`."""
-    from rlrunner.backends.megatron.layout import Qwen2Dims, padded_vocab_size, rank_shapes
+    from rlrunner.backends.megatron.layout import DecoderDims, padded_vocab_size, rank_shapes
 
-    dims = Qwen2Dims.from_config(config)
+    dims = DecoderDims.from_config(config)
     shapes = rank_shapes(dims, tp)
     vocab = (padded_vocab_size(dims.vocab_size, tp) // tp, dims.hidden_size)
     shapes["embedding.word_embeddings.weight"] = vocab

@@ -1,4 +1,5 @@
-"""Tiny Qwen2 models the Megatron-layout tests share (unit and integration): two shapes that split 1, 2 and 4 ways."""
+"""Tiny Qwen2 and Llama models the Megatron-layout tests share (unit and integration): shapes that split 1, 2 and 4
+ways."""
 
 from __future__ import annotations
 
@@ -30,7 +31,21 @@ TIED = {
     "num_key_value_heads": 4,
     "tie_word_embeddings": True,
 }
-SHAPES = {"gqa": GQA, "tied": TIED}
+# Llama 3.x shapes (no QKV bias): untied with Llama 3.1's frequency scaling (a short original context, so that it
+# changes the table here), and tied as Llama 3.2's small models are
+LLAMA = {
+    **GQA,
+    "model_type": "llama",
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+}
+LLAMA_TIED = {**GQA, "model_type": "llama", "tie_word_embeddings": True}
+SHAPES = {"gqa": GQA, "tied": TIED, "llama": LLAMA, "llama_tied": LLAMA_TIED}
 
 
 def model_cfg(overrides: dict) -> dict:

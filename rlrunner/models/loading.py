@@ -99,7 +99,7 @@ def token_ids(model_cfg: Mapping[str, Any], tokenizer) -> TokenIds:
 
 def build_hf_config(model_cfg: Mapping[str, Any], tokenizer):
     """The HF config of the policy, with `model.override_config` applied."""
-    from transformers import AutoConfig, Qwen2Config
+    from transformers import AutoConfig
 
     overrides = dict(model_cfg.get("override_config") or {})
     if model_cfg["path"] is None:
@@ -108,7 +108,8 @@ def build_hf_config(model_cfg: Mapping[str, Any], tokenizer):
             vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
         )
         settings.update(overrides)
-        config = Qwen2Config(**settings)
+        # the embedded model is a Qwen2; `+model.override_config.model_type=llama` makes it a Llama of the same shape
+        config = AutoConfig.for_model(settings.pop("model_type", "qwen2"), **settings)
     else:
         config = AutoConfig.from_pretrained(str(hf_folder(model_cfg["path"])), **overrides)
     return config

@@ -27,7 +27,7 @@ from reference_runs import (
 )
 
 from rlrunner.backends.megatron.files import read_rank_states, read_tracker
-from rlrunner.backends.megatron.layout import Qwen2Dims, expected_megatron_keys
+from rlrunner.backends.megatron.layout import DecoderDims, expected_megatron_keys
 from rlrunner.backends.megatron.megatron_entries import RLRUNNER_SCHEDULER, optimizer_step
 from rlrunner.backends.megatron.moment_files import read_moments
 from rlrunner.checkpoint.manifest import read_manifest
@@ -95,7 +95,7 @@ def test_checkpoints_are_in_megatrons_layout_and_read_with_weights_only(referenc
 
     iteration, states = read_rank_states(LOCAL, str(actor))  # torch.load(weights_only=True), Namespace allowed
     assert iteration == 6 and len(states) == 2
-    dims = Qwen2Dims.from_config(json_config(actor / "huggingface" / "config.json"))
+    dims = DecoderDims.from_config(json_config(actor / "huggingface" / "config.json"))
     for tp_rank, state in enumerate(states):
         args = state["args"]
         assert (args.tensor_model_parallel_size, args.data_parallel_size, args.padded_vocab_size) == (2, 1, 256)
@@ -383,3 +383,24 @@ def test_megatron_core_loads_a_trained_checkpoint_strictly(reference, tmp_path):
     with torch.no_grad():
         expected = policy(torch.tensor([[3, 17, 42, 98, 0, 5, 61]])).logits
     assert torch.allclose(results[0]["logits"][..., :99], expected, atol=1e-5)
+
+
+def test_a_llama_model_trains_and_resumes_bitwise(ray_session, tmp_path) -> None:
+    """The embedded model as a Llama (`+model.override_config.model_type=llama`: no QKV bias) trains at tp 2 with the
+    hf rollout engine, its checkpoints are a Llama's, and a resume mid-run ends bit-identical."""
+    llama = ["+model.override_config.model_type=llama", "runner.max_steps=4", "runner.save_interval=2"]
+    Supervisor(megatron_config(tmp_path / "full", 2, 2, *llama)).run()
+    full = read_metrics(tmp_path / "full" / "test" / "metrics.jsonl")
+    assert [m["step"] for m in full] == [1, 2, 3, 4]
+    checkpoint = tmp_path / "full" / "test" / "checkpoints" / "global_step_2"
+    _, states = read_rank_states(LOCAL, str(checkpoint / "actor"))
+    assert (
+        not states[0]["args"].add_qkv_bias
+        and "decoder.layers.0.self_attention.linear_qkv.bias" not in states[0]["model"]
+    )
+    weights = load_model_weights(tmp_path / "full" / "test" / "checkpoints" / "global_step_4")
+    assert "model.layers.0.self_attn.q_proj.weight" in weights and not any(k.endswith("_proj.bias") for k in weights)
+    Supervisor(megatron_config(tmp_path / "resumed", 2, 2, *llama, f"runner.resume_dir={checkpoint}")).run()
+    resumed = read_metrics(tmp_path / "resumed" / "test" / "metrics.jsonl")
+    assert without_time(resumed) == without_time(full[2:])
+    assert_bit_equal(weights, load_model_weights(tmp_path / "resumed" / "test" / "checkpoints" / "global_step_4"))

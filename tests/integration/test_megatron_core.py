@@ -54,7 +54,7 @@ def megatron_core_worker(rank: int, world: int, port: int, folder: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("tp, shape", [(1, "tied"), (2, "gqa")])
+@pytest.mark.parametrize("tp, shape", [(1, "tied"), (2, "gqa"), (2, "llama_tied")])
 def test_megatron_core_gpt_model_loads_our_rank_files_strictly(tmp_path, megatron_models, tp, shape) -> None:
     import megatron.core  # noqa: F401  (the test extra installs it: the check must run, never skip)
     import torch.multiprocessing as mp

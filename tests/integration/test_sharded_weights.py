@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from rlrunner.backends.megatron.distrib_optim import DistributedAdamW
 from rlrunner.backends.megatron.layout import hf_to_megatron_rank
-from rlrunner.backends.megatron.model import TPQwen2ForCausalLM
+from rlrunner.backends.megatron.model import TPCausalLM
 from rlrunner.backends.megatron.weight_units import UnitCursor
 from rlrunner.backends.megatron.worker import parallel_groups, replicated_names
 
@@ -31,7 +31,7 @@ def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _build(config, tp_group, dp_group, shard, tp_rank: int, shard_weights: bool):
-    model = TPQwen2ForCausalLM(config, tp_group, device="meta")
+    model = TPCausalLM(config, tp_group, device="meta")
     optimizer = DistributedAdamW(
         list(model.named_parameters()),
         dp_group,

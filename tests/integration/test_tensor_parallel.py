@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from rlrunner.backends.megatron.layout import hf_to_megatron_rank
-from rlrunner.backends.megatron.model import TPQwen2ForCausalLM
+from rlrunner.backends.megatron.model import TPCausalLM
 
 from conftest import assert_bit_equal
 from megatron_models import SHAPES, build_test_model, free_port
@@ -44,7 +44,7 @@ def _check_rank(rank: int, world: int, shape: str) -> None:
     hf, _ = build_test_model(SHAPES[shape])  # the same seed on every rank: the same model
     hf.train()
     config = hf.config
-    tp_model = TPQwen2ForCausalLM(config, dist.group.WORLD)
+    tp_model = TPCausalLM(config, dist.group.WORLD)
     shard = hf_to_megatron_rank(hf.state_dict(), config, world, rank)
     assert set(tp_model.state_dict()) == {k for k in shard if not k.endswith("_extra_state")}
     tp_model.load_megatron_shard(shard)
@@ -120,6 +120,6 @@ def _check_rank(rank: int, world: int, shape: str) -> None:
         tp_model.load_megatron_shard({k: v for k, v in stepped.items() if k != "decoder.final_layernorm.weight"})
 
 
-@pytest.mark.parametrize("tp, shape", [(2, "gqa"), (2, "tied"), (1, "tied")])
+@pytest.mark.parametrize("tp, shape", [(2, "gqa"), (2, "tied"), (1, "tied"), (2, "llama"), (1, "llama_tied")])
 def test_tp_model_matches_hf_forward_gradients_and_sgd_step(tp: int, shape: str) -> None:
     mp.spawn(_worker, args=(tp, free_port(), shape), nprocs=tp)  # raises with the rank's traceback if it fails

@@ -21,7 +21,7 @@ from rlrunner.storage import open_storage
 from rlrunner.utils.rng import capture_rng, restore_rng
 
 from conftest import assert_bit_equal, load_toolkit
-from megatron_models import GQA, TIED, save_hf_folder
+from megatron_models import GQA, SHAPES, TIED, save_hf_folder
 
 # --- the per-rank files -----------------------------------------------------------------------------
 
@@ -370,6 +370,25 @@ def test_converters_end_to_end_local(tmp_path, capsys) -> None:
         "tensor_model_parallel_size=8: not divisible"
     )
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("shape", ["llama", "llama_tied"])
+def test_a_llama_folder_converts_both_ways_bit_exact(tmp_path, shape) -> None:
+    to_megatron, to_hf = load_toolkit("convert_hf_to_megatron"), load_toolkit("convert_megatron_to_hf")
+    hf, model = save_hf_folder(tmp_path / "hf", SHAPES[shape])
+    assert type(model).__name__ == "LlamaForCausalLM"
+    actor = tmp_path / "global_step_0" / "actor"
+    assert (
+        to_megatron.main(["--hf_path", str(hf), "--output_path", str(actor), "--tensor_model_parallel_size", "2"]) == 0
+    )
+    state = mf.load_file(str(actor / "iter_0000000/mp_rank_01/model_optim_rng.pt"))
+    assert not state["args"].add_qkv_bias and not any(key.endswith("linear_qkv.bias") for key in state["model"])
+    assert state["args"].use_rope_scaling == (
+        shape == "llama"
+    )  # Llama 3.1's frequency scaling, as Megatron-LM names it
+    out = tmp_path / "exported"
+    assert to_hf.main(["--ckpt_path", str(tmp_path / "global_step_0"), "--output_path", str(out)]) == 0
+    _assert_same_model(out, model)  # the weights bit for bit, and the same logits
 
 
 def test_converters_end_to_end_on_s3(tmp_path, s3_store) -> None:

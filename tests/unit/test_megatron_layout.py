@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from rlrunner.backends.megatron.layout import (
-    Qwen2Dims,
+    DecoderDims,
     check_splittable,
     expected_megatron_keys,
     hf_to_megatron,
@@ -62,7 +62,7 @@ def test_unsplittable_configs_are_named(overrides, tp, message) -> None:
         model_cfg({**TINY_MODEL_CFG["override_config"], "num_attention_heads": 4, **overrides}), build_char_tokenizer()
     )
     with pytest.raises(ValueError, match=message):
-        check_splittable(Qwen2Dims.from_config(config), tp)
+        check_splittable(DecoderDims.from_config(config), tp)
 
 
 def test_the_repo_tiny_test_model_cannot_split_its_single_kv_head() -> None:
@@ -74,9 +74,16 @@ def test_the_repo_tiny_test_model_cannot_split_its_single_kv_head() -> None:
 
 def test_other_model_families_and_incomplete_states_are_refused(megatron_models) -> None:
     model = megatron_models["gqa"]
+    qwen3 = {**model.config.to_dict(), "model_type": "qwen3"}
+    with pytest.raises(ValueError, match="covers model types \\('qwen2', 'llama'\\), not 'qwen3'"):
+        hf_to_megatron(model.state_dict(), qwen3, 1)
+    # a Llama has no QKV bias: the Qwen2 model's biases are keys its layout does not map
     llama = {**model.config.to_dict(), "model_type": "llama"}
-    with pytest.raises(ValueError, match="covers model types \\('qwen2',\\), not 'llama'"):
+    with pytest.raises(ValueError, match="has 6 key\\(s\\) this layout does not map"):
         hf_to_megatron(model.state_dict(), llama, 1)
+    for bias in ("attention_bias", "mlp_bias"):
+        with pytest.raises(ValueError, match=f"a Llama model with {bias}=true has biases the Megatron layout"):
+            hf_to_megatron(model.state_dict(), {**llama, bias: True}, 1)
     state = dict(model.state_dict())
     del state["model.layers.1.self_attn.k_proj.bias"]
     with pytest.raises(
@@ -171,7 +178,7 @@ def test_round_trip_hf_to_tp_to_hf_is_bit_exact(megatron_models, shape, tp) -> N
     model = megatron_models[shape]
     state = model.state_dict()
     shards = hf_to_megatron(state, model.config, tp)
-    assert len(shards) == tp and set(shards[0]) == set(expected_megatron_keys(Qwen2Dims.from_config(model.config)))
+    assert len(shards) == tp and set(shards[0]) == set(expected_megatron_keys(DecoderDims.from_config(model.config)))
     back = megatron_to_hf(shards, model.config)
     expected = {k: v for k, v in state.items() if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
     assert_bit_equal(dict(sorted(back.items())), dict(sorted(expected.items())))  # q, k and v come out together

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Split a Hugging Face Qwen2 folder into Megatron-LM tensor-parallel shards (model only, iteration 0).
+"""Split a Hugging Face Qwen2 or Llama folder into Megatron-LM tensor-parallel shards (model only, iteration 0).
 
     python toolkits/ckpt_convertor/convert_hf_to_megatron.py --hf_path HF_DIR --output_path OUT \\
         --tensor_model_parallel_size K
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 from rlrunner.backends.megatron.file_writes import write_model_checkpoint  # noqa: E402
 from rlrunner.backends.megatron.files import TRACKER_FILE  # noqa: E402
-from rlrunner.backends.megatron.layout import DEFAULT_VOCAB_DIVISIBLE_BY, Qwen2Dims, check_splittable  # noqa: E402
+from rlrunner.backends.megatron.layout import DEFAULT_VOCAB_DIVISIBLE_BY, DecoderDims, check_splittable  # noqa: E402
 from rlrunner.checkpoint.layout import HF_DIR  # noqa: E402
 from rlrunner.errors import ConfigError  # noqa: E402
 from rlrunner.models.loading import check_model_folder  # noqa: E402
@@ -79,7 +79,7 @@ def convert(
     check_model_folder(hf_path)
     folder = Path(hf_path).expanduser()
     config = AutoConfig.from_pretrained(str(folder))
-    check_splittable(Qwen2Dims.from_config(config), tp)  # before reading any weights
+    check_splittable(DecoderDims.from_config(config), tp)  # before reading any weights
     storage = open_storage(output, storage_options)
     if storage.exists(storage.join(storage.url, TRACKER_FILE)):
         raise ConfigError(f"{storage.url} already holds a Megatron checkpoint ({TRACKER_FILE}): choose an empty folder")

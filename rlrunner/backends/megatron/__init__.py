@@ -36,11 +36,11 @@ class MegatronBackend(TrainingBackend):
             )
 
     def check_model(self, hf_config: Any, actor_cfg: Mapping[str, Any]) -> None:
-        from rlrunner.backends.megatron.layout import Qwen2Dims, check_splittable
+        from rlrunner.backends.megatron.layout import DecoderDims, check_splittable
 
         tp = actor_cfg["tensor_model_parallel_size"]
         try:
-            check_splittable(Qwen2Dims.from_config(hf_config), tp)
+            check_splittable(DecoderDims.from_config(hf_config), tp)
         except ValueError as exc:
             raise ConfigError(
                 f"actor.training_backend=megatron with actor.tensor_model_parallel_size={tp}: {exc}"

@@ -19,13 +19,13 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from rlrunner.backends.megatron.layout import EXTRA_STATE, Qwen2Dims, expected_megatron_keys
+from rlrunner.backends.megatron.layout import EXTRA_STATE, DecoderDims, expected_megatron_keys
 
 PARAM_ALIGNMENT = 64  # elements: megatron-core starts every parameter 128-byte aligned (at >= 16-bit precision)
 BUCKET_ALIGNMENT = 128  # a bucket ends at a multiple of lcm(DP size, 128) elements
 
 
-def megatron_param_names(dims: Qwen2Dims) -> list[str]:
+def megatron_param_names(dims: DecoderDims) -> list[str]:
     """The trainable parameters of megatron-core's GPTModel for these dimensions, in its `named_parameters()` order."""
     return [key for key in expected_megatron_keys(dims) if not key.endswith(EXTRA_STATE)]
 

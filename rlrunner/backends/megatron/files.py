@@ -42,7 +42,7 @@ import torch
 
 from rlrunner.backends.megatron.layout import (
     DEFAULT_VOCAB_DIVISIBLE_BY,
-    Qwen2Dims,
+    DecoderDims,
     check_splittable,
     padded_vocab_size,
 )
@@ -76,12 +76,20 @@ def rank_file(iteration: int, tp_rank: int) -> str:
     return f"{iteration_dir(iteration)}/{rank_dir(tp_rank)}/{MODEL_FILE}"
 
 
-def _rope_theta(config: Any) -> int | float:
+def _rope_parameters(config: Any) -> Mapping[str, Any]:
     get = config.get if isinstance(config, Mapping) else (lambda key, default=None: getattr(config, key, default))
     parameters = get("rope_parameters") or get("rope_scaling") or {}
-    theta = float(
-        (parameters.get("rope_theta") if isinstance(parameters, Mapping) else None) or get("rope_theta") or 10000
-    )
+    return parameters if isinstance(parameters, Mapping) else {}
+
+
+def _rope_type(config: Any) -> str:
+    parameters = _rope_parameters(config)
+    return str(parameters.get("rope_type") or parameters.get("type") or "default")
+
+
+def _rope_theta(config: Any) -> int | float:
+    get = config.get if isinstance(config, Mapping) else (lambda key, default=None: getattr(config, key, default))
+    theta = float(_rope_parameters(config).get("rope_theta") or get("rope_theta") or 10000)
     return int(theta) if theta.is_integer() else theta  # Megatron's --rotary-base is an int
 
 
@@ -93,9 +101,9 @@ def megatron_args(
     dtype: torch.dtype | None = None,
     **extra: Any,
 ) -> argparse.Namespace:
-    """The `args` of a checkpoint of this HF Qwen2 config split `tp` ways, named as Megatron-LM's arguments
+    """The `args` of a checkpoint of this HF Qwen2 or Llama config split `tp` ways, named as Megatron-LM's arguments
     (what its `load_args_from_checkpoint` and `check_checkpoint_args` read); `extra` adds or overrides fields."""
-    dims = Qwen2Dims.from_config(config)
+    dims = DecoderDims.from_config(config)
     check_splittable(dims, tp)
     get = config.get if isinstance(config, Mapping) else (lambda key, default=None: getattr(config, key, default))
     dtype = dtype or torch.float32
@@ -114,6 +122,9 @@ def megatron_args(
         rotary_base=_rope_theta(config),
         rotary_percent=1.0,
         rotary_interleaved=False,
+        # Llama 3.1's frequency scaling (Megatron-LM's --use-rope-scaling, --rope-scaling-factor)
+        use_rope_scaling=_rope_type(config) == "llama3",
+        rope_scaling_factor=float(_rope_parameters(config).get("factor") or 8.0),
         normalization="RMSNorm",
         norm_epsilon=float(get("rms_norm_eps") or 1e-6),
         apply_layernorm_1p=False,

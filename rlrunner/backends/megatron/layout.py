@@ -1,4 +1,6 @@
-"""Qwen2 weights in Hugging Face layout <-> megatron-core's tensor-parallel layout (one state dict per TP rank).
+"""Qwen2 and Llama weights in Hugging Face layout <-> megatron-core's tensor-parallel layout (one state dict per TP
+rank). The two families share their HF key names and layer structure; Llama has no QKV bias (Llama 3.x; a Llama with
+`attention_bias` or `mlp_bias` is refused), so its rank dicts have no `linear_qkv.bias`.
 
 Pure tensor functions: no files, no process groups. The names and the splits are megatron-core's
 `GPTModel` with the *local* layer spec (`get_gpt_layer_local_spec`), so each rank's dict loads into
@@ -35,7 +37,7 @@ import torch
 
 from rlrunner.models.hf_tensors import HFTensors, StateDict
 
-SUPPORTED_MODEL_TYPES = ("qwen2",)
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")  # the same keys and layers; Llama has no QKV bias
 DEFAULT_VOCAB_DIVISIBLE_BY = 128  # megatron's --make-vocab-size-divisible-by default
 EXTRA_STATE = "_extra_state"
 
@@ -44,8 +46,8 @@ _IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 @dataclass(frozen=True)
-class Qwen2Dims:
-    """The dimensions the split depends on, read from an HF Qwen2 config."""
+class DecoderDims:
+    """The dimensions the split depends on, read from an HF Qwen2 or Llama config."""
 
     num_layers: int
     hidden_size: int
@@ -55,10 +57,10 @@ class Qwen2Dims:
     head_dim: int
     vocab_size: int
     tie_word_embeddings: bool
-    qkv_bias: bool = True  # Qwen2 always has biases on q, k and v (and none elsewhere)
+    qkv_bias: bool = True  # Qwen2 always has biases on q, k and v (and none elsewhere); Llama none at all
 
     @classmethod
-    def from_config(cls, config: Any) -> "Qwen2Dims":
+    def from_config(cls, config: Any) -> "DecoderDims":
         """From a transformers config object or its dict; ValueError for a model family this layout does not cover."""
         get = (
             (lambda key, default=None: config.get(key, default))
@@ -68,6 +70,9 @@ class Qwen2Dims:
         model_type = get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"the Megatron layout covers model types {SUPPORTED_MODEL_TYPES}, not {model_type!r}")
+        if model_type == "llama" and (get("attention_bias") or get("mlp_bias")):
+            which = "attention_bias" if get("attention_bias") else "mlp_bias"
+            raise ValueError(f"a Llama model with {which}=true has biases the Megatron layout does not map")
         heads = int(get("num_attention_heads"))
         hidden = int(get("hidden_size"))
         head_dim = get("head_dim") or hidden // heads
@@ -80,6 +85,7 @@ class Qwen2Dims:
             head_dim=int(head_dim),
             vocab_size=int(get("vocab_size")),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2",
         )
 
     @property
@@ -95,7 +101,7 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCA
     return -(-vocab_size // multiple) * multiple
 
 
-def check_splittable(dims: Qwen2Dims, tp: int) -> None:
+def check_splittable(dims: DecoderDims, tp: int) -> None:
     """ValueError (one line, with the numbers) unless every split of this model by `tp` is whole."""
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor_model_parallel_size must be a positive integer, got {tp!r}")
@@ -126,7 +132,7 @@ def layer_keys(layer: int) -> dict[str, str]:
     }
 
 
-def expected_hf_keys(dims: Qwen2Dims) -> list[str]:
+def expected_hf_keys(dims: DecoderDims) -> list[str]:
     """Every HF key the model has (lm_head.weight only when untied)."""
     keys = ["model.embed_tokens.weight"]
     for layer in range(dims.num_layers):
@@ -143,7 +149,7 @@ def expected_hf_keys(dims: Qwen2Dims) -> list[str]:
     return keys
 
 
-def expected_megatron_keys(dims: Qwen2Dims) -> list[str]:
+def expected_megatron_keys(dims: DecoderDims) -> list[str]:
     """Every key of one rank's dict, `_extra_state` entries included, in megatron-core's state_dict order."""
     keys = ["embedding.word_embeddings.weight"]
     for layer in range(dims.num_layers):
@@ -160,14 +166,15 @@ def expected_megatron_keys(dims: Qwen2Dims) -> list[str]:
     return keys
 
 
-def _check_hf_state(state: Mapping[str, torch.Tensor], dims: Qwen2Dims) -> None:
+def _check_hf_state(state: Mapping[str, torch.Tensor], dims: DecoderDims) -> None:
     expected = set(expected_hf_keys(dims))
     present = {k for k in state if not k.endswith(_IGNORED_HF_SUFFIXES)}
     if dims.tie_word_embeddings:
         present.discard("lm_head.weight")  # a tied model's state dict lists the shared tensor twice
     missing, unexpected = sorted(expected - present), sorted(present - expected)
     if missing:
-        raise ValueError(f"the HF state dict lacks {len(missing)} key(s) of a Qwen2 model, e.g. {missing[:3]}")
+        family = "Qwen2" if dims.qkv_bias else "Llama"
+        raise ValueError(f"the HF state dict lacks {len(missing)} key(s) of a {family} model, e.g. {missing[:3]}")
     if unexpected:
         raise ValueError(
             f"the HF state dict has {len(unexpected)} key(s) this layout does not map, e.g. {unexpected[:3]}"
@@ -195,7 +202,7 @@ def _split(tensors: HFTensors, name: str, dim: int, rank: int, tp: int) -> torch
     return tensors.read(name, dim, rank * size, (rank + 1) * size)
 
 
-def _fused_qkv(tensors: HFTensors, prefix: str, suffix: str, dims: Qwen2Dims, rank: int, tp: int) -> torch.Tensor:
+def _fused_qkv(tensors: HFTensors, prefix: str, suffix: str, dims: DecoderDims, rank: int, tp: int) -> torch.Tensor:
     """Rank `rank`'s fused QKV rows (weight [out, in] or bias [out]): per group, its query heads, key head, value
     head."""
     groups = dims.num_kv_heads // tp
@@ -229,7 +236,7 @@ def iter_hf_to_megatron_rank(
 ) -> Iterator[tuple[str, torch.Tensor | None]]:
     """`hf_to_megatron_rank`'s entries one at a time, each read when it is asked for: what a rank building its shard
     iterates, so that it holds one tensor beyond its own parameters."""
-    dims = Qwen2Dims.from_config(config)
+    dims = DecoderDims.from_config(config)
     check_splittable(dims, tp)
     if not 0 <= rank < tp:
         raise ValueError(f"tensor-parallel rank {rank} is outside 0..{tp - 1}")
@@ -279,7 +286,7 @@ def hf_to_megatron(
     return [hf_to_megatron_rank(state, config, tp, rank, divisible_by) for rank in range(tp)]
 
 
-def rank_shapes(dims: Qwen2Dims, tp: int) -> dict[str, tuple[int, ...]]:
+def rank_shapes(dims: DecoderDims, tp: int) -> dict[str, tuple[int, ...]]:
     """The shape of every tensor of one rank's dict, except the vocabulary-parallel ones (their rows depend on
     the padding): {key: shape}."""
     hidden, head_dim = dims.hidden_size, dims.head_dim

@@ -1,4 +1,4 @@
-"""A tensor-parallel Qwen2 causal LM in plain PyTorch (gloo on CPU, NCCL on GPU), split Megatron's way.
+"""A tensor-parallel Qwen2 or Llama causal LM in plain PyTorch (gloo on CPU, NCCL on GPU), split Megatron's way.
 
 Each rank's parameters are exactly its megatron-core shard (`megatron_layout.hf_to_megatron_rank`), under the
 same names, so `model.state_dict()` is what a `model_optim_rng.pt` holds (less the weightless `_extra_state`).
@@ -20,13 +20,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
-from transformers import Qwen2Config
+from transformers import AutoConfig
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, Qwen2RotaryEmbedding, apply_rotary_pos_emb
 
 from rlrunner.backends.megatron.layout import (
     DEFAULT_VOCAB_DIVISIBLE_BY,
     EXTRA_STATE,
-    Qwen2Dims,
+    DecoderDims,
     check_splittable,
     padded_vocab_size,
 )
@@ -188,7 +188,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class _Attention(nn.Module):
-    def __init__(self, dims: Qwen2Dims, tp: int, group: dist.ProcessGroup, **factory: Any):
+    def __init__(self, dims: DecoderDims, tp: int, group: dist.ProcessGroup, **factory: Any):
         super().__init__()
         self.groups_local = dims.num_kv_heads // tp
         self.heads_per_group, self.head_dim = dims.heads_per_group, dims.head_dim
@@ -212,7 +212,7 @@ class _Attention(nn.Module):
 
 
 class _MLP(nn.Module):
-    def __init__(self, dims: Qwen2Dims, tp: int, group: dist.ProcessGroup, **factory: Any):
+    def __init__(self, dims: DecoderDims, tp: int, group: dist.ProcessGroup, **factory: Any):
         super().__init__()
         ffn_local = dims.intermediate_size // tp
         self.linear_fc1 = ColumnParallelLinear(dims.hidden_size, 2 * ffn_local, False, group, **factory)
@@ -224,7 +224,7 @@ class _MLP(nn.Module):
 
 
 class _Layer(nn.Module):
-    def __init__(self, dims: Qwen2Dims, eps: float, tp: int, group: dist.ProcessGroup, **factory: Any):
+    def __init__(self, dims: DecoderDims, eps: float, tp: int, group: dist.ProcessGroup, **factory: Any):
         super().__init__()
         self.input_layernorm = Qwen2RMSNorm(dims.hidden_size, eps).to(**factory)
         self.self_attention = _Attention(dims, tp, group, **factory)
@@ -237,7 +237,7 @@ class _Layer(nn.Module):
 
 
 class _Decoder(nn.Module):
-    def __init__(self, dims: Qwen2Dims, eps: float, tp: int, group: dist.ProcessGroup, **factory: Any):
+    def __init__(self, dims: DecoderDims, eps: float, tp: int, group: dist.ProcessGroup, **factory: Any):
         super().__init__()
         self.layers = nn.ModuleList(_Layer(dims, eps, tp, group, **factory) for _ in range(dims.num_layers))
         self.final_layernorm = Qwen2RMSNorm(dims.hidden_size, eps).to(**factory)
@@ -249,8 +249,12 @@ class _Embedding(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(rows_local, hidden, group, padding_idx, **factory)
 
 
-def _hf_config(config: Any) -> Qwen2Config:
-    return Qwen2Config(**config) if isinstance(config, Mapping) else config
+def _hf_config(config: Any) -> Any:
+    """A transformers config object of its family (`model_type`: qwen2 or llama) from a config or its dict."""
+    if not isinstance(config, Mapping):
+        return config
+    settings = dict(config)
+    return AutoConfig.for_model(settings.pop("model_type", "qwen2"), **settings)
 
 
 def _padding_mask(attention_mask: torch.Tensor, seq: int) -> torch.Tensor:
@@ -261,8 +265,8 @@ def _padding_mask(attention_mask: torch.Tensor, seq: int) -> torch.Tensor:
     return causal[None, None] & attention_mask.bool()[:, None, None, :]
 
 
-class TPQwen2ForCausalLM(nn.Module):
-    """One tensor-parallel rank of a Qwen2 causal LM; its parameters are this rank's megatron-core shard.
+class TPCausalLM(nn.Module):
+    """One tensor-parallel rank of a Qwen2 or Llama causal LM; its parameters are this rank's megatron-core shard.
 
     Build it on every rank of `tp_group` with the same config, then `load_megatron_shard` the dict
     `hf_to_megatron_rank(hf_state, config, tp, rank)` gives (or the `model` of this rank's `model_optim_rng.pt`).
@@ -278,7 +282,7 @@ class TPQwen2ForCausalLM(nn.Module):
     ):
         super().__init__()
         config = _hf_config(config)
-        self.dims = dims = Qwen2Dims.from_config(config)
+        self.dims = dims = DecoderDims.from_config(config)
         self.tp_group, self.tp = tp_group, dist.get_world_size(tp_group)
         check_splittable(dims, self.tp)
         self.padded_vocab_size = padded_vocab_size(dims.vocab_size, self.tp, divisible_by)

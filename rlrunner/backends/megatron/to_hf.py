@@ -17,7 +17,7 @@ import torch
 
 from rlrunner.backends.megatron.layout import (
     EXTRA_STATE,
-    Qwen2Dims,
+    DecoderDims,
     check_splittable,
     expected_hf_keys,
     expected_megatron_keys,
@@ -27,7 +27,7 @@ from rlrunner.backends.megatron.layout import (
 from rlrunner.models.hf_tensors import HFTensors
 
 
-def _check_shards(shards: Sequence[Mapping[str, Any]], dims: Qwen2Dims) -> None:
+def _check_shards(shards: Sequence[Mapping[str, Any]], dims: DecoderDims) -> None:
     if not shards:
         raise ValueError("no tensor-parallel shards given")
     tp = len(shards)
@@ -77,7 +77,7 @@ class HFBlock:
     replicated: bool = False
 
 
-def rank_blocks(dims: Qwen2Dims, tp: int, rank: int, vocab_rows: int) -> list[HFBlock]:
+def rank_blocks(dims: DecoderDims, tp: int, rank: int, vocab_rows: int) -> list[HFBlock]:
     """Every HF block tensor-parallel rank `rank` of `tp` holds (`vocab_rows`: the rows of its vocabulary-parallel
     tensors, padding included), in `expected_hf_keys` order. Column-parallel weights give dim-0 blocks (q, k, v per
     query group, gate and up), row-parallel ones dim-1 blocks (o_proj, down_proj), vocabulary-parallel ones their
@@ -152,7 +152,7 @@ class MegatronShards(HFTensors):
     tensor-parallel size reads its own part through (`iter_hf_to_megatron_rank`), without a whole HF state dict."""
 
     def __init__(self, shards: Sequence[Mapping[str, Any]], config: Any):
-        self.dims = Qwen2Dims.from_config(config)
+        self.dims = DecoderDims.from_config(config)
         _check_shards(shards, self.dims)
         self.shards = shards
         rows = shards[0]["embedding.word_embeddings.weight"].shape[0]

@@ -3,7 +3,7 @@
 A rank keeps only its slice of the weights (the optimizer's `owned_params`), and no whole buffer: the parameters are
 grouped in units (the model's embedding, each layer, the head), each a view of a buffer of its own whose storage is
 empty except while the unit is gathered: the owners of its elements broadcast them over DP. The model gathers a unit
-before using it and releases it after, in forward and again in backward (`TPQwen2ForCausalLM.weight_units`), so a rank
+before using it and releases it after, in forward and again in backward (`TPCausalLM.weight_units`), so a rank
 holds its share of the training state and one or two units. `UnitCursor` walks every unit once, for a pass over the
 whole weights (a save, a weight sync).
 """

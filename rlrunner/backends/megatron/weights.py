@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import torch
 
-from rlrunner.backends.megatron.layout import Qwen2Dims
+from rlrunner.backends.megatron.layout import DecoderDims
 from rlrunner.backends.megatron.to_hf import HFBlock, rank_blocks
 from rlrunner.backends.megatron.weight_units import UnitCursor
 from rlrunner.weight_sync.endpoints import Block, WeightSource
@@ -26,7 +26,7 @@ def hf_blocks(
     rows = shard["embedding.word_embeddings.weight"].shape[0]
     return [
         (block.name, block.shape, block.dim, block.start, block.stop, block.take(shard[block.key]))
-        for block in rank_blocks(Qwen2Dims.from_config(config), tp, rank, rows)
+        for block in rank_blocks(DecoderDims.from_config(config), tp, rank, rows)
     ]
 
 
@@ -60,7 +60,7 @@ class MegatronWeightSource(WeightSource):
             return block.tensor
         if self.rank_blocks is None:
             rows = worker.model.embedding.word_embeddings.weight.shape[0]
-            self.rank_blocks = rank_blocks(Qwen2Dims.from_config(worker.hf_config), worker.tp, worker.tp_rank, rows)
+            self.rank_blocks = rank_blocks(DecoderDims.from_config(worker.hf_config), worker.tp, worker.tp_rank, rows)
         if self.cursor is None:  # the first block of this sync
             self.cursor = UnitCursor(worker.optimizer)
         hf_block = self.rank_blocks[index]

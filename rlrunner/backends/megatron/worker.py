@@ -2,7 +2,7 @@
 
 Ranks are laid out Megatron's way, tensor-parallel innermost: rank = dp_rank * tp + tp_rank, so a
 tensor-parallel group is `tp` consecutive ranks (placed on one node by the WorkerGroup). Each rank holds
-its tensor-parallel shard of the model (`TPQwen2ForCausalLM`, megatron-core's layout and names) in float32;
+its tensor-parallel shard of the model (`TPCausalLM`, megatron-core's layout and names) in float32;
 the ranks of a tensor-parallel group get the same rows of the batch and compute the same loss; gradients are
 averaged over the data-parallel group, and AdamW's state is sharded over it (`DistributedAdamW`).
 
@@ -27,7 +27,7 @@ from rlrunner.backends.megatron.flat_space import bind_to_buffer
 from rlrunner.backends.megatron.layout import (
     DEFAULT_VOCAB_DIVISIBLE_BY,
     EXTRA_STATE,
-    Qwen2Dims,
+    DecoderDims,
     expected_megatron_keys,
     iter_hf_to_megatron_rank,
 )
@@ -38,7 +38,7 @@ from rlrunner.backends.megatron.megatron_entries import (
     rng_from_entry,
     scheduler_entry,
 )
-from rlrunner.backends.megatron.model import TPQwen2ForCausalLM
+from rlrunner.backends.megatron.model import TPCausalLM
 from rlrunner.backends.megatron.moment_files import coalesced_offsets_of
 from rlrunner.backends.megatron.moment_save import MomentSave, save_group
 from rlrunner.backends.megatron.rank_state import MegatronRankState, load_rank
@@ -68,7 +68,7 @@ def parallel_groups(world_size: int, tp: int, rank: int, timeout) -> tuple[Any, 
     return tp_group, dp_group
 
 
-def replicated_names(model: TPQwen2ForCausalLM) -> set[str]:
+def replicated_names(model: TPCausalLM) -> set[str]:
     """Parameters every tensor-parallel rank holds whole (the norms): counted once in the gradient norm."""
     return {name for name, _ in model.named_parameters() if name.endswith("layernorm.weight")}
 
@@ -120,7 +120,7 @@ class MegatronActorWorker(ActorWorker):
         # Built on the meta device: the parameters get their storage from the optimizer's buffer (or, for the frozen
         # reference, one of its own) and then only this rank's rows and columns of each HF tensor are read (or
         # generated) into them, one tensor at a time: no rank holds the whole model, nor a second copy of its part.
-        self.model = TPQwen2ForCausalLM(self.hf_config, self.tp_group, self.divisible_by, device="meta")
+        self.model = TPCausalLM(self.hf_config, self.tp_group, self.divisible_by, device="meta")
         optim = self.actor_cfg["optim"]
         self.optimizer = DistributedAdamW(
             list(self.model.named_parameters()),
@@ -142,15 +142,13 @@ class MegatronActorWorker(ActorWorker):
         self.model.train()
         self.scheduler = build_schedule(self.optimizer.optimizer, optim, self.total_optimizer_steps)
         if self.algorithm_cfg["use_kl_loss"]:
-            self.ref_model = TPQwen2ForCausalLM(self.hf_config, self.tp_group, self.divisible_by, device="meta")
+            self.ref_model = TPCausalLM(self.hf_config, self.tp_group, self.divisible_by, device="meta")
             params = list(self.ref_model.parameters())
             bind_to_buffer(params, sum(p.numel() for p in params), self.device)
             self._load_initial_weights(self.ref_model.requires_grad_(False))
             self.ref_model.eval()
 
-    def _load_initial_weights(
-        self, model: TPQwen2ForCausalLM, into: Callable[[str, torch.Tensor], None] | None = None
-    ) -> None:
+    def _load_initial_weights(self, model: TPCausalLM, into: Callable[[str, torch.Tensor], None] | None = None) -> None:
         plan = meta_model(self.hf_config, self.model_cfg["attn_implementation"], torch.float32)  # names and shapes
         tensors = initial_tensors(self.model_cfg, self.hf_config, self.init_seed, plan, self.read_weights)
         model.load_megatron_shard(
@@ -191,7 +189,7 @@ class MegatronActorWorker(ActorWorker):
         rng = [None] * self.data_parallel_size
         dist.all_gather_object(rng, rng_entry(capture_rng(), self.init_seed, self.tp_rank), group=self.dp_group)
         layout = self.optimizer.layout()
-        dims = Qwen2Dims.from_config(self.hf_config)
+        dims = DecoderDims.from_config(self.hf_config)
         offsets, numel = coalesced_offsets_of(layout, megatron_param_names(dims), self.data_parallel_size)
         moments = MomentSave(step, self.tp, self.tp_rank, layout, offsets, numel, own, self.save_group)
         # sharded weights are walked a unit at a time by every DP rank (`UnitCursor`); a synchronous save writes each
@@ -333,4 +331,6 @@ class MegatronActorWorker(ActorWorker):
 def _extra_state_keys(worker: MegatronActorWorker) -> list[str]:
     """megatron-core's `_extra_state` entries of the layers (None in its legacy checkpoints): our model has no such
     state, the files carry the keys so that megatron-core's strict load accepts them."""
-    return [key for key in expected_megatron_keys(Qwen2Dims.from_config(worker.hf_config)) if key.endswith(EXTRA_STATE)]
+    return [
+        key for key in expected_megatron_keys(DecoderDims.from_config(worker.hf_config)) if key.endswith(EXTRA_STATE)
+    ]
