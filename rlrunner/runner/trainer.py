@@ -19,6 +19,7 @@ import logging
 import time
 from typing import Any
 
+import ray
 import torch
 
 from rlrunner.checkpoint.handler import PendingSave
@@ -38,6 +39,11 @@ from rlrunner.runner.snapshots import Snapshot
 from rlrunner.weight_sync.driver import connect_weight_sync
 
 logger = logging.getLogger(__name__)
+
+# how long a surviving actor rank may take to leave its process group before it is taken for blocked and replaced too:
+# a rank that takes the call leaves at once, unless its save in flight is still writing (it waits for that to stop);
+# replaced, such a rank costs a process start, and no step
+LEAVE_TIMEOUT_S = 10.0
 
 
 class Trainer(AttemptState, RolloutPhase):
@@ -99,7 +105,7 @@ class Trainer(AttemptState, RolloutPhase):
         started = time.monotonic()
         recovery, group = self.cfg.runner.recovery, self.actor_group
         survivors = [rank for rank in range(group.num_workers) if rank not in ranks]
-        group.get([group.workers[rank].leave_process_group.remote() for rank in survivors], recovery.step_timeout_s)
+        ranks = sorted([*ranks, *self._survivors_leave(group, survivors)])
         self.pending_save = None
         self.ctx.handler.remove_leftovers()  # what the dropped save wrote
         self._raise_if_stopping()
@@ -130,6 +136,29 @@ class Trainer(AttemptState, RolloutPhase):
             "setup_s": built - joined,
         }
         self.started = True
+
+    def _survivors_leave(self, group: WorkerGroup, survivors: list[int]) -> list[int]:
+        """Ask the surviving actor ranks to leave their process group; returns those that did not answer within
+        LEAVE_TIMEOUT_S, to be replaced too. Such a rank is blocked in a collective whose peer left it: at data-parallel
+        x tensor-parallel sizes a rank's tensor-parallel partner leaves the update when its data-parallel collective
+        with the lost rank fails, and gloo does not free the rank waiting on the partner, whose process lives on, so
+        the call to leave waits behind the update until the collective's own timeout. Replacing it (killing its
+        process) frees the repair from that timeout; it loads its part of the snapshot like the lost rank."""
+        refs = {rank: group.workers[rank].leave_process_group.remote() for rank in survivors}
+        limit = min(LEAVE_TIMEOUT_S, self.cfg.runner.recovery.step_timeout_s)
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=limit)
+        stuck = [rank for rank, ref in refs.items() if ref not in ready]
+        group.get(
+            [refs[rank] for rank in survivors if rank not in stuck], limit
+        )  # raises what one that answered raised
+        if stuck:
+            logger.warning(
+                "actor rank(s) %s did not leave their process group within %gs (blocked in a collective with a rank "
+                "that left it): replacing them too",
+                ", ".join(map(str, stuck)),
+                limit,
+            )
+        return stuck
 
     def _start_groups(self, placement_timeout_s: float) -> None:
         self.ctx.snapshots.prepare()  # the snapshot holders start beside the groups

@@ -19,11 +19,12 @@ from recovery_helpers import (
     recovery_events,
     wait_for,
 )
-from reference_runs import MEGATRON, Reference, reference_run
+from reference_runs import MEGATRON, NUMERICS, Reference, reference_run
 
 from rlrunner.runner.supervisor import Supervisor
+from rlrunner.tools.convert import load_model_weights
 
-from conftest import metrics_lines, once, run_config
+from conftest import assert_bit_equal, metrics_lines, once, read_metrics, run_config, without_time
 
 pytestmark = [pytest.mark.slow, pytest.mark.multinode]
 
@@ -67,3 +68,35 @@ def test_megatron_sigterm_writes_an_emergency_checkpoint_then_auto_resumes(
     assert (actor / "latest_checkpointed_iteration.txt").read_text() == str(stopped_at)
     Supervisor(run_config(tmp_path, *RUN, *MEGATRON, "runner.resume_dir=auto")).run()
     assert_matches_reference(tmp_path, megatron_reference)
+
+
+def test_megatron_dp2_tp2_rank_killed_mid_update_is_replaced_within_seconds(cluster, tmp_path):
+    """At dp 2 x tp 2 an actor rank dies in the update: the survivors that leave their process group keep their
+    processes; one blocked in a tensor-parallel collective with a partner that already left is replaced too, after
+    LEAVE_TIMEOUT_S rather than the step timeout; no step is lost and the run ends bit-identical to the uninterrupted
+    run at the same layout (its own: dp 2 reduces in another order than the session's tp 2 x dp 1 reference)."""
+    from rlrunner.runner.trainer import LEAVE_TIMEOUT_S
+
+    layout = [
+        *NUMERICS,
+        *MEGATRON,
+        "runner.max_steps=5",
+        "runner.save_interval=5",
+        "actor.num_workers=4",
+        "cluster.cpus_per_actor_worker=0.5",
+        "cluster.cpus_per_rollout_worker=1",
+        "runner.recovery.step_timeout_s=90",
+        "runner.recovery.wait_timeout_s=120",
+    ]
+    Supervisor(run_config(tmp_path / "whole", *layout)).run()
+    runner = Supervisor(run_config(tmp_path / "killed", *layout))
+    kill_in_next_update(runner, 3, 2, tmp_path / "killed")
+    runner.run()
+    failure = assert_restored_from_memory(tmp_path / "killed")
+    assert "actor rank 3" in failure["cause"] and failure["replaced"] == "actor ranks 3", failure
+    [resumed] = recovery_events(tmp_path / "killed", "resumed")
+    assert 3 in resumed["replaced_ranks"] and resumed["leave_s"] < LEAVE_TIMEOUT_S + 5, resumed
+    whole, killed = (read_metrics(tmp_path / run / "test" / "metrics.jsonl") for run in ("whole", "killed"))
+    assert [m["step"] for m in killed] == [1, 2, 3, 4, 5] and without_time(killed) == without_time(whole)
+    last = "test/checkpoints/global_step_5"
+    assert_bit_equal(load_model_weights(tmp_path / "killed" / last), load_model_weights(tmp_path / "whole" / last))
