@@ -192,6 +192,7 @@ class FSDPOptions:
 class MegatronOptions:
     shard_gradients: bool = True  # keep only this data-parallel rank's slice of the gradients (ZeRO-2)
     shard_weights: bool = True  # and of the weights, gathered a layer at a time (ZeRO-3; needs shard_gradients)
+    ckpt_format: str = "torch"  # torch: Megatron-LM's per-rank files | torch_dist: megatron-core's distributed format
 
 
 @dataclass

@@ -97,59 +97,94 @@ def _cuda_on_cpu():
         torch.cuda.current_device, torch.tensor, torch.nn.Parameter.type = real_device, real_tensor, real_type
 
 
-def resume_worker(rank: int, world: int, port: int, folder: str, out: str) -> None:
-    """One rank of a megatron-core training job resuming our checkpoint under `folder` (an actor folder) the way
-    Megatron-LM's `load_checkpoint` does: the model strictly, the optimizer's state dict, its parameter state file
-    (`distrib_optim.pt`, through megatron-core's `load_parameter_state`), the LR scheduler's state, and the RNG of
-    `rng_state[0]`. Writes what it then holds: each parameter's piece of the fp32 weights and moments (this rank's
-    shard), the Adam step counts, the scheduler's position and LR, the tracker's states and draws of each RNG."""
-    import random
-
-    import numpy as np
-
+def _start(rank: int, world: int, port: int, args) -> None:
     warnings.simplefilter("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size)
+
+
+def _training_job(args):
+    """megatron-core's model, DDP, distributed optimizer and LR scheduler for a checkpoint's `args` (under
+    `_cuda_on_cpu`)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    samples = args.global_batch_size
+    config, model = gpt_model(args)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        use_distributed_optimizer=True,
+        params_dtype=torch.float32,
+    )
+    optimizer = get_megatron_optimizer(optimizer_config, [ddp])
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * samples,
+        lr_decay_steps=args.lr_decay_iters * samples,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * samples,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=True,
+    )
+    return model, ddp, optimizer, scheduler
+
+
+def _held(model, optimizer, scheduler) -> dict:
+    """What a megatron-core rank holds: each parameter's piece of the fp32 weights and moments (this rank's shard),
+    the Adam step counts, the scheduler's position and the groups' LR."""
+    from megatron.core import parallel_state
+
+    (distributed,) = optimizer.chained_optimizers
+    names = {param: name for name, param in model.named_parameters()}
+    pieces = []  # (name, first element of the parameter this rank holds, {param, exp_avg, exp_avg_sq})
+    for buckets in distributed.gbuf_ranges[0].values():
+        for bucket in buckets:
+            for param, ranges in bucket["param_map"].items():
+                held = distributed._get_main_param_and_optimizer_states(param)
+                tensors = {key: held[key].detach().clone() for key in MOMENT_KEYS}
+                pieces.append((names[param], ranges["param"].start, tensors))
+    return {
+        "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+        "pieces": pieces,
+        "steps": sorted({float(s["step"]) for s in distributed.optimizer.state.values()}),
+        "num_steps": scheduler.num_steps,
+        "lrs": [group["lr"] for group in distributed.optimizer.param_groups],
+    }
+
+
+def resume_worker(rank: int, world: int, port: int, folder: str, out: str) -> None:
+    """One rank of a megatron-core training job resuming our legacy checkpoint under `folder` (an actor folder) the
+    way Megatron-LM's `load_checkpoint` does: the model strictly, the optimizer's state dict, its parameter state file
+    (`distrib_optim.pt`, through megatron-core's `load_parameter_state`), the LR scheduler's state, and the RNG of
+    `rng_state[0]`. Writes what it then holds (`_held`), the tracker's states and draws of each RNG."""
+    import random
+
+    import numpy as np
+
     storage = open_storage(folder)
     iteration, states = mf.read_rank_states(storage, storage.url)
-    args = states[0]["args"]
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size)
+    _start(rank, world, port, states[0]["args"])
+    from megatron.core import parallel_state, tensor_parallel
+
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     state = states[tp_rank]
-    samples = args.global_batch_size
     with _cuda_on_cpu():
-        config, model = gpt_model(args)
-        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
-        optimizer_config = OptimizerConfig(
-            optimizer="adam",
-            lr=args.lr,
-            min_lr=args.min_lr,
-            weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2,
-            use_distributed_optimizer=True,
-            params_dtype=torch.float32,
-        )
-        optimizer = get_megatron_optimizer(optimizer_config, [ddp])
-        scheduler = OptimizerParamScheduler(
-            optimizer,
-            init_lr=0.0,
-            max_lr=args.lr,
-            min_lr=args.min_lr,
-            lr_warmup_steps=args.lr_warmup_iters * samples,
-            lr_decay_steps=args.lr_decay_iters * samples,
-            lr_decay_style=args.lr_decay_style,
-            start_wd=args.weight_decay,
-            end_wd=args.weight_decay,
-            wd_incr_steps=args.train_iters * samples,
-            wd_incr_style="constant",
-            use_checkpoint_opt_param_scheduler=True,
-        )
+        model, ddp, optimizer, scheduler = _training_job(state["args"])
         ddp.load_state_dict(dict(state["model"]), strict=True)
         optimizer.load_state_dict(state["optimizer"])
         (distributed,) = optimizer.chained_optimizers
@@ -167,24 +202,53 @@ def resume_worker(rank: int, world: int, port: int, folder: str, out: str) -> No
     torch.set_rng_state(entry["torch_rng_state"])
     assert entry["rng_tracker_states"], "Megatron-LM exits on an empty tracker state"
     tensor_parallel.get_cuda_rng_tracker().set_states(entry["rng_tracker_states"])
-
-    names = {param: name for name, param in model.named_parameters()}
-    pieces = []  # (name, first element of the parameter this rank holds, {param, exp_avg, exp_avg_sq})
-    for buckets in distributed.gbuf_ranges[0].values():
-        for bucket in buckets:
-            for param, ranges in bucket["param_map"].items():
-                held = distributed._get_main_param_and_optimizer_states(param)
-                tensors = {key: held[key].detach().clone() for key in ("param", "exp_avg", "exp_avg_sq")}
-                pieces.append((names[param], ranges["param"].start, tensors))
     result = {
-        "tp_rank": tp_rank,
-        "pieces": pieces,
-        "steps": sorted({float(s["step"]) for s in inner.state.values()}),
-        "num_steps": scheduler.num_steps,
-        "lrs": [group["lr"] for group in inner.param_groups],
+        **_held(model, optimizer, scheduler),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
         "draws": [random.random(), float(np.random.rand()), torch.rand(3)],
     }
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def dist_load_worker(rank: int, world: int, port: int, folder: str, out: str) -> None:
+    """One rank of a megatron-core training job reading our `torch_dist` checkpoint under `folder` (an iteration's
+    folder) through `dist_checkpointing.load`: the model's sharded state dict, the optimizer's in the
+    `fully_reshardable` layout, and its tensor-parallel rank's `rng_state` object, then loaded into the model (strict)
+    and the optimizer as Megatron-LM does. Writes what it then holds (`_held`) and the RNG entries it read."""
+    args = mf.load_file(os.path.join(folder, "common.pt"))["args"]
+    _start(rank, world, port, args)
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    tp_rank, tp = parallel_state.get_tensor_model_parallel_rank(), args.tensor_model_parallel_size
+    dp_rank = parallel_state.get_data_parallel_rank()
+    with _cuda_on_cpu():
+        model, ddp, optimizer, scheduler = _training_job(args)
+        (distributed,) = optimizer.chained_optimizers
+        # the plain-torch optimizer has no state before its first step: megatron-core's own way to make it one, which
+        # the load then overwrites (as its fsdp_dtensor load path does)
+        distributed._init_optimizer_states_with_dummy_values()
+        model_sd = model.sharded_state_dict()
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+        optimizer_sd = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)
+        rng = ShardedObject("rng_state", None, (1, tp), (0, tp_rank), replica_id=dp_rank)
+        loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optimizer_sd, "rng_state": rng}, folder)
+        model.load_state_dict(loaded["model"], strict=True)
+        # `DistributedOptimizer.load_state_dict` in two halves around the `step` bug (the module docstring): the
+        # groups and the step, then the parameter state
+        state = dict(loaded["optimizer"])
+        param_state = state.pop("param_state")
+        assert state.pop("param_state_sharding_type") == "fully_reshardable"
+        optimizer.load_state_dict(state)
+        inner = distributed.optimizer
+        steps = {param: inner.state[param].pop("step") for group in inner.param_groups for param in group["params"]}
+        with torch.no_grad():  # the fp32 main weights are views of the model's parameters
+            distributed.load_parameter_state_from_fully_reshardable(param_state)
+        for param, step in steps.items():
+            inner.state[param]["step"] = step
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    result = {**_held(model, optimizer, scheduler), "rng_state": loaded["rng_state"], "iteration": loaded["iteration"]}
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
 

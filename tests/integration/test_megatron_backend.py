@@ -404,3 +404,24 @@ def test_a_llama_model_trains_and_resumes_bitwise(ray_session, tmp_path) -> None
     resumed = read_metrics(tmp_path / "resumed" / "test" / "metrics.jsonl")
     assert without_time(resumed) == without_time(full[2:])
     assert_bit_equal(weights, load_model_weights(tmp_path / "resumed" / "test" / "checkpoints" / "global_step_4"))
+
+
+def test_torch_dist_checkpoints_resume_bitwise_and_convert(reference, tmp_path):
+    """`actor.megatron.ckpt_format=torch_dist` changes no number: the run saves megatron-core's distributed format
+    under the commit protocol, a resume from it ends bit-identical to the reference, and the converter and
+    `load_model_weights` read the reference's weights from it (test_megatron_torch_dist.py: layouts, megatron-core)."""
+    from transformers import AutoModelForCausalLM
+
+    dist = ["actor.megatron.ckpt_format=torch_dist"]
+    Supervisor(megatron_config(tmp_path / "dist", 2, 2, *dist, "runner.max_steps=3")).run()
+    checkpoint = tmp_path / "dist" / "test" / "checkpoints" / "global_step_3"
+    files = read_manifest(LOCAL, str(checkpoint))["files"]
+    assert {"actor/iter_0000003/common.pt", "actor/iter_0000003/metadata.json", "actor/iter_0000003/.metadata"} <= set(
+        files
+    )
+    assert sorted(k for k in files if k.endswith(".distcp")) == [f"actor/iter_0000003/__{r}_0.distcp" for r in (0, 1)]
+    assert_bit_equal(load_model_weights(checkpoint), reference.weights(3))
+    out = tmp_path / "hf"
+    run_toolkit("convert_megatron_to_hf", "--ckpt_path", str(checkpoint), "--output_path", str(out))
+    assert_same_weights(AutoModelForCausalLM.from_pretrained(out).state_dict(), reference.weights(3))
+    assert_resumed_bitwise(resume(tmp_path / "resumed", checkpoint, 2, 2, *dist), reference, 3, 8)

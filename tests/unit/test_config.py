@@ -164,4 +164,11 @@ def test_a_config_file_with_a_moved_key_is_refused_with_its_new_name(tmp_path: P
     assert load_config(["actor.training_backend=megatron"], config_name="mine", config_dir=tmp_path).actor.megatron == {
         "shard_gradients": True,
         "shard_weights": False,
+        "ckpt_format": "torch",
     }
+
+
+def test_an_unknown_megatron_checkpoint_format_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"^actor.megatron.ckpt_format must be one of torch, torch_dist, got 'dcp'$"):
+        load_config(["actor.training_backend=megatron", "actor.megatron.ckpt_format=dcp"])
+    assert load_config(["actor.megatron.ckpt_format=torch_dist"]).actor.megatron.ckpt_format == "torch_dist"

@@ -5,7 +5,8 @@
 
 CKPT is the folder holding latest_checkpointed_iteration.txt, or a `global_step_N` folder whose
 `actor/` holds it, on a local disk or any store (s3://...). The iteration the tracker names is read
-(its `mp_rank_XX/model_optim_rng.pt` files, with torch.load(weights_only=True)); the HF config and
+(its `mp_rank_XX/model_optim_rng.pt` files, with torch.load(weights_only=True), or, in megatron-core's
+`torch_dist` format, its DCP files, each tensor read whole); the HF config and
 tokenizer come from the `huggingface/` folder beside it. The vocabulary padding is stripped.
 OUT_DIR is a local folder: `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads it.
 
@@ -30,7 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from rlrunner.backends.megatron.files import find_root, read_rank_states  # noqa: E402
+from rlrunner.backends.megatron.dist_ckpt import is_torch_dist, read_model_shard  # noqa: E402
+from rlrunner.backends.megatron.files import find_root, read_rank_states, read_tracker  # noqa: E402
 from rlrunner.backends.megatron.to_hf import iter_megatron_to_hf  # noqa: E402
 from rlrunner.checkpoint.layout import HF_DIR  # noqa: E402
 from rlrunner.errors import ConfigError  # noqa: E402
@@ -125,9 +127,13 @@ def convert(ckpt_path: str, output: str, storage_options: dict | None = None) ->
     with tempfile.TemporaryDirectory(prefix="rlrunner-hf-config-") as scratch:
         _copy_hf_dir(storage, hf_url, Path(scratch))
         config = AutoConfig.from_pretrained(scratch)
-        _, states = read_rank_states(storage, root, mmap=True)
-        shards = [state.pop("model") for state in states]
-        del states  # the optimizer and RNG are never needed here
+        iteration = read_tracker(storage, root)
+        if is_torch_dist(storage, root, iteration):  # megatron-core's distributed format: the model read whole
+            shards = [read_model_shard(storage, root, iteration, config)]
+        else:
+            _, states = read_rank_states(storage, root, mmap=True)
+            shards = [state.pop("model") for state in states]
+            del states  # the optimizer and RNG are never needed here
         # The file's layout from a dry run on meta tensors (checks the shards too), then the real tensors one by one.
         layout = list(iter_megatron_to_hf([_meta(shard) for shard in shards], config))
         out.mkdir(parents=True, exist_ok=True)

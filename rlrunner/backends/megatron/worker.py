@@ -21,8 +21,18 @@ import torch.distributed as dist
 
 from rlrunner.backends.actor import ActorWorker
 from rlrunner.backends.megatron.buffer_geometry import megatron_param_names
-from rlrunner.backends.megatron.distrib_optim import DistributedAdamW
-from rlrunner.backends.megatron.files import megatron_args, rank_file, rank_state
+from rlrunner.backends.megatron.dist_ckpt import (
+    is_torch_dist,
+    load_torch_dist,
+    owned_pieces,
+    read_common,
+    save_torch_dist,
+    slice_rectangles,
+    whole_rectangles,
+)
+from rlrunner.backends.megatron.dist_layout import extra_state_keys, rng_state_key, sharded_params
+from rlrunner.backends.megatron.distrib_optim import MOMENTS, DistributedAdamW
+from rlrunner.backends.megatron.files import megatron_args, rank_file, rank_state, read_tracker
 from rlrunner.backends.megatron.flat_space import bind_to_buffer
 from rlrunner.backends.megatron.layout import (
     DEFAULT_VOCAB_DIVISIBLE_BY,
@@ -33,6 +43,7 @@ from rlrunner.backends.megatron.layout import (
 )
 from rlrunner.backends.megatron.megatron_entries import (
     optimizer_entry,
+    optimizer_step,
     our_scheduler,
     rng_entry,
     rng_from_entry,
@@ -47,6 +58,7 @@ from rlrunner.backends.megatron.weight_units import UnitCursor
 from rlrunner.backends.megatron.weights import MegatronWeightSource
 from rlrunner.backends.optim import apply_schedule, build_schedule
 from rlrunner.models.loading import build_hf_config, build_tokenizer, initial_tensors, meta_model, torch_dtype
+from rlrunner.storage import open_storage
 from rlrunner.utils.rng import capture_rng, restore_rng
 from rlrunner.weight_sync.endpoints import WeightSource
 
@@ -114,6 +126,9 @@ class MegatronActorWorker(ActorWorker):
         # a checkpoint's moments travel to data-parallel rank 0 over a group of their own (gloo), never the training's:
         # a background save's thread must not interleave with the training thread on one group
         self.save_group = save_group(self.world_size, self.tp, self.rank, self.dist_timeout)
+        # the distributed format's saves and loads coordinate over every rank, also apart from the training groups
+        self.dist_group = dist.new_group(timeout=self.dist_timeout, backend="gloo")
+        self.ckpt_format = self.actor_cfg["megatron"]["ckpt_format"]
         self.divisible_by = DEFAULT_VOCAB_DIVISIBLE_BY
         tokenizer = build_tokenizer(self.model_cfg)
         self.hf_config = build_hf_config(self.model_cfg, tokenizer)
@@ -184,10 +199,15 @@ class MegatronActorWorker(ActorWorker):
         """Collective: data-parallel rank 0 of each tensor-parallel rank writes that rank's `model_optim_rng.pt` and its
         `distrib_optim.pt`, into which the other data-parallel ranks send their slices of the moments a chunk at a time
         (`moment_save`), under `url` (the checkpoint's actor folder): a copy of the state, in a thread, with
-        `background`; the live tensors, before returning, without. Nothing but the RNG states is gathered."""
+        `background`; the live tensors, before returning, without. Nothing but the RNG states is gathered. With
+        `actor.megatron.ckpt_format=torch_dist`, every rank writes its own part of megatron-core's distributed format
+        instead (`dist_ckpt`)."""
         own = self.optimizer.own_slice(copy=background)
         rng = [None] * self.data_parallel_size
         dist.all_gather_object(rng, rng_entry(capture_rng(), self.init_seed, self.tp_rank), group=self.dp_group)
+        if self.ckpt_format == "torch_dist":
+            self._start_dist_checkpoint(url, step, background, storage_options, own, rng)
+            return
         layout = self.optimizer.layout()
         dims = DecoderDims.from_config(self.hf_config)
         offsets, numel = coalesced_offsets_of(layout, megatron_param_names(dims), self.data_parallel_size)
@@ -219,7 +239,32 @@ class MegatronActorWorker(ActorWorker):
         state = MegatronRankState(files, deferred, after)
         self.saver.run(lambda: state.write(url, storage_options), background)
 
-    def _training_entries(self, step: int) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    def _start_dist_checkpoint(
+        self, url: str, step: int, background: bool, storage_options: Any, own: dict[str, Any], rng: list
+    ) -> None:
+        """This rank's part of a `torch_dist` checkpoint: its own flat slice of the weights and moments (the
+        parameters' rectangles it covers), its tensor-parallel rank's RNG states (data-parallel rank 0), and, from
+        rank 0, the layers' `_extra_state` objects and `common.pt`."""
+        layout = self.optimizer.layout()
+        dims = DecoderDims.from_config(self.hf_config)
+        params = sharded_params(layout, dims, self.tp, self.tp_rank, self.divisible_by)
+        pieces = owned_pieces(params, layout, own["start"], own["stop"])
+        objects: dict[str, Any] = {rng_state_key(self.tp_rank, self.tp): rng} if self.dp_rank == 0 else {}
+        common = None
+        if self.rank == 0:
+            objects.update({key: None for key in extra_state_keys(dims)})
+            args, optimizer, scheduler = self._training_entries(step, ckpt_format="torch_dist", use_dist_ckpt=True)
+            common = {
+                **rank_state(step, {}, args, None, scheduler),
+                "optimizer": {**optimizer, "param_state_sharding_type": "fully_reshardable"},
+            }
+            del common["model"]
+        group = self.dist_group
+        self.saver.run(
+            lambda: save_torch_dist(url, storage_options, step, pieces, own, objects, common, group), background
+        )
+
+    def _training_entries(self, step: int, **extra_args: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         """(`args`, `optimizer`, `opt_param_scheduler`) of a `model_optim_rng.pt`, as Megatron-LM reads them."""
         optim = self.actor_cfg["optim"]
         samples = self.samples_per_optimizer_step
@@ -247,6 +292,7 @@ class MegatronActorWorker(ActorWorker):
             adam_beta1=float(betas[0]),
             adam_beta2=float(betas[1]),
             use_distributed_optimizer=True,
+            **extra_args,
         )
         group = self.optimizer.param_groups_state()
         optimizer = optimizer_entry(
@@ -267,6 +313,10 @@ class MegatronActorWorker(ActorWorker):
     def load_checkpoint(self, url: str, storage_options: dict[str, Any] | None) -> bool:
         """Load this rank's state from the checkpoint's actor folder `url`, resharding over tensor-parallel sizes;
         returns whether RNG was restored (only when the parallel sizes are the saved ones)."""
+        storage = open_storage(url, storage_options)
+        iteration = read_tracker(storage, url)
+        if is_torch_dist(storage, url, iteration):
+            return self._load_dist_checkpoint(url, storage_options, iteration)
         loaded = load_rank(
             url,
             storage_options,
@@ -284,6 +334,38 @@ class MegatronActorWorker(ActorWorker):
         if loaded.rng_state is not None:
             restore_rng(rng_from_entry(loaded.rng_state))
         return loaded.rng_state is not None
+
+    def _load_dist_checkpoint(self, url: str, storage_options: Any, iteration: int) -> bool:
+        """Load a `torch_dist` checkpoint at this run's layout, whatever the saved one: the whole tensor-parallel shard
+        of each weight and this rank's own flat slice of the moments, each read from the saved chunks that cover it
+        (collective over every rank)."""
+        common = read_common(url, storage_options, iteration)
+        saved = common["args"]
+        layout = self.optimizer.layout()
+        params = sharded_params(
+            layout, DecoderDims.from_config(self.hf_config), self.tp, self.tp_rank, self.divisible_by
+        )
+        weights = {name: torch.zeros(shape) for name, shape in layout}  # the vocabulary's padding rows stay zero
+        start, stop = self.optimizer._own_range()
+        moments = {key: torch.zeros(stop - start) for key in MOMENTS}
+        wanted = {
+            **whole_rectangles(params, weights),
+            **slice_rectangles(owned_pieces(params, layout, start, stop), moments),
+        }
+        same_layout = (saved.tensor_model_parallel_size, saved.data_parallel_size) == (self.tp, self.data_parallel_size)
+        rng_key = rng_state_key(self.tp_rank, self.tp)
+        objects = load_torch_dist(
+            url, storage_options, iteration, wanted, [rng_key] if same_layout else [], self.dist_group
+        )
+        self.model.load_megatron_shard(weights.items(), self.optimizer.load_weight)
+        self.optimizer.load_flat_state(
+            optimizer_step(common["optimizer"]), layout, lambda key, a, b: moments[key][a - start : b - start]
+        )
+        self.scheduler.load_state_dict(our_scheduler(common["opt_param_scheduler"]))
+        apply_schedule(self.optimizer.optimizer, self.scheduler)
+        if same_layout:
+            restore_rng(rng_from_entry(objects[rng_key][self.dp_rank]))
+        return same_layout
 
     # -- state -------------------------------------------------------------------------------------
 
