@@ -424,4 +424,7 @@ def test_torch_dist_checkpoints_resume_bitwise_and_convert(reference, tmp_path):
     out = tmp_path / "hf"
     run_toolkit("convert_megatron_to_hf", "--ckpt_path", str(checkpoint), "--output_path", str(out))
     assert_same_weights(AutoModelForCausalLM.from_pretrained(out).state_dict(), reference.weights(3))
+    # a new run started from it (model.path) at tp 1, each tensor read whole
+    started = start_weights(megatron_config(tmp_path / "new", 1, 1, f"model.path={checkpoint}", "runner.max_steps=1"))
+    assert_same_weights(started, reference.weights(3))
     assert_resumed_bitwise(resume(tmp_path / "resumed", checkpoint, 2, 2, *dist), reference, 3, 8)
