@@ -337,21 +337,24 @@ def test_a_checkpoint_of_the_other_backend_is_refused(reference, tmp_path):
         runner.ctx.handler.load(checkpoint, runner.ctx.checkpoint_manager(None))
 
 
-def test_a_run_on_s3_saves_and_resumes_from_the_store_bitwise(reference, s3_store, tmp_path):
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_a_run_on_s3_saves_and_resumes_from_the_store_bitwise(reference, s3_store, tmp_path, ckpt_format):
     from test_s3_runs import s3_overrides
 
     from rlrunner.storage import open_storage
 
     url, options = s3_store
+    layout = [f"actor.megatron.ckpt_format={ckpt_format}"]
     remote = s3_overrides(url, options, tmp_path / "cache-a")
-    Supervisor(megatron_config(tmp_path, 2, 2, *remote, "runner.max_steps=4", "runner.save_interval=2")).run()
+    Supervisor(megatron_config(tmp_path, 2, 2, *remote, *layout, "runner.max_steps=4", "runner.save_interval=2")).run()
     storage = open_storage(url, options)
     actor = f"{url}/test/checkpoints/global_step_4/actor"
     assert read_tracker(storage, actor) == 4
-    assert storage.exists(f"{actor}/iter_0000004/mp_rank_01/distrib_optim.pt")
+    written = "mp_rank_01/distrib_optim.pt" if ckpt_format == "torch" else "__1_0.distcp"
+    assert storage.exists(f"{actor}/iter_0000004/{written}")
     # another machine (an empty log cache) resumes from the store and ends where the local run ended
     remote = s3_overrides(url, options, tmp_path / "cache-b")
-    Supervisor(megatron_config(tmp_path, 2, 2, *remote, "runner.resume_dir=auto")).run()
+    Supervisor(megatron_config(tmp_path, 2, 2, *remote, *layout, "runner.resume_dir=auto")).run()
     metrics = [json.loads(line) for line in storage.read_bytes(f"{url}/test/metrics.jsonl").decode().splitlines()]
     assert without_time(metrics) == without_time(reference.metrics[:8])
     assert_bit_equal(
