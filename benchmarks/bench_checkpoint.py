@@ -25,11 +25,13 @@ million parameters, sharded over `--workers` FSDP2 actor ranks on a local Ray:
         torch.load(weights_only=True)        the torch.save file
         raw read                             sequential read of the raw-write file
 
-Then, unless `--megatron-tp 0`, the FSDP group is shut down and a Megatron-backend actor group of K =
-`--megatron-tp` ranks (tp=K, dp=1; MegatronActorWorker) is built on the SAME model (the shape is chosen so
-that heads, KV heads and MLP width divide by K), gets its own optimizer update, and is measured the same way
-(same repeats, medians, page-cache drops), in Megatron-LM's layout (iter_0000001/mp_rank_XX/
-model_optim_rng.pt, distrib_optim.pt + latest_checkpointed_iteration.txt), rows labelled "megatron layout (tp=K)":
+Then, unless `--megatron-tp 0`, the FSDP group is shut down and a Megatron-backend actor group of K x D ranks
+(tp=K `--megatron-tp`, dp=D `--megatron-dp`, default 2 x 2; MegatronActorWorker) is built on the SAME model (the
+shape is chosen so that heads, KV heads and MLP width divide by K), gets its own optimizer update, and is measured
+the same way (same repeats, medians, page-cache drops) in each format of `--megatron-formats`, alternating within a
+repeat on the same group: `torch`, Megatron-LM's layout (iter_0000001/mp_rank_XX/model_optim_rng.pt and
+distrib_optim.pt, written by data-parallel rank 0 of each tensor-parallel rank), and `torch_dist`, megatron-core's
+distributed format (every rank writing its own part), rows labelled "megatron FORMAT (tp=K, dp=D)":
 
   save  CheckpointHandler.save with MegatronCheckpointManager, and the manager alone (start_save + finish_save,
         background=False); ratio against the raw write measured above
@@ -37,7 +39,8 @@ model_optim_rng.pt, distrib_optim.pt + latest_checkpointed_iteration.txt), rows 
         right after), the manager's write_s; "x copy floor" is against the FSDP copy floor (each rank holds
         about the same bytes in both layouts)
   load  checksum verification, and MegatronCheckpointManager.load into the live group; ratio against raw read
-followed by one line comparing the Megatron layout's save and load seconds with DCP's for the same model.
+followed by a line per format comparing its save, load and blocked seconds with DCP's for the same model, and one
+comparing torch_dist with torch (the fully parallel save against the one writer per tensor-parallel rank).
 
 Both actor groups are built as a run builds them (rlrunner.runner.placement.group_specs on the run's RunContext),
 and their checkpoint managers by the training backend (get_backend(...).checkpoint_manager, as RunContext does).
@@ -56,7 +59,7 @@ creates the bucket: the way to try it without a real store.
 
 Run from the repository root:
 
-    .venv/bin/python benchmarks/bench_checkpoint.py  # ~100M params, 2 ranks, 3 repeats, + megatron tp=2
+    .venv/bin/python benchmarks/bench_checkpoint.py  # ~100M params, 2 ranks, 3 repeats, + megatron tp=2 x dp=2
     .venv/bin/python benchmarks/bench_checkpoint.py --params 5 --repeat 5  # small model: fixed costs dominate
     .venv/bin/python benchmarks/bench_checkpoint.py --params 20 --repeat 1 --dir /mnt/fast --megatron-tp 0  # FSDP only
     .venv/bin/python benchmarks/bench_checkpoint.py --output s3://bench/ckpt --moto   # a local S3 API
@@ -83,6 +86,7 @@ from benchlib.ckpt_local import (  # noqa: E402
     measure_saves,
     measure_verify_and_load,
     raw_block,
+    set_ckpt_format,
     start_megatron_group,
 )
 from benchlib.ckpt_remote import run_remote  # noqa: E402
@@ -105,6 +109,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=2,
         help="also measure the Megatron layout with this many ranks (tp=K, dp=1) on the same model; 0: off",
     )
+    parser.add_argument(
+        "--megatron-dp", type=int, default=2, help="data-parallel size of the Megatron group (tp x dp ranks)"
+    )
+    parser.add_argument(
+        "--megatron-formats",
+        default="torch,torch_dist",
+        type=lambda text: text.split(","),
+        help="actor.megatron.ckpt_format values to measure on the Megatron group, comma-separated",
+    )
     parser.add_argument("--cpus-per-worker", type=float, default=0.5, help="Ray logical CPUs per actor rank")
     parser.add_argument("--repeat", type=int, default=3, help="repeats per measurement (the median is reported)")
     parser.add_argument("--dir", type=Path, default=None, help="disk folder to write in (a fresh subfolder is made)")
@@ -118,6 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.megatron_tp < 0:
         parser.error(f"--megatron-tp must be >= 0 (0 turns the megatron rows off), got {args.megatron_tp}")
+    if args.megatron_dp < 1 or not set(args.megatron_formats) <= {"torch", "torch_dist"}:
+        parser.error(f"--megatron-dp must be >= 1 and --megatron-formats of torch, torch_dist: {args}")
     if args.workers < 1 or args.repeat < 1:
         parser.error(f"--workers and --repeat must be positive, got {args.workers} and {args.repeat}")
     return args
@@ -130,18 +145,21 @@ def main(argv: list[str] | None = None) -> int:
     work = make_workdir(args.dir, "bench_checkpoint_")
     drop = can_drop_page_cache()
     started = time.perf_counter()
-    tp = args.megatron_tp
+    tp, dp = args.megatron_tp, args.megatron_dp
     try:
         shape = choose_shape(args.params * 1e6, tokenizer_vocab_size(), max(tp, 1))
         cfg = build_config(shape, args.workers, args.cpus_per_worker, work)
-        meg_cfg = build_config(shape, tp, args.cpus_per_worker, work, tp=tp, batch_size=args.workers) if tp else None
-        if meg_cfg is not None:
+        meg_cfg = None
+        if tp:
+            batch = max(args.workers, dp)
+            meg_cfg = build_config(shape, tp * dp, args.cpus_per_worker, work, tp=tp, batch_size=batch)
             check_megatron_shape(meg_cfg)
         params = exact_param_count(dict(cfg.model))
-        also = f"; then the megatron layout on {tp} ranks (tp={tp}, dp=1)" if tp else ""
+        formats = ", ".join(args.megatron_formats)
+        also = f"; then the megatron backend on {tp * dp} ranks (tp={tp}, dp={dp}), formats {formats}" if tp else ""
         print(f"model: Qwen2 {vars(shape)}, {params:,} parameters; {args.workers} FSDP actor ranks{also}", flush=True)
 
-        start_local_ray(ray_cpus(max(args.workers, tp), args.cpus_per_worker))
+        start_local_ray(ray_cpus(max(args.workers, tp * dp), args.cpus_per_worker))
         groups = start_groups(cfg)
         stats = create_optimizer_state(groups)
         print(
@@ -156,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         storage = open_storage(str(work))
         samples = Samples({}, {})
         run_fsdp_local(groups, storage, work, args.repeat, drop, samples, fingerprint, started)
-        megatron = megatron_rows(tp) if meg_cfg is not None else None
+        megatron = [megatron_rows(tp, dp, f) for f in args.megatron_formats] if meg_cfg is not None else []
         if meg_cfg is not None:
-            run_megatron_local(meg_cfg, tp, storage, work, args.repeat, drop, samples, fingerprint, started)
+            run_megatron_local(meg_cfg, args, storage, work, drop, samples, fingerprint, started)
         report_local(args, samples, megatron, params, drop, work, started)
     finally:
         stop_ray()
@@ -198,29 +216,35 @@ def run_fsdp_local(
 
 def run_megatron_local(
     cfg,
-    tp: int,
+    args: argparse.Namespace,
     storage,
     work: Path,
-    repeat: int,
     drop: bool,
     samples: Samples,
     fingerprint: dict[str, Any],
     started: float,
 ) -> None:
-    """Every Megatron-layout measurement, `repeat` times, on its own actor group (torn down at the end)."""
+    """Every Megatron measurement in each format, `args.repeat` times, on its own actor group (torn down at the
+    end); the formats alternate within a repeat, on the same group."""
     from rlrunner.checkpoint.handler import CheckpointHandler
 
-    rows = megatron_rows(tp)
+    tp, dp = args.megatron_tp, args.megatron_dp
     groups = start_megatron_group(cfg, tp)
     handler = CheckpointHandler(
         storage, str(work / "experiment_megatron"), save_interval=1, max_keep=None, fingerprint=fingerprint
     )
-    for index in range(repeat):
-        checkpoint = measure_handler_save(groups, handler, rows, samples)
-        measure_verify_and_load(groups, storage, checkpoint, rows, samples, drop)
-        measure_manager_async(groups, work / "async_megatron", rows, samples)
-        shutil.rmtree(checkpoint)
-        print(f"megatron repeat {index + 1}/{repeat} done ({time.perf_counter() - started:.0f}s elapsed)", flush=True)
+    for index in range(args.repeat):
+        for ckpt_format in args.megatron_formats:
+            rows = megatron_rows(tp, dp, ckpt_format)
+            set_ckpt_format(groups, ckpt_format)
+            checkpoint = measure_handler_save(groups, handler, rows, samples)
+            measure_verify_and_load(groups, storage, checkpoint, rows, samples, drop)
+            measure_manager_async(groups, work / f"async_megatron_{ckpt_format}", rows, samples)
+            shutil.rmtree(checkpoint)
+        print(
+            f"megatron repeat {index + 1}/{args.repeat} done ({time.perf_counter() - started:.0f}s elapsed)",
+            flush=True,
+        )
     groups.shutdown()
 
 

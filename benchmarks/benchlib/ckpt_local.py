@@ -321,6 +321,15 @@ def measure_async(groups: Groups, work: Path, rows: BackendRows, samples: Sample
 # -- the Megatron layout -------------------------------------------------------------------------------
 
 
+def set_ckpt_format(groups: Groups, ckpt_format: str) -> None:
+    """The format every rank of the Megatron group saves in from now on (actor.megatron.ckpt_format)."""
+    import ray
+
+    ray.get(
+        [w.__ray_call__.remote(lambda self: setattr(self, "ckpt_format", ckpt_format)) for w in groups.actor.workers]
+    )
+
+
 def start_megatron_group(cfg, tp: int) -> Groups:
     """The Megatron actor group (tp ranks, dp 1) with optimizer state from one real update; prints what was built."""
     groups = start_groups(cfg)

@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from benchlib.ckpt_local import TimedManager, bench_data_state, start_megatron_group
+from benchlib.ckpt_local import TimedManager, bench_data_state, set_ckpt_format, start_megatron_group
 from benchlib.ckpt_report import report_remote
 from benchlib.ckpt_rows import FSDP_ROWS, PLAIN_GET_ROW, PLAIN_PUT_ROW, BackendRows, Samples, megatron_rows
 from benchlib.common import timed
@@ -121,8 +121,9 @@ def run_remote(
     options = args.storage_options
     if args.moto:
         server, options = start_moto(args.output)
-    tp = args.megatron_tp
-    megatron = megatron_rows(tp) if meg_cfg is not None else None
+    tp, dp = args.megatron_tp, args.megatron_dp
+    formats = args.megatron_formats if meg_cfg is not None else []
+    megatron = [megatron_rows(tp, dp, ckpt_format) for ckpt_format in formats]
     try:
         storage = open_storage(args.output, options)
         experiment = storage.join(args.output, f"bench-{uuid.uuid4().hex[:8]}")
@@ -134,7 +135,9 @@ def run_remote(
         if megatron:
             groups = start_megatron_group(meg_cfg, tp)
             for repeat in range(args.repeat):
-                measure_remote(groups, storage, experiment, samples, fingerprint, megatron, plain=False)
+                for ckpt_format, rows in zip(formats, megatron):
+                    set_ckpt_format(groups, ckpt_format)
+                    measure_remote(groups, storage, experiment, samples, fingerprint, rows, plain=False)
                 print(
                     f"megatron repeat {repeat + 1}/{args.repeat} done ({time.perf_counter() - started:.0f}s elapsed)",
                     flush=True,

@@ -8,6 +8,7 @@ import os
 import platform
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -30,7 +31,7 @@ from benchlib.ckpt_rows import (
 from benchlib.common import command_line, filesystem_of, memory_gib
 
 
-def markdown_table(samples: Samples, megatron: BackendRows | None = None) -> str:
+def markdown_table(samples: Samples, megatron: Sequence[BackendRows] = ()) -> str:
     lines = ["| operation | bytes | seconds | GB/s | vs raw write |", "|---|---:|---:|---:|---:|"]
     for section, rows, reference in (
         ("save", save_rows(megatron), RAW_WRITE_ROW),
@@ -47,7 +48,7 @@ def markdown_table(samples: Samples, megatron: BackendRows | None = None) -> str
     return "\n".join(lines)
 
 
-def remote_table(samples: Samples, megatron: BackendRows | None) -> str:
+def remote_table(samples: Samples, megatron: Sequence[BackendRows]) -> str:
     lines = ["| operation | bytes | seconds | MB/s | vs plain s3fs |", "|---|---:|---:|---:|---:|"]
     for section, rows in (("save", remote_save_rows(megatron)), ("load", remote_load_rows(megatron))):
         reference = samples.nbytes[rows[-1]] / samples.median(rows[-1])
@@ -61,21 +62,18 @@ def remote_table(samples: Samples, megatron: BackendRows | None) -> str:
     return "\n".join(lines)
 
 
-def async_table(samples: Samples, megatron: BackendRows | None = None, tp: int = 0) -> str:
+def async_table(samples: Samples, megatron: Sequence[BackendRows] = ()) -> str:
     """The async save next to its floor (a plain copy of the same state) and the synchronous save; the Megatron
-    layout's async save below, against the same floor (each rank holds about the same bytes in both layouts)."""
+    backend's async saves below, against the same floor (each rank holds about the same bytes in both backends)."""
     floor = samples.median(COPY_FLOOR)
     lines = ["| async save (runner.async_save=true) | bytes | seconds | x copy floor |", "|---|---:|---:|---:|"]
     names = ASYNC_ROWS + [SYNC_ROW]
     labels = {name: name for name in ASYNC_ROWS + PIECE_ROWS}
     labels[SYNC_ROW] = "sync save: fsdp ActorCheckpointManager start_save + finish_save (background=False)"
-    if megatron:
-        names += [megatron.blocked, megatron.wait, megatron.write_s, megatron.sync]
-        labels.update({name: name for name in (megatron.blocked, megatron.wait, megatron.write_s)})
-        labels[megatron.sync] = (
-            f"megatron layout (tp={tp}) sync save: MegatronCheckpointManager start_save + finish_save "
-            "(background=False)"
-        )
+    for rows in megatron:
+        names += [rows.blocked, rows.wait, rows.write_s, rows.sync]
+        labels.update({name: name for name in (rows.blocked, rows.wait, rows.write_s)})
+        labels[rows.sync] = rows.save.replace("CheckpointHandler.save", "sync save: MegatronCheckpointManager")
     for name in names + PIECE_ROWS:
         seconds = samples.median(name)
         nbytes = f"{samples.nbytes[name]:,}" if samples.nbytes[name] else ""
@@ -87,29 +85,37 @@ def async_table(samples: Samples, megatron: BackendRows | None = None, tp: int =
         f"blocked / copy floor = {blocked / floor:.2f}x (goal <= 1.5x: {verdict}); "
         f"sync save / blocked = {sync / blocked:.1f}x",
     ]
-    if megatron:
-        meg_blocked, meg_sync = samples.median(megatron.blocked), samples.median(megatron.sync)
+    for rows in megatron:
+        meg_blocked, meg_sync = samples.median(rows.blocked), samples.median(rows.sync)
         lines.append(
-            f"megatron layout (tp={tp}): blocked / FSDP copy floor = {meg_blocked / floor:.2f}x; "
+            f"{rows.save.split(':')[0]}: blocked / FSDP copy floor = {meg_blocked / floor:.2f}x; "
             f"sync save / blocked = {meg_sync / meg_blocked:.1f}x; "
             f"blocked megatron / FSDP = {meg_blocked / blocked:.2f}x"
         )
     return "\n".join(lines)
 
 
-def backend_comparison(samples: Samples, megatron: BackendRows, tp: int, params: int, fsdp_ranks: int) -> str:
-    """One line: the Megatron layout's save and load seconds against DCP's, for the same model's state."""
+def backend_comparison(samples: Samples, megatron: Sequence[BackendRows], params: int, fsdp_ranks: int) -> str:
+    """A line per Megatron format: its save and load seconds against DCP's, for the same model's state; and one of
+    the last format against the first."""
 
-    def pair(meg: str, fsdp: str) -> str:
-        m, f = samples.median(meg), samples.median(fsdp)
-        return f"{m:.3f} s vs {f:.3f} s ({m / f:.2f}x)"
+    def pair(one: str, other: str) -> str:
+        a, b = samples.median(one), samples.median(other)
+        return f"{a:.3f} s vs {b:.3f} s ({a / b:.2f}x)"
 
-    return (
-        f"megatron layout (tp={tp}, {tp} ranks) vs FSDP/DCP ({fsdp_ranks} ranks), same model ({params:,} parameters; "
-        f"actor files {samples.nbytes[megatron.sync]:,} vs {samples.nbytes[FSDP_ROWS.sync]:,} bytes): "
-        f"manager save {pair(megatron.sync, FSDP_ROWS.sync)}; handler save {pair(megatron.save, FSDP_ROWS.save)}; "
-        f"load {pair(megatron.load, FSDP_ROWS.load)}; checksum verification {pair(megatron.verify, FSDP_ROWS.verify)}"
-    )
+    def line(rows: BackendRows, base: BackendRows, base_name: str) -> str:
+        blocked = f"; blocked in an async save {pair(rows.blocked, base.blocked)}" if rows.blocked else ""
+        return (
+            f"{rows.save.split(':')[0]} vs {base_name}, same model ({params:,} parameters; actor files "
+            f"{samples.nbytes[rows.sync]:,} vs {samples.nbytes[base.sync]:,} bytes): manager save "
+            f"{pair(rows.sync, base.sync)}; handler save {pair(rows.save, base.save)}; "
+            f"load {pair(rows.load, base.load)}{blocked}"
+        )
+
+    lines = [line(rows, FSDP_ROWS, f"FSDP/DCP ({fsdp_ranks} ranks)") for rows in megatron]
+    if len(megatron) > 1:
+        lines.append(line(megatron[-1], megatron[0], megatron[0].save.split(":")[0]))
+    return "\n".join(lines)
 
 
 def per_repeat_seconds(samples: Samples) -> str:
@@ -122,7 +128,7 @@ def per_repeat_seconds(samples: Samples) -> str:
 def report_local(
     args: argparse.Namespace,
     samples: Samples,
-    megatron: BackendRows | None,
+    megatron: Sequence[BackendRows],
     params: int,
     drop: bool,
     work: Path,
@@ -130,14 +136,14 @@ def report_local(
 ) -> None:
     import ray
 
-    tp = args.megatron_tp
+    tp, dp = args.megatron_tp, args.megatron_dp
     print()
     print(markdown_table(samples, megatron))
     print()
-    print(async_table(samples, megatron, tp))
+    print(async_table(samples, megatron))
     print()
     if megatron:
-        print(backend_comparison(samples, megatron, tp, params, args.workers))
+        print(backend_comparison(samples, megatron, params, args.workers))
         print()
     print(
         f"Medians of {args.repeat} repeats. 'torch.save + fsync' includes the fsync; its state is gathered "
@@ -151,9 +157,9 @@ def report_local(
     )
     if megatron:
         print(
-            f"The megatron layout rows come from a second actor group ({tp} MegatronActorWorker ranks, tp={tp}, "
-            "dp=1) built after the FSDP group was shut down, on the same model and batch, with its own optimizer "
-            "update."
+            f"The megatron rows come from a second actor group ({tp * dp} MegatronActorWorker ranks, tp={tp}, "
+            f"dp={dp}) built after the FSDP group was shut down, on the same model and batch, with its own optimizer "
+            "update; each format is measured on that group (actor.megatron.ckpt_format set on its ranks)."
         )
     print(
         f"machine: {os.cpu_count()} CPU cores ({platform.machine()}), {memory_gib():.0f} GiB RAM, "
@@ -166,14 +172,13 @@ def report_local(
 
 
 def report_remote(
-    args: argparse.Namespace, samples: Samples, megatron: BackendRows | None, params: int, started: float
+    args: argparse.Namespace, samples: Samples, megatron: Sequence[BackendRows], params: int, started: float
 ) -> None:
-    tp = args.megatron_tp
     print()
     print(remote_table(samples, megatron))
     print()
     if megatron:
-        print(backend_comparison(samples, megatron, tp, params, args.workers))
+        print(backend_comparison(samples, megatron, params, args.workers))
         print()
     where = "moto's S3 server on 127.0.0.1 (its own process)" if args.moto else args.output.split("/", 3)[2]
     print(

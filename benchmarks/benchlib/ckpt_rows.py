@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+from typing import Sequence
 
 
 @dataclass
@@ -34,11 +35,12 @@ class BackendRows:
     write_s: str = ""  # async save: the manager's write_s
 
 
-def megatron_rows(tp: int) -> BackendRows:
-    layout_name = f"megatron layout (tp={tp})"
+def megatron_rows(tp: int, dp: int = 1, ckpt_format: str = "torch") -> BackendRows:
+    """The rows of the Megatron backend's checkpoints in `ckpt_format` (actor.megatron.ckpt_format) at tp x dp."""
+    layout_name = f"megatron {ckpt_format} (tp={tp}, dp={dp})"
     return BackendRows(
         save=f"{layout_name}: CheckpointHandler.save",
-        sync="  of which MegatronCheckpointManager.save",
+        sync=f"  of which MegatronCheckpointManager.save ({ckpt_format})",
         verify=f"{layout_name}: inspect_checkpoint(checksums=True)",
         load=f"{layout_name}: MegatronCheckpointManager.load",
         blocked=f"{layout_name} async save: blocked in start_save (background=True)",
@@ -74,14 +76,15 @@ TORCH_SAVE_ROW, RAW_WRITE_ROW = "torch.save + fsync (one file)", "raw write + fs
 TORCH_LOAD_ROW, RAW_READ_ROW = "torch.load(weights_only=True)", "raw read"
 
 
-def save_rows(megatron: BackendRows | None) -> list[str]:
-    """The save section: rlrunner's FSDP rows, the Megatron layout's (when measured), then the plain baselines."""
-    middle = [megatron.save, megatron.sync] if megatron else []
+def save_rows(megatron: Sequence[BackendRows]) -> list[str]:
+    """The save section: rlrunner's FSDP rows, the Megatron backend's in each format measured, then the plain
+    baselines."""
+    middle = [name for rows in megatron for name in (rows.save, rows.sync)]
     return [FSDP_ROWS.save, FSDP_ROWS.sync, *middle, TORCH_SAVE_ROW, RAW_WRITE_ROW]
 
 
-def load_rows(megatron: BackendRows | None) -> list[str]:
-    middle = [megatron.verify, megatron.load] if megatron else []
+def load_rows(megatron: Sequence[BackendRows]) -> list[str]:
+    middle = [name for rows in megatron for name in (rows.verify, rows.load)]
     return [FSDP_ROWS.verify, FSDP_ROWS.load, *middle, TORCH_LOAD_ROW, RAW_READ_ROW]
 
 
@@ -91,11 +94,11 @@ PLAIN_PUT_ROW = "s3fs put of the same objects (one thread per shard)"
 PLAIN_GET_ROW = "s3fs get of the same objects (one thread per shard)"
 
 
-def remote_save_rows(megatron: BackendRows | None) -> list[str]:
-    middle = [megatron.save, megatron.sync] if megatron else []
+def remote_save_rows(megatron: Sequence[BackendRows]) -> list[str]:
+    middle = [name for rows in megatron for name in (rows.save, rows.sync)]
     return [FSDP_ROWS.save, FSDP_ROWS.sync, *middle, PLAIN_PUT_ROW]
 
 
-def remote_load_rows(megatron: BackendRows | None) -> list[str]:
-    middle = [megatron.verify, megatron.load] if megatron else []
+def remote_load_rows(megatron: Sequence[BackendRows]) -> list[str]:
+    middle = [name for rows in megatron for name in (rows.verify, rows.load)]
     return [FSDP_ROWS.verify, FSDP_ROWS.load, *middle, PLAIN_GET_ROW]
