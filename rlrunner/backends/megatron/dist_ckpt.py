@@ -31,8 +31,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import (
+    LoadItemType,
     LoadPlan,
     LoadPlanner,
+    ReadItem,
     SavePlan,
     TensorWriteData,
     WriteItem,
@@ -186,8 +188,6 @@ class _RectanglesLoadPlanner(LoadPlanner):
         self.metadata = metadata
 
     def create_local_plan(self) -> LoadPlan:
-        from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
-
         saved = self.metadata.state_dict_metadata
         items = []
         for (key, offsets), tensor in self.wanted.items():

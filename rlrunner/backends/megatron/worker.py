@@ -254,11 +254,9 @@ class MegatronActorWorker(ActorWorker):
         if self.rank == 0:
             objects.update({key: None for key in extra_state_keys(dims)})
             args, optimizer, scheduler = self._training_entries(step, ckpt_format="torch_dist", use_dist_ckpt=True)
-            common = {
-                **rank_state(step, {}, args, None, scheduler),
-                "optimizer": {**optimizer, "param_state_sharding_type": "fully_reshardable"},
-            }
-            del common["model"]
+            optimizer["param_state_sharding_type"] = "fully_reshardable"  # how the sharded optimizer state is laid out
+            common = rank_state(step, {}, args, optimizer, scheduler)
+            del common["model"]  # the sharded keys hold it
         group = self.dist_group
         self.saver.run(
             lambda: save_torch_dist(url, storage_options, step, pieces, own, objects, common, group), background
