@@ -157,6 +157,18 @@ class DistributedAdamW:
             first, last = self.space.owned_parts[index]
             self.space.owned_part(index, self.owned_params).copy_(tensor.reshape(-1)[first:last])
 
+    @torch.no_grad()
+    def load_owned_weights(self, values: torch.Tensor) -> None:
+        """Set the weights of this rank's own flat slice (sharded weights: all it holds) to `values`, the elements
+        [start, stop) of `_own_range`; the padding past the last parameter stays zero. No collective."""
+        if not self.shard_weights:
+            raise ValueError("only sharded weights are held as the owned slice alone")
+        start, stop = self._own_range()
+        if tuple(values.shape) != (stop - start,):
+            raise ValueError(f"owned weights of shape {tuple(values.shape)}, this rank owns {stop - start} elements")
+        self.owned_params[: stop - start].copy_(values)
+        self.owned_params[stop - start :].zero_()
+
     # --- state ---------------------------------------------------------------------------------------------
 
     def full_state(self) -> dict[str, Any]:

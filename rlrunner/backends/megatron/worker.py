@@ -334,28 +334,34 @@ class MegatronActorWorker(ActorWorker):
         return loaded.rng_state is not None
 
     def _load_dist_checkpoint(self, url: str, storage_options: Any, iteration: int) -> bool:
-        """Load a `torch_dist` checkpoint at this run's layout, whatever the saved one: the whole tensor-parallel shard
-        of each weight and this rank's own flat slice of the moments, each read from the saved chunks that cover it
-        (collective over every rank)."""
+        """Load a `torch_dist` checkpoint at this run's layout, whatever the saved one: this rank's own flat slice of
+        the moments and, with sharded weights, of the fp32 weights (`optimizer.state.param`), else each weight's whole
+        tensor-parallel shard, each read from the saved chunks that cover it (collective over every rank)."""
         common = read_common(url, storage_options, iteration)
         saved = common["args"]
         layout = self.optimizer.layout()
         params = sharded_params(
             layout, DecoderDims.from_config(self.hf_config), self.tp, self.tp_rank, self.divisible_by
         )
-        weights = {name: torch.zeros(shape) for name, shape in layout}  # the vocabulary's padding rows stay zero
         start, stop = self.optimizer._own_range()
+        pieces = owned_pieces(params, layout, start, stop)
         moments = {key: torch.zeros(stop - start) for key in MOMENTS}
-        wanted = {
-            **whole_rectangles(params, weights),
-            **slice_rectangles(owned_pieces(params, layout, start, stop), moments),
-        }
+        weights: dict[str, torch.Tensor] = {}
+        if self.optimizer.shard_weights:  # a rank holds its slice of the weights alone: it reads only that
+            moments["param"] = torch.zeros(stop - start)
+            wanted = slice_rectangles(pieces, moments)
+        else:  # whole weights: each weight's tensor-parallel shard (the vocabulary's padding rows stay zero)
+            weights = {name: torch.zeros(shape) for name, shape in layout}
+            wanted = {**whole_rectangles(params, weights), **slice_rectangles(pieces, moments)}
         same_layout = (saved.tensor_model_parallel_size, saved.data_parallel_size) == (self.tp, self.data_parallel_size)
         rng_key = rng_state_key(self.tp_rank, self.tp)
         objects = load_torch_dist(
             url, storage_options, iteration, wanted, [rng_key] if same_layout else [], self.dist_group
         )
-        self.model.load_megatron_shard(weights.items(), self.optimizer.load_weight)
+        if self.optimizer.shard_weights:
+            self.optimizer.load_owned_weights(moments.pop("param"))
+        else:
+            self.model.load_megatron_shard(weights.items(), self.optimizer.load_weight)
         self.optimizer.load_flat_state(
             optimizer_step(common["optimizer"]), layout, lambda key, a, b: moments[key][a - start : b - start]
         )
