@@ -11,7 +11,7 @@ import torch
 from rlrunner.models.loading import build_model
 from rlrunner.models.tokenizer import build_char_tokenizer
 
-from conftest import TINY_MODEL_CFG
+from conftest import TINY_MODEL_CFG, actor_worker_kwargs, run_config
 
 # Grouped-query attention with an untied output layer, and plain multi-head attention with tied embeddings.
 # The vocabulary is the character tokenizer's 99 tokens.
@@ -77,3 +77,49 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# -- MegatronActorWorker ranks in spawned processes (real gloo groups, no Ray) --------------------------------------
+
+
+def worker_kwargs(tmp_path: Path, tp: int, world: int, *overrides: str) -> dict:
+    """The keyword arguments of a MegatronActorWorker of `world` ranks at tensor-parallel size `tp` (two query groups,
+    so that tp 2 splits them)."""
+    cfg = run_config(
+        tmp_path,
+        "actor.training_backend=megatron",
+        "model.override_config.num_key_value_heads=2",
+        f"actor.tensor_model_parallel_size={tp}",
+        f"actor.num_workers={world}",
+        *overrides,
+    )
+    return actor_worker_kwargs(cfg)
+
+
+def _run_worker(rank: int, world: int, port: int, kwargs: dict, job) -> None:
+    import os
+    import warnings
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    warnings.simplefilter("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from rlrunner.backends.megatron.worker import MegatronActorWorker
+
+        worker = MegatronActorWorker(rank, world, **kwargs)
+        worker.dist_timeout = timedelta(seconds=60)
+        worker.setup()
+        job[0](worker, *job[1:])
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_workers(world: int, kwargs: dict, *job) -> None:
+    """`job[0](worker, *job[1:])` on each of `world` MegatronActorWorker ranks, set up, in processes of their own;
+    raises with a rank's traceback if one fails."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_run_worker, args=(world, free_port(), kwargs, job), nprocs=world)

@@ -10,10 +10,7 @@ data-parallel size gets the moments bit for bit; so does an older checkpoint's p
 
 from __future__ import annotations
 
-import os
 import shutil
-import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -33,24 +30,12 @@ from rlrunner.backends.megatron.moment_files import (
 )
 from rlrunner.storage import open_storage
 
-from conftest import actor_worker_kwargs, assert_bit_equal, run_config
+from conftest import assert_bit_equal
 from megatron_core_loader import held_state, resume_worker
-from megatron_models import free_port
+from megatron_models import free_port, spawn_workers, worker_kwargs
 
 STEP = 4
 CHUNK = 777  # elements: a slice of the tiny model's moments is many chunks
-
-
-def _kwargs(tmp_path: Path, tp: int, world: int, *overrides: str) -> dict:
-    cfg = run_config(
-        tmp_path,
-        "actor.training_backend=megatron",
-        "model.override_config.num_key_value_heads=2",
-        f"actor.tensor_model_parallel_size={tp}",
-        f"actor.num_workers={world}",
-        *overrides,
-    )
-    return actor_worker_kwargs(cfg)
 
 
 def _expected(tp_rank: int, numel: int) -> dict[str, torch.Tensor]:
@@ -62,28 +47,9 @@ def _expected(tp_rank: int, numel: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _run(rank: int, world: int, port: int, kwargs: dict, job) -> None:
-    warnings.simplefilter("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from rlrunner.backends.megatron.worker import MegatronActorWorker
-
-        moment_save.CHUNK_ELEMENTS = CHUNK
-        worker = MegatronActorWorker(rank, world, **kwargs)
-        worker.dist_timeout = timedelta(seconds=60)
-        worker.setup()
-        job[0](worker, *job[1:])
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(world: int, kwargs: dict, *job) -> None:
-    mp.spawn(_run, args=(world, free_port(), kwargs, job), nprocs=world)  # raises with the rank's traceback
-
-
 def _save(worker, folders: dict[str, str]) -> None:
     """Give the moments known values, then save them to each folder ({"sync"|"background": url})."""
+    moment_save.CHUNK_ELEMENTS = CHUNK
     opt = worker.optimizer
     start, stop = opt._own_range()
     for key, flat in _expected(worker.tp_rank, opt.space.numel).items():
@@ -192,19 +158,19 @@ def _as_slice_files(source: Path, target: Path, tp: int, dp: int) -> None:
 
 def test_dp2_tp1_saves_one_distrib_optim_file_and_loads_at_dp1_and_dp3(tmp_path) -> None:
     folders = {mode: str(tmp_path / mode) for mode in ("sync", "background")}
-    _spawn(2, _kwargs(tmp_path, 1, 2), _save, folders)  # sharded weights (the default at dp 2)
+    spawn_workers(2, worker_kwargs(tmp_path, 1, 2), _save, folders)  # sharded weights (the default at dp 2)
     for url in folders.values():
         _check_layout(Path(url), 1, 2)
     _megatron_core_holds_it(folders["background"], tmp_path / "megatron_core")
     _as_slice_files(tmp_path / "sync", tmp_path / "old", 1, 2)
     loads = [*folders.values(), str(tmp_path / "old")]
-    _spawn(1, _kwargs(tmp_path, 1, 1), _load, loads)
-    _spawn(3, _kwargs(tmp_path, 1, 3, "data.batch_size=3"), _load, loads)  # rows that split 3 ways
+    spawn_workers(1, worker_kwargs(tmp_path, 1, 1), _load, loads)
+    spawn_workers(3, worker_kwargs(tmp_path, 1, 3, "data.batch_size=3"), _load, loads)  # rows that split 3 ways
 
 
 def test_dp2_tp2_saves_one_distrib_optim_file_per_tensor_parallel_rank_and_loads_at_dp1(tmp_path) -> None:
     folders = {mode: str(tmp_path / mode) for mode in ("sync", "background")}
-    _spawn(4, _kwargs(tmp_path, 2, 4, "actor.megatron.shard_weights=false"), _save, folders)
+    spawn_workers(4, worker_kwargs(tmp_path, 2, 4, "actor.megatron.shard_weights=false"), _save, folders)
     for url in folders.values():
         _check_layout(Path(url), 2, 2)
-    _spawn(2, _kwargs(tmp_path, 2, 2), _load, list(folders.values()))
+    spawn_workers(2, worker_kwargs(tmp_path, 2, 2), _load, list(folders.values()))

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -22,43 +20,12 @@ from rlrunner.backends.megatron.file_writes import write_tracker
 from rlrunner.backends.megatron.files import iteration_dir, load_file
 from rlrunner.storage import open_storage
 
-from conftest import actor_worker_kwargs, assert_bit_equal, run_config
+from conftest import assert_bit_equal, run_config
 from megatron_core_loader import dist_load_worker, held_state
-from megatron_models import free_port
+from megatron_models import free_port, spawn_workers, worker_kwargs
 
 STEP = 4
-
-
-def _kwargs(tmp_path: Path, tp: int, world: int, *overrides: str) -> dict:
-    cfg = run_config(
-        tmp_path,
-        "actor.training_backend=megatron",
-        "model.override_config.num_key_value_heads=2",
-        f"actor.tensor_model_parallel_size={tp}",
-        f"actor.num_workers={world}",
-        "actor.megatron.ckpt_format=torch_dist",
-        *overrides,
-    )
-    return actor_worker_kwargs(cfg)
-
-
-def _run(rank: int, world: int, port: int, kwargs: dict, job) -> None:
-    warnings.simplefilter("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from rlrunner.backends.megatron.worker import MegatronActorWorker
-
-        worker = MegatronActorWorker(rank, world, **kwargs)
-        worker.dist_timeout = timedelta(seconds=60)
-        worker.setup()
-        job[0](worker, *job[1:])
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(world: int, kwargs: dict, *job) -> None:
-    mp.spawn(_run, args=(world, free_port(), kwargs, job), nprocs=world)  # raises with the rank's traceback
+DIST = "actor.megatron.ckpt_format=torch_dist"
 
 
 def _full_state(worker) -> dict:
@@ -134,7 +101,7 @@ def test_torch_dist_is_saved_by_every_rank_and_loads_at_other_layouts_bit_for_bi
     folders = {mode: str(tmp_path / mode) for mode in ("sync", "background")}
     out = tmp_path / "out"
     out.mkdir()
-    _spawn(4, _kwargs(tmp_path, 2, 4), _save, folders, str(out))  # dp 2 x tp 2, sharded weights
+    spawn_workers(4, worker_kwargs(tmp_path, 2, 4, DIST), _save, folders, str(out))  # dp 2 x tp 2, sharded weights
     for url in folders.values():
         folder = Path(url) / iteration_dir(STEP)
         assert json.loads((folder / FORMAT_FILE).read_text())["sharded_backend"] == "torch_dist"
@@ -158,7 +125,7 @@ def test_torch_dist_is_saved_by_every_rank_and_loads_at_other_layouts_bit_for_bi
         (2, 2, ("actor.megatron.shard_weights=false",)),
         (1, 3, ("data.batch_size=3",)),
     ):
-        _spawn(world, _kwargs(tmp_path, tp, world, *extra), _load, list(folders.values()), str(out))
+        spawn_workers(world, worker_kwargs(tmp_path, tp, world, DIST, *extra), _load, list(folders.values()), str(out))
         loaded = [torch.load(out / f"loaded_tp{r}_of{tp}.pt", weights_only=True) for r in range(tp)]
         for index in range(len(folders)):
             for key in ("weights", "exp_avg", "exp_avg_sq"):
