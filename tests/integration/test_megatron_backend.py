@@ -416,7 +416,8 @@ def test_a_llama_model_trains_and_resumes_bitwise(ray_session, tmp_path, ckpt_fo
 
 def test_torch_dist_checkpoints_resume_bitwise_and_convert(reference, tmp_path):
     """`actor.megatron.ckpt_format=torch_dist` changes no number: the run saves megatron-core's distributed format
-    under the commit protocol, a resume from it ends bit-identical to the reference, and the converter and
+    under the commit protocol, a resume from it (by a run saving the legacy layout) ends bit-identical to the
+    reference, and the converter and
     `load_model_weights` read the reference's weights from it (test_megatron_torch_dist.py: layouts, megatron-core)."""
     from transformers import AutoModelForCausalLM
 
@@ -435,4 +436,5 @@ def test_torch_dist_checkpoints_resume_bitwise_and_convert(reference, tmp_path):
     # a new run started from it (model.path) at tp 1, each tensor read whole
     started = start_weights(megatron_config(tmp_path / "new", 1, 1, f"model.path={checkpoint}", "runner.max_steps=1"))
     assert_same_weights(started, reference.weights(3))
-    assert_resumed_bitwise(resume(tmp_path / "resumed", checkpoint, 2, 2, *dist), reference, 3, 8)
+    # resumed by a run that saves the legacy layout: a checkpoint is read in the format it was written in
+    assert_resumed_bitwise(resume(tmp_path / "resumed", checkpoint, 2, 2), reference, 3, 8)
