@@ -97,7 +97,9 @@ def _cuda_on_cpu():
         torch.cuda.current_device, torch.tensor, torch.nn.Parameter.type = real_device, real_tensor, real_type
 
 
-def _start(rank: int, world: int, port: int, args) -> None:
+def start_rank(rank: int, world: int, port: int, args) -> None:
+    """Join the gloo group of `world` spawned ranks and set megatron-core's parallel state up for a checkpoint's
+    `args` (its tensor-parallel size)."""
     warnings.simplefilter("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
@@ -178,7 +180,7 @@ def resume_worker(rank: int, world: int, port: int, folder: str, out: str) -> No
 
     storage = open_storage(folder)
     iteration, states = mf.read_rank_states(storage, storage.url)
-    _start(rank, world, port, states[0]["args"])
+    start_rank(rank, world, port, states[0]["args"])
     from megatron.core import parallel_state, tensor_parallel
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -217,7 +219,7 @@ def dist_load_worker(rank: int, world: int, port: int, folder: str, out: str) ->
     `fully_reshardable` layout, and its tensor-parallel rank's `rng_state` object, then loaded into the model (strict)
     and the optimizer as Megatron-LM does. Writes what it then holds (`_held`) and the RNG entries it read."""
     args = mf.load_file(os.path.join(folder, "common.pt"))["args"]
-    _start(rank, world, port, args)
+    start_rank(rank, world, port, args)
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 

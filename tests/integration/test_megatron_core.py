@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 
 import pytest
 import torch
@@ -23,21 +22,16 @@ from rlrunner.backends.megatron.to_hf import megatron_to_hf
 from rlrunner.storage import open_storage
 
 from conftest import assert_bit_equal
-from megatron_core_loader import gpt_model, held_state, resume_worker
+from megatron_core_loader import gpt_model, held_state, resume_worker, start_rank
 from megatron_models import free_port
 
 
 def megatron_core_worker(rank: int, world: int, port: int, folder: str) -> None:
     """One tensor-parallel rank: megatron-core's GPTModel (local spec, CPU, gloo) built from our file's `args`,
     strictly loaded from its `model`, then run forward; writes what it loaded and its logits."""
-    warnings.simplefilter("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     storage = open_storage(folder)
     _, states = mf.read_rank_states(storage, storage.url)
+    start_rank(rank, world, port, states[rank]["args"])
     _, model = gpt_model(states[rank]["args"])
     model.eval()
     model.load_state_dict(dict(states[rank]["model"]), strict=True)

@@ -32,11 +32,10 @@ import math
 import re
 from dataclasses import dataclass
 
+from rlrunner.backends.megatron.buffer_geometry import megatron_param_names
 from rlrunner.backends.megatron.layout import (
     DEFAULT_VOCAB_DIVISIBLE_BY,
-    EXTRA_STATE,
     DecoderDims,
-    expected_megatron_keys,
     padded_vocab_size,
 )
 
@@ -193,9 +192,7 @@ def rank_shapes(
         "mlp.linear_fc2.weight": (hidden, dims.intermediate_size // tp),
     }
     shapes = []
-    for name in expected_megatron_keys(dims):
-        if name.endswith(EXTRA_STATE):
-            continue
+    for name in megatron_param_names(dims):
         match = _LAYER.match(name)
         if match:
             shapes.append((name, by_tail[match.group(2)]))
