@@ -74,8 +74,8 @@ def flat_moments_state(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
 ) -> dict[str, Any]:
-    """What a `distrib_optim.pt` holds (see the module docstring); the tensors may be stand-ins whose values are
-    written as they arrive (`moment_save`)."""
+    """What a `distrib_optim.pt` of format 3 held (older checkpoints: saves write format 4, `coalesced_state`); as
+    `moment_slice_state`, kept to write such files in tests of the readers."""
     numel = sum(math.prod(shape) for _, shape in layout)
     for name, tensor in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if tuple(tensor.shape) != (numel,) or tensor.dtype != torch.float32:
