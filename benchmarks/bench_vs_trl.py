@@ -98,6 +98,18 @@ def run_rlrunner(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     }
 
 
+def trl_micro_batch_size(args: argparse.Namespace, cfg: Any) -> int:
+    """TRL's samples per forward/backward: `--trl-micro-batch-size`, else rlrunner's `actor.micro_batch_size` when set,
+    else a rank's whole share of a mini-batch (what the default job's token budget holds in one micro-batch: its
+    `actor/micro_batches` metric, printed with the results, says whether the run did)."""
+    if args.trl_micro_batch_size:
+        return args.trl_micro_batch_size
+    if cfg.actor.micro_batch_size:
+        return cfg.actor.micro_batch_size
+    prompts = cfg.actor.mini_batch_size or cfg.data.batch_size
+    return prompts * cfg.algorithm.group_size // cfg.actor.num_workers
+
+
 def run_trl(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from rlrunner.config import load_config
 
@@ -112,7 +124,7 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         f"--out={out}",
         f"--seed={args.seed}",
         f"--max-new-tokens={cfg.rollout.max_new_tokens}",
-        f"--micro-batch-size={cfg.actor.micro_batch_size}",
+        f"--micro-batch-size={trl_micro_batch_size(args, cfg)}",
         *(["--gradient-checkpointing"] if cfg.actor.gradient_checkpointing else []),  # TRL's default too
     ]
     began = time.perf_counter()
@@ -121,6 +133,8 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         raise RuntimeError(f"TRL's run failed ({done.returncode}):\n{done.stderr[-4000:]}")
     result = json.loads(out.read_text())
     result["wall_s"] = time.perf_counter() - began  # the process's start included
+    result["micro_batch_size"] = trl_micro_batch_size(args, cfg)
+    result["micro_batches"] = cfg.data.batch_size * cfg.algorithm.group_size // result["micro_batch_size"]
     return result
 
 
@@ -131,6 +145,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1, help="runner.seed (and TRL's seed)")
     parser.add_argument("--first", choices=["rlrunner", "trl"], default="rlrunner", help="which run goes first")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="for rlrunner's run")
+    parser.add_argument(
+        "--trl-micro-batch-size", type=int, default=None, help="TRL's samples per pass (default: rlrunner's)"
+    )
     parser.add_argument("--dir", type=Path, default=None, help="folder for the runs' output (a fresh subfolder)")
     args = parser.parse_args(argv)
     if args.steps <= LAST:
@@ -181,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     parts = ("time/rollout_s", "time/update_s", "time/weight_sync_s", "time/snapshot_s")
     breakdown = {key: statistics.median(s[key] for s in ours["steps"][3:] if key in s) for key in parts}
     print("\nrlrunner's step, medians: " + ", ".join(f"{key} {value:.4f}" for key, value in breakdown.items()))
+    passes = sorted({s["actor/micro_batches"] for s in ours["steps"]})
+    print(
+        f"forward/backward passes per step: rlrunner {passes} on each of its ranks (actor.micro_batch_tokens "
+        f"and actor.micro_batch_size), TRL {trl['micro_batches']} of {trl['micro_batch_size']} samples"
+    )
     print(f"total time: {time.perf_counter() - started:.0f}s")
     return 0
 

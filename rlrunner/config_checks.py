@@ -26,7 +26,6 @@ def validate_config(cfg: DictConfig) -> None:
         "data.batch_size": cfg.data.batch_size,
         "algorithm.group_size": cfg.algorithm.group_size,
         "actor.num_workers": cfg.actor.num_workers,
-        "actor.micro_batch_size": cfg.actor.micro_batch_size,
         "actor.ppo_epochs": cfg.actor.ppo_epochs,
         "rollout.num_workers": cfg.rollout.num_workers,
         "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
@@ -41,8 +40,9 @@ def validate_config(cfg: DictConfig) -> None:
             "runner.recovery.checkpoint_timeout_s": cfg.runner.recovery.checkpoint_timeout_s,
         }
     )
-    if cfg.runner.max_wall_time_s is not None:
-        positive["runner.max_wall_time_s"] = cfg.runner.max_wall_time_s
+    for key in ("runner.max_wall_time_s", "actor.micro_batch_size", "actor.micro_batch_tokens"):
+        if OmegaConf.select(cfg, key) is not None:  # null: no limit
+            positive[key] = OmegaConf.select(cfg, key)
     for key in ("runner.snapshot.reserve_memory_gb", "cluster.spare_workers.actor", "cluster.spare_workers.rollout"):
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"{key} must be >= 0, got {OmegaConf.select(cfg, key)}")
@@ -150,7 +150,7 @@ def _validate_batch_divisibility(cfg: DictConfig) -> None:
             f"must be divisible by {ranks_key} ({workers})"
         )
     per_rank = sequences // workers
-    if per_rank % micro:
+    if micro is not None and per_rank % micro:
         raise ConfigError(
             f"sequences per rank per mini-batch ({mini_key} {mini} x algorithm.group_size {group} / "
             f"{ranks_key} {workers} = {per_rank}) must be a multiple of actor.micro_batch_size ({micro})"

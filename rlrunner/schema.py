@@ -202,7 +202,10 @@ class ActorConfig:
     num_workers: int = 2  # actor ranks: data-parallel x tensor-parallel
     tensor_model_parallel_size: int = 1  # megatron backend: ranks each layer is split over (never across nodes)
     mini_batch_size: Optional[int] = None  # prompts per optimizer step; null: data.batch_size
-    micro_batch_size: int = 32  # sequences per forward/backward on one rank
+    # A rank's forward/backward passes: consecutive sequences, at most micro_batch_size of them (null: no limit) and
+    # at most micro_batch_tokens padded tokens (rows x the longest; null: no limit), verl's dynamic batch size
+    micro_batch_size: Optional[int] = None
+    micro_batch_tokens: Optional[int] = 16384
     ppo_epochs: int = 1
     grad_clip: float = 1.0
     param_dtype: str = (

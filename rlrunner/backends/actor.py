@@ -169,12 +169,16 @@ class ActorWorker(Worker, ABC):
 
     # -- the update ----------------------------------------------------------------------------
 
-    def _micro_batches(self, shard: dict[str, torch.Tensor], rows: range) -> Iterator[tuple[slice, int]]:
-        micro = self.actor_cfg["micro_batch_size"]
-        for start in range(rows.start, rows.stop, micro):
-            index = slice(start, start + micro)
-            width = int(shard["lengths"][index].max())
-            yield index, width
+    @staticmethod
+    def _micro_batches(shard: dict[str, torch.Tensor], rows: range) -> Iterator[tuple[slice, int]]:
+        """The micro-batches the driver planned (`shard["micro_batches"]`, row counts) that lie in `rows`, each with
+        its longest row's length (what it is padded to)."""
+        start = 0
+        for size in shard["micro_batches"].tolist():
+            if rows.start <= start < rows.stop:
+                index = slice(start, start + size)
+                yield index, int(shard["lengths"][index].max())
+            start += size
 
     def _logits(self, model: torch.nn.Module, input_ids: torch.Tensor, width: int) -> torch.Tensor:
         """Next-token logits for positions 0..width-2 of the (right-padded) rows."""

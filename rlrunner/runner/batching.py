@@ -75,13 +75,61 @@ def build_actor_batch(
     }
 
 
+def greedy_micro_batches(lengths: Sequence[int], max_rows: int | None, max_tokens: int | None) -> list[int]:
+    """The row counts of consecutive micro-batches over rows of these `lengths`, each as long as it can be: at most
+    `max_rows` rows and `max_tokens` padded tokens (its rows x its longest row); a row longer than `max_tokens` is a
+    micro-batch of its own. None: no such limit."""
+    sizes: list[int] = []
+    rows, width = 0, 0
+    for length in lengths:
+        wider = max(width, int(length))
+        fits = (max_rows is None or rows + 1 <= max_rows) and (max_tokens is None or (rows + 1) * wider <= max_tokens)
+        if rows and not fits:
+            sizes.append(rows)
+            rows, wider = 0, int(length)
+        rows, width = rows + 1, wider
+    if rows:
+        sizes.append(rows)
+    return sizes
+
+
+def split_to_count(sizes: Sequence[int], count: int) -> list[int]:
+    """`sizes` made `count` micro-batches (count >= len(sizes), at most their rows): the first of the largest is cut
+    in two (its larger half first) until there are that many. Every rank of a mini-batch must run the same number of
+    forward/backward passes: FSDP's and tensor parallelism's collectives run once per pass."""
+    sizes = list(sizes)
+    if not len(sizes) <= count <= sum(sizes):
+        raise ValueError(f"{sum(sizes)} rows in {len(sizes)} micro-batches cannot be made {count}")
+    while len(sizes) < count:
+        largest = sizes.index(max(sizes))
+        rows = sizes[largest]
+        sizes[largest : largest + 1] = [rows - rows // 2, rows // 2]
+    return sizes
+
+
+def plan_micro_batches(
+    lengths: Sequence[Sequence[int]], max_rows: int | None, max_tokens: int | None
+) -> list[list[int]]:
+    """Each rank's micro-batches (row counts) over its rows of one mini-batch (`lengths[rank]`): greedy under the
+    limits, then every rank brought to the count of the rank that needs the most."""
+    greedy = [greedy_micro_batches(rank_lengths, max_rows, max_tokens) for rank_lengths in lengths]
+    count = max(len(sizes) for sizes in greedy)
+    return [split_to_count(sizes, count) for sizes in greedy]
+
+
 def shard_actor_batch(
-    batch: dict[str, torch.Tensor], num_ranks: int, num_minibatches: int
+    batch: dict[str, torch.Tensor],
+    num_ranks: int,
+    num_minibatches: int,
+    micro_batch_rows: int | None = None,
+    micro_batch_tokens: int | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Rank r's rows: its equal slice of every mini-batch, mini-batches in order.
 
     Each shard also carries `token_counts` and `sequence_counts` [num_minibatches]: the response tokens, and the
-    sequences with at least one, of each whole mini-batch on all ranks (the loss aggregation's denominators).
+    sequences with at least one, of each whole mini-batch on all ranks (the loss aggregation's denominators); and
+    `micro_batches`: the row count of each of its micro-batches, mini-batch after mini-batch (`plan_micro_batches`
+    under `micro_batch_rows` and `micro_batch_tokens`; with neither, one per mini-batch).
     """
     rows = batch["input_ids"].shape[0]
     if rows % (num_ranks * num_minibatches):
@@ -90,6 +138,8 @@ def shard_actor_batch(
     per_rank = per_minibatch // num_ranks
     token_counts = batch["loss_mask"].view(num_minibatches, -1).sum(dim=1)
     sequence_counts = (batch["loss_mask"].sum(dim=1) > 0).float().view(num_minibatches, -1).sum(dim=1)
+    lengths = batch["lengths"].view(num_minibatches, num_ranks, per_rank).tolist()
+    plans = [plan_micro_batches(minibatch, micro_batch_rows, micro_batch_tokens) for minibatch in lengths]
     shards = []
     for rank in range(num_ranks):
         index = torch.cat(
@@ -101,5 +151,6 @@ def shard_actor_batch(
         shard = {key: value[index] for key, value in batch.items()}
         shard["token_counts"] = token_counts.clone()
         shard["sequence_counts"] = sequence_counts.clone()
+        shard["micro_batches"] = torch.tensor([rows for plan in plans for rows in plan[rank]], dtype=torch.long)
         shards.append(shard)
     return shards

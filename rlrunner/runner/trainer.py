@@ -238,7 +238,13 @@ class Trainer(AttemptState, RolloutPhase):
         lengths = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.long)
         advantages = ctx.advantages(rewards, cfg.algorithm.group_size, lengths, cfg.algorithm.norm_adv_by_std)
         actor_batch = build_actor_batch(samples, advantages, ctx.token_ids.pad)
-        shards = shard_actor_batch(actor_batch, ctx.rank_map.dp, ctx.num_minibatches)
+        shards = shard_actor_batch(
+            actor_batch,
+            ctx.rank_map.dp,
+            ctx.num_minibatches,
+            cfg.actor.micro_batch_size,
+            cfg.actor.micro_batch_tokens,
+        )
         per_rank = self.actor_group.call_each("update", [(shard,) for shard in ctx.rank_map.scatter(shards)])
         actor_stats = ctx.rank_map.collect(per_rank)
         update_done = time.perf_counter()
@@ -266,6 +272,7 @@ class Trainer(AttemptState, RolloutPhase):
             "data/epoch": epoch,
             **rollout_metrics(samples, count_errors=cfg.reward.on_error == "zero"),
             **actor_metrics(actor_stats, ctx.objective),
+            "actor/micro_batches": len(shards[0]["micro_batches"]),  # each rank's passes (the same on every rank)
             "time/rollout_s": rollout_done - started,
             "time/update_s": update_done - rollout_done,
             "time/weight_sync_s": sync_done - sync_started,

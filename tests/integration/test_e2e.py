@@ -19,6 +19,7 @@ REQUIRED_METRICS = {
     "actor/loss",
     "actor/entropy",
     "actor/grad_norm",
+    "actor/micro_batches",
     "time/step_s",
     "time/rollout_s",
     "time/update_s",
@@ -68,8 +69,28 @@ def test_training_changes_weights_syncs_rollout_and_logs_every_metric(ray_sessio
     for record in records:
         assert REQUIRED_METRICS <= set(record), REQUIRED_METRICS - set(record)
         assert record["actor/entropy"] > 0 and record["time/step_s"] > 0
+        assert record["actor/micro_batches"] == 2  # a rank's 8 sequences in passes of actor.micro_batch_size 4
     assert any(r["rollout/reward_std"] > 0 and r["actor/grad_norm"] > 0 for r in records)
     assert list(log_dir.glob("events.out.tfevents.*")), "no TensorBoard event file"
+
+    # Micro-batches by a token budget: a few rows each, as many on both ranks as the rank that needs the most (FSDP's
+    # collectives run once per pass: a rank with fewer would hang). The first step trains on the same samples from
+    # the same weights, so its loss and gradient are the first run's, up to the order of the sums.
+    Supervisor(
+        run_config(
+            tmp_path / "tokens",
+            *one_worker,
+            "rollout.num_workers=1",
+            "actor.micro_batch_size=null",
+            "actor.micro_batch_tokens=15",
+        )
+    ).run()
+    by_tokens = read_metrics(tmp_path / "tokens" / "test" / "metrics.jsonl")
+    assert [r["step"] for r in by_tokens] == [1, 2, 3, 4]
+    assert all(r["actor/micro_batches"] >= 4 for r in by_tokens), [r["actor/micro_batches"] for r in by_tokens]
+    assert by_tokens[0]["rollout/reward_mean"] == records[0]["rollout/reward_mean"]
+    for key in ("actor/loss", "actor/grad_norm", "actor/entropy"):
+        assert by_tokens[0][key] == pytest.approx(records[0][key], rel=1e-5, abs=1e-7), key
 
     two = {}
     Supervisor(

@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from rlrunner.backends.base import RankMap
-from rlrunner.runner.batching import build_actor_batch, chunk, shard_actor_batch, split_evenly
+from rlrunner.runner.batching import (
+    build_actor_batch,
+    chunk,
+    greedy_micro_batches,
+    plan_micro_batches,
+    shard_actor_batch,
+    split_evenly,
+    split_to_count,
+)
 
 from conftest import assert_bit_equal
 
@@ -151,6 +159,52 @@ def test_shard_one_rank_four_minibatches() -> None:
 def test_shard_indivisible_rows_raise(ranks: int, minibatches: int) -> None:
     with pytest.raises(ValueError, match="8 rows"):
         shard_actor_batch(_eight_row_batch(), num_ranks=ranks, num_minibatches=minibatches)
+
+
+# --- micro-batch plans ------------------------------------------------------------------
+
+
+def test_greedy_micro_batches_fill_each_up_to_the_token_and_row_limits() -> None:
+    lengths = [3, 3, 5, 2, 2, 2, 9, 1]
+    # padded tokens: [3, 3] 6 (+5: 3 x 5 = 15 > 10); [5, 2] 10 (+2: 15); [2, 2] 4 (+9: 27); [9] (+1: 18); [1]
+    assert greedy_micro_batches(lengths, None, 10) == [2, 2, 2, 1, 1]
+    # [3, 3] 6; [5] (+2: 10 > 8); [2, 2, 2] 6; [9], longer than the budget, alone; [1]
+    assert greedy_micro_batches(lengths, None, 8) == [2, 1, 3, 1, 1]
+    assert greedy_micro_batches(lengths, 2, None) == [2, 2, 2, 2]  # rows only: the fixed-size micro-batches
+    assert greedy_micro_batches(lengths, 2, 8) == [2, 1, 2, 1, 1, 1]
+    assert greedy_micro_batches(lengths, None, None) == [8]
+    assert greedy_micro_batches([], 4, 10) == []
+
+
+def test_split_to_count_cuts_the_largest_first() -> None:
+    assert split_to_count([5, 2], 2) == [5, 2]
+    assert split_to_count([5, 2], 3) == [3, 2, 2]
+    assert split_to_count([5, 2], 4) == [2, 1, 2, 2]
+    assert split_to_count([4], 4) == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match="cannot be made 5"):
+        split_to_count([2, 2], 5)
+    with pytest.raises(ValueError, match="cannot be made 1"):
+        split_to_count([2, 2], 1)
+
+
+def test_every_rank_of_a_minibatch_runs_the_same_number_of_micro_batches() -> None:
+    # rank 0's rows fit one micro-batch of 8 tokens; rank 1's need three ([4, 4], [8], [1]): rank 0's is cut to three
+    assert plan_micro_batches([[2, 2, 2, 2], [4, 4, 8, 1]], None, 8) == [[1, 1, 2], [2, 1, 1]]
+    assert plan_micro_batches([[2, 2], [2, 2]], None, 8) == [[2], [2]]
+
+
+def test_shards_carry_their_micro_batches_per_minibatch() -> None:
+    batch = _eight_row_batch()  # rows of 2, 3, 4, 2, 3, 4, 2, 3 tokens
+    assert batch["lengths"].tolist() == [2, 3, 4, 2, 3, 4, 2, 3]
+    shards = shard_actor_batch(batch, num_ranks=2, num_minibatches=2, micro_batch_tokens=6)
+    # mini-batch 0: rank 0 rows [2, 3] -> 2x3 = 6, one; rank 1 rows [4, 2] -> 8 > 6, two: rank 0 cut to two
+    # mini-batch 1: rank 0 rows [3, 4] -> two; rank 1 rows [2, 3] -> one, cut to two
+    assert [s["micro_batches"].tolist() for s in shards] == [[1, 1, 1, 1], [1, 1, 1, 1]]
+    shards = shard_actor_batch(batch, num_ranks=1, num_minibatches=2, micro_batch_tokens=9)
+    # rows [2, 3, 4, 2] -> [2, 3] 6, +4 -> 12 > 9: [4, 2] 8; rows [3, 4, 2, 3] -> [3] (+4: 8 ok) [3, 4] 8, +2: 12 > 9
+    assert shards[0]["micro_batches"].tolist() == [2, 2, 2, 2]
+    assert shard_actor_batch(batch, 2, 1, micro_batch_rows=2)[0]["micro_batches"].tolist() == [2, 2]
+    assert shard_actor_batch(batch, 2, 1)[1]["micro_batches"].tolist() == [4]  # no limit: the share in one
 
 
 def test_build_actor_batch_rejects_an_empty_prompt() -> None:

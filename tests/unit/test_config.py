@@ -43,12 +43,13 @@ def test_the_default_yaml_composes_to_exactly_the_schema_defaults():
     schema = flatten("", schema_tree(resolve=True))
     differences = sorted(k for k in set(schema) | set(composed) if schema.get(k, _MISSING) != composed.get(k, _MISSING))
     assert differences == [], [(k, schema.get(k, _MISSING), composed.get(k, _MISSING)) for k in differences]
-    # The default job as it has always run (tests/test_cli.py relies on group size 16, micro batch 32).
-    assert (schema["runner.max_steps"], schema["algorithm.group_size"], schema["actor.micro_batch_size"]) == (
-        800,
-        16,
-        32,
-    )
+    # The default job (tests/test_cli.py relies on group size 16; micro-batches by tokens, a rank's share in one).
+    assert (
+        schema["runner.max_steps"],
+        schema["algorithm.group_size"],
+        schema["actor.micro_batch_size"],
+        schema["actor.micro_batch_tokens"],
+    ) == (800, 16, None, 16384)
     assert (schema["actor.optim.lr"], schema["rollout.max_new_tokens"], schema["data.synthetic.max_operand"]) == (
         3e-4,
         4,
