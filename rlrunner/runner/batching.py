@@ -56,16 +56,22 @@ def build_actor_batch(
         raise ValueError("a sample has an empty prompt: its first response token would have nothing to condition on")
     lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
     width = max(lengths)
-    input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros((len(samples), width - 1), dtype=torch.float32)
-    rollout_logprobs = torch.zeros((len(samples), width - 1), dtype=torch.float32)
-    for row, sample in enumerate(samples):
-        prompt_len, total = len(sample["prompt_ids"]), lengths[row]
-        input_ids[row, :total] = torch.tensor(
-            list(sample["prompt_ids"]) + list(sample["response_ids"]), dtype=torch.long
-        )
-        loss_mask[row, prompt_len - 1 : total - 1] = 1.0
-        rollout_logprobs[row, prompt_len - 1 : total - 1] = torch.tensor(sample["logprobs"], dtype=torch.float32)
+    # Padded Python rows, each made a tensor once: a copy per row into preallocated tensors cost the driver about
+    # 10 ms per step of the default job (256 rows), between the generation and the update.
+    id_rows, logprob_rows = [], []
+    for sample, total in zip(samples, lengths):
+        prompt, response = list(sample["prompt_ids"]), list(sample["response_ids"])
+        logprobs = sample["logprobs"]
+        logprobs = logprobs.tolist() if isinstance(logprobs, torch.Tensor) else list(logprobs)
+        if len(logprobs) != len(response):
+            raise ValueError(f"a sample has {len(response)} response tokens but {len(logprobs)} log-probabilities")
+        id_rows.append(prompt + response + [pad_id] * (width - total))
+        logprob_rows.append([0.0] * (len(prompt) - 1) + logprobs + [0.0] * (width - total))
+    input_ids = torch.tensor(id_rows, dtype=torch.long)
+    rollout_logprobs = torch.tensor(logprob_rows, dtype=torch.float32).view(len(samples), width - 1)
+    starts = torch.tensor([len(s["prompt_ids"]) - 1 for s in samples]).unsqueeze(1)
+    position = torch.arange(width - 1).unsqueeze(0)
+    loss_mask = ((position >= starts) & (position < torch.tensor(lengths).unsqueeze(1) - 1)).to(torch.float32)
     return {
         "input_ids": input_ids,
         "loss_mask": loss_mask,

@@ -207,6 +207,12 @@ def test_shards_carry_their_micro_batches_per_minibatch() -> None:
     assert shard_actor_batch(batch, 2, 1)[1]["micro_batches"].tolist() == [4]  # no limit: the share in one
 
 
+def test_build_actor_batch_rejects_log_probs_that_do_not_match_the_response() -> None:
+    samples = [sample([1, 2], [3, 4]), {"prompt_ids": [1], "response_ids": [5, 6], "logprobs": [-0.1]}]
+    with pytest.raises(ValueError, match="2 response tokens but 1 log-probabilities"):
+        build_actor_batch(samples, torch.zeros(2), pad_id=0)
+
+
 def test_build_actor_batch_rejects_an_empty_prompt() -> None:
     # With no prompt token, nothing predicts the first response token: the dataset drops such prompts,
     # and the batch builder refuses them rather than silently masking the wrong positions.
