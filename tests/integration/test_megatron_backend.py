@@ -417,8 +417,8 @@ def test_a_llama_model_trains_and_resumes_bitwise(ray_session, tmp_path, ckpt_fo
 def test_torch_dist_checkpoints_resume_bitwise_and_convert(reference, tmp_path):
     """`actor.megatron.ckpt_format=torch_dist` changes no number: the run saves megatron-core's distributed format
     under the commit protocol, a resume from it (by a run saving the legacy layout) ends bit-identical to the
-    reference, and the converter and
-    `load_model_weights` read the reference's weights from it (test_megatron_torch_dist.py: layouts, megatron-core)."""
+    reference, and the converter and `load_model_weights` read the reference's weights from it
+    (test_megatron_torch_dist.py: layouts, megatron-core)."""
     from transformers import AutoModelForCausalLM
 
     dist = ["actor.megatron.ckpt_format=torch_dist"]
