@@ -7,6 +7,7 @@ import socket
 from pathlib import Path
 
 import torch
+from spawned_ranks import spawn_ranks
 
 from rlrunner.models.loading import build_model
 from rlrunner.models.tokenizer import build_char_tokenizer
@@ -120,6 +121,5 @@ def _run_worker(rank: int, world: int, port: int, kwargs: dict, job) -> None:
 def spawn_workers(world: int, kwargs: dict, *job) -> None:
     """`job[0](worker, *job[1:])` on each of `world` MegatronActorWorker ranks, set up, in processes of their own;
     raises with a rank's traceback if one fails."""
-    import torch.multiprocessing as mp
 
-    mp.spawn(_run_worker, args=(world, free_port(), kwargs, job), nprocs=world)
+    spawn_ranks(_run_worker, args=(world, free_port(), kwargs, job), nprocs=world)

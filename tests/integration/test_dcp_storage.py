@@ -9,7 +9,6 @@ halfway leaves no object, and the converters on s3:// URLs.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import pickle
 import traceback
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from spawned_ranks import forked_context
 
 from rlrunner.backends.fsdp.dcp_state import checksumming_writer
 from rlrunner.backends.fsdp.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeMetadataError, read_metadata
@@ -93,6 +93,7 @@ def _tensors(model, optimizer, scheduler, full: bool) -> dict[str, torch.Tensor]
 
 
 def _rank(rank: int, url: str, options: dict, out: str) -> None:
+    os.environ["NO_PROXY"] = "127.0.0.1,localhost"  # never route the local endpoint through a proxy
     try:
         _rank_body(rank, url, options, Path(out))
     except BaseException:
@@ -160,14 +161,11 @@ def two_ranks(moto_endpoint, tmp_path_factory):
     url = f"s3://{S3_BUCKET}/two-ranks-{uuid.uuid4().hex[:8]}"
     options = _s3_options(moto_endpoint)
     out = tmp_path_factory.mktemp("ranks")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("NO_PROXY", "127.0.0.1,localhost")  # the spawned ranks inherit it
-        ctx = multiprocessing.get_context("spawn")
-        procs = [ctx.Process(target=_rank, args=(r, url, options, str(out))) for r in range(WORLD)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join(TIMEOUT_S)
+    procs = [forked_context().Process(target=_rank, args=(r, url, options, str(out))) for r in range(WORLD)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(TIMEOUT_S)
     alive = [p for p in procs if p.is_alive()]
     for proc in alive:
         proc.kill()

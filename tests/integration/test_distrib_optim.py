@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawned_ranks import spawn_ranks
 
 from rlrunner.backends.megatron.distrib_optim import DistributedAdamW
 from rlrunner.backends.megatron.moment_files import SlicedMoments, moment_slice_state
@@ -426,13 +426,13 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("shard_gradients", [True, False], ids=["sharded_gradients", "whole_gradients"])
 def test_dp2_tp2_matches_adamw_with_clipping_deterministic_resumable_and_skips_non_finite(shard_gradients) -> None:
-    mp.spawn(
+    spawn_ranks(
         _worker, args=(4, _free_port(), 2, 2, "training", shard_gradients), nprocs=4
     )  # raises with the rank's traceback
 
 
 def test_dp2_state_reshards_to_dp1_bitwise_and_bad_state_is_named() -> None:
-    mp.spawn(_worker, args=(2, _free_port(), 2, 1, "resharding"), nprocs=2)
+    spawn_ranks(_worker, args=(2, _free_port(), 2, 1, "resharding"), nprocs=2)
 
 
 def test_the_gradient_norm_s_squares_are_summed_a_chunk_at_a_time_in_fp64() -> None:

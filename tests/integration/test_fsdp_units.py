@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawned_ranks import spawn_ranks
 
 from rlrunner.backends.fsdp.worker import decoder_layers, fill_own_rows, shard_model
 from rlrunner.models.hf_tensors import SeededInit
@@ -94,7 +94,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("units")
-    mp.spawn(_rank, args=(free_port(), str(out)), nprocs=WORLD)  # raises with a rank's traceback
+    spawn_ranks(_rank, args=(free_port(), str(out)), nprocs=WORLD)  # raises with a rank's traceback
     return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
 
 

@@ -25,6 +25,7 @@ from reference_runs import (
     reference_run,
     start_weights,
 )
+from spawned_ranks import spawn_ranks
 
 from rlrunner.backends.megatron.files import read_rank_states, read_tracker
 from rlrunner.backends.megatron.layout import DecoderDims, expected_megatron_keys
@@ -367,7 +368,6 @@ def test_megatron_core_loads_a_trained_checkpoint_strictly(reference, tmp_path):
     """megatron-core's GPTModel (CPU, gloo, tp=2) accepts each rank's `model` of a checkpoint the backend wrote, and
     what it loaded is the trained policy."""
     import megatron.core  # noqa: F401  (the test extra installs it: the check must run, never skip)
-    import torch.multiprocessing as mp
     from test_megatron_core import megatron_core_worker
     from transformers import AutoModelForCausalLM
 
@@ -377,7 +377,7 @@ def test_megatron_core_loads_a_trained_checkpoint_strictly(reference, tmp_path):
 
     actor = tmp_path / "actor"
     shutil.copytree(reference.checkpoint(10) / "actor", actor)
-    mp.spawn(megatron_core_worker, args=(2, free_port(), str(actor)), nprocs=2)  # raises if a rank fails
+    spawn_ranks(megatron_core_worker, args=(2, free_port(), str(actor)), nprocs=2)  # raises if a rank fails
     results = [torch.load(actor / f"megatron_core_rank{r}.pt", weights_only=True) for r in range(2)]
     config = json_config(actor / "huggingface" / "config.json")
     assert_bit_equal(megatron_to_hf([r["model"] for r in results], config), reference.weights(10))

@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+from spawned_ranks import spawn_ranks
 
 from rlrunner.backends.megatron import file_writes as mfw
 from rlrunner.backends.megatron import files as mf
@@ -51,12 +52,11 @@ def megatron_core_worker(rank: int, world: int, port: int, folder: str) -> None:
 @pytest.mark.parametrize("tp, shape", [(1, "tied"), (2, "gqa"), (2, "llama_tied")])
 def test_megatron_core_gpt_model_loads_our_rank_files_strictly(tmp_path, megatron_models, tp, shape) -> None:
     import megatron.core  # noqa: F401  (the test extra installs it: the check must run, never skip)
-    import torch.multiprocessing as mp
 
     model = megatron_models[shape]
     storage = open_storage(str(tmp_path))
     mfw.write_model_checkpoint(storage, storage.url, model.state_dict(), model.config, tp=tp)
-    mp.spawn(megatron_core_worker, args=(tp, free_port(), str(tmp_path)), nprocs=tp)  # raises if a rank fails
+    spawn_ranks(megatron_core_worker, args=(tp, free_port(), str(tmp_path)), nprocs=tp)  # raises if a rank fails
     results = [torch.load(tmp_path / f"megatron_core_rank{r}.pt", weights_only=True) for r in range(tp)]
     # what megatron-core loaded, merged back through our converter, is the HF model bit for bit
     loaded = megatron_to_hf([r["model"] for r in results], model.config)
@@ -76,7 +76,6 @@ def test_megatron_core_resumes_our_training_checkpoint_holding_what_our_run_held
     import random
 
     import numpy as np
-    import torch.multiprocessing as mp
     from reference_runs import reference_run
 
     from rlrunner.backends.megatron.megatron_entries import rng_from_entry, tracker_states
@@ -90,7 +89,7 @@ def test_megatron_core_resumes_our_training_checkpoint_holding_what_our_run_held
     args = states[0]["args"]
     tp = args.tensor_model_parallel_size
     world = tp * args.data_parallel_size
-    mp.spawn(resume_worker, args=(world, free_port(), actor, str(tmp_path)), nprocs=world)
+    spawn_ranks(resume_worker, args=(world, free_port(), actor, str(tmp_path)), nprocs=world)
     results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(world)]
 
     for tp_rank in range(tp):

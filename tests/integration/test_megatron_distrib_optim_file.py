@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawned_ranks import spawn_ranks
 
 from rlrunner.backends.megatron import moment_save
 from rlrunner.backends.megatron.file_writes import write_state_file, write_tracker
@@ -118,7 +118,7 @@ def _megatron_core_holds_it(folder: str, out: Path) -> None:
     storage = open_storage(folder)
     _, states = read_rank_states(storage, folder)
     world = states[0]["args"].data_parallel_size
-    mp.spawn(resume_worker, args=(world, free_port(), folder, str(out)), nprocs=world)
+    spawn_ranks(resume_worker, args=(world, free_port(), folder, str(out)), nprocs=world)
     results = [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(world)]
     assert all(result["steps"] == [float(STEP)] for result in results)
     weights = {name: tensor for name, tensor in states[0]["model"].items() if tensor is not None}

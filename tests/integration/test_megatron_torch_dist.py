@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawned_ranks import spawn_ranks
 
 from rlrunner.backends.megatron.dist_ckpt import COMMON_FILE, FORMAT_FILE
 from rlrunner.backends.megatron.file_writes import write_tracker
@@ -143,7 +143,7 @@ def _megatron_core_holds_it(url: str, held: list[dict], out: Path) -> None:
     the saving run's weights and moments, element for element, its step, and each tensor-parallel rank's RNG states."""
     out.mkdir()
     folder = Path(url) / iteration_dir(STEP)
-    mp.spawn(dist_load_worker, args=(4, free_port(), str(folder), str(out)), nprocs=4)
+    spawn_ranks(dist_load_worker, args=(4, free_port(), str(folder), str(out)), nprocs=4)
     results = [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(4)]
     for tp_rank in range(2):
         weights = held[tp_rank]["weights"]

@@ -10,8 +10,8 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from spawned_ranks import spawn_ranks
 
 from rlrunner.backends.megatron.distrib_optim import DistributedAdamW
 from rlrunner.backends.megatron.layout import hf_to_megatron_rank
@@ -117,7 +117,7 @@ def _check(rank: int, shape: str, recompute: bool, bf16: bool) -> None:
 
 @pytest.mark.parametrize("shape,recompute,bf16", [("gqa", True, False), ("gqa", False, True), ("tied", True, False)])
 def test_sharded_weights_train_bitwise_like_whole_ones(shape: str, recompute: bool, bf16: bool) -> None:
-    mp.spawn(
+    spawn_ranks(
         _worker, args=(DP * TP, free_port(), shape, recompute, bf16), nprocs=DP * TP
     )  # raises with a rank's traceback
 

@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from spawned_ranks import spawn_ranks
 
 from rlrunner.backends.megatron.layout import hf_to_megatron_rank
 from rlrunner.backends.megatron.model import TPCausalLM
@@ -122,4 +122,4 @@ def _check_rank(rank: int, world: int, shape: str) -> None:
 
 @pytest.mark.parametrize("tp, shape", [(2, "gqa"), (2, "tied"), (1, "tied"), (2, "llama"), (1, "llama_tied")])
 def test_tp_model_matches_hf_forward_gradients_and_sgd_step(tp: int, shape: str) -> None:
-    mp.spawn(_worker, args=(tp, free_port(), shape), nprocs=tp)  # raises with the rank's traceback if it fails
+    spawn_ranks(_worker, args=(tp, free_port(), shape), nprocs=tp)  # raises with the rank's traceback if it fails

@@ -3,7 +3,6 @@ protocol in threads: tests/unit/test_weight_sync_plan.py)."""
 
 from __future__ import annotations
 
-import multiprocessing
 import sys
 import time
 import traceback
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from spawned_ranks import forked_context
 
 from rlrunner.backends.fsdp.weights import FSDPWeightSource, local_block
 from rlrunner.rollout.hf import ModuleSink
@@ -130,7 +130,7 @@ def test_fsdp2_shards_to_rollouts_over_gloo_processes(tmp_path):
     dtype = "bfloat16"
 
     server = serve_store("127.0.0.1", TIMEOUT_S)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = forked_context()
     procs = [
         ctx.Process(target=_child, args=("actor", r, server.port, str(tmp_path), dtype)) for r in range(NUM_ACTORS)
     ]

@@ -95,7 +95,18 @@ def _rank_file_round_trip(storage, root, model) -> None:
         assert (random.random(), np.random.rand(), torch.rand(1)) == draws
 
 
-def test_rank_file_round_trip_local(tmp_path, megatron_models) -> None:
+@pytest.fixture
+def process_allows_nothing():
+    """No class allowed by the process itself for the test (megatron-core, once imported, allows argparse.Namespace
+    for good); what was allowed is allowed again afterwards."""
+    allowed = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    yield
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals(allowed)
+
+
+def test_rank_file_round_trip_local(tmp_path, megatron_models, process_allows_nothing) -> None:
     storage = open_storage(str(tmp_path))
     _rank_file_round_trip(storage, storage.url, megatron_models["gqa"])
     # the allow-list is exactly what the file needs: weights_only's own types plus argparse.Namespace
@@ -104,6 +115,23 @@ def test_rank_file_round_trip_local(tmp_path, megatron_models) -> None:
     assert [f"{c.__module__}.{c.__qualname__}" for c in mf.ALLOWED_GLOBALS] == ["argparse.Namespace"]
     with pytest.raises(pickle.UnpicklingError, match="argparse.Namespace"):  # without the allow-list it is refused
         torch.load(path, weights_only=True)
+
+
+def test_a_load_leaves_the_classes_the_process_allowed_itself_allowed(
+    tmp_path, megatron_models, process_allows_nothing
+) -> None:
+    """megatron-core allows argparse.Namespace when imported: our load, which allows it for its own call, must not take
+    it away (megatron-core's own torch.load of the file would then fail)."""
+    storage = open_storage(str(tmp_path))
+    _rank_file_round_trip(storage, storage.url, megatron_models["gqa"])
+    path = tmp_path / "iter_0000050/mp_rank_01/model_optim_rng.pt"
+    torch.serialization.add_safe_globals(list(mf.ALLOWED_GLOBALS))
+    mf.load_file(str(path))
+    assert set(mf.ALLOWED_GLOBALS) <= set(torch.serialization.get_safe_globals())
+    assert torch.load(path, weights_only=True)["args"].tensor_model_parallel_size == 2
+    torch.serialization.clear_safe_globals()
+    mf.load_file(str(path))  # and one that did not is allowed for the call only
+    assert not set(mf.ALLOWED_GLOBALS) & set(torch.serialization.get_safe_globals())
 
 
 def test_rank_file_round_trip_on_s3(s3_store, megatron_models) -> None:

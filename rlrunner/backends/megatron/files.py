@@ -211,8 +211,11 @@ def rank_state(
 def load_file(source: Any, mmap: bool = False) -> dict[str, Any]:
     """torch.load(weights_only=True) of a path or binary stream, with exactly ALLOWED_GLOBALS added.
 
-    An UnpicklingError (naming the class) for a file that holds anything else."""
-    with torch.serialization.safe_globals(list(ALLOWED_GLOBALS)):
+    An UnpicklingError (naming the class) for a file that holds anything else. Only the classes the process has not
+    allowed itself are added for the call: the context removes what it added on exit, and megatron-core, imported,
+    allows `argparse.Namespace` for good (its own loads would fail after ours)."""
+    allowed = set(torch.serialization.get_safe_globals())
+    with torch.serialization.safe_globals([cls for cls in ALLOWED_GLOBALS if cls not in allowed]):
         return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
 
 
