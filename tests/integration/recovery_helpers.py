@@ -26,7 +26,7 @@ from rlrunner.cluster.worker_group import WorkerGroup
 from rlrunner.runner.supervisor import Supervisor
 from rlrunner.tools.convert import load_model_weights
 
-from conftest import TINY_MODEL, Inspect, assert_bit_equal, metrics_lines, once, read_metrics, run_config, without_time
+from conftest import TINY_MODEL, Inspect, assert_bit_equal, read_metrics, run_config, without_time
 
 STEPS = REFERENCE_STEPS  # 10, saves at 3, 6, 9 and 10
 STEP_TIMEOUT_S = 30
@@ -155,15 +155,38 @@ def raising(original):
     return boom
 
 
-def kill_in_next_update(runner: Supervisor, rank: int, after_steps: int, tmp_path: Path) -> threading.Thread:
-    """Actor `rank` dies inside the first update after `after_steps` logged steps (in its log-probs, after the
-    forward)."""
-    return once(
-        lambda: metrics_lines(tmp_path) >= after_steps,
-        lambda: patch_worker_module(
-            runner.trainer.actor_group, rank, "rlrunner.backends.actor", "token_log_probs", dying
-        ),
-    )
+def kill_in_next_update(runner: Supervisor, rank: int, after_steps: int) -> threading.Thread:
+    """Actor `rank` dies inside the update of step `after_steps` + 1 (in its log-probs, after the forward).
+
+    The patch is sent from the driver's loop as that step starts, so it reaches the rank before the update call does.
+    Sent from a thread once `after_steps` steps are logged, it could arrive after the update call, which waits for no
+    generation when the batch was generated ahead (`algorithm.policy_lag`), and the rank would die a step later."""
+    killed = threading.Event()
+
+    def before_each_step(trainer) -> None:
+        train_step = trainer.train_step
+
+        def patched_first(step: int) -> dict:
+            if step == after_steps + 1 and not killed.is_set():
+                killed.set()
+                patch_worker_module(trainer.actor_group, rank, "rlrunner.backends.actor", "token_log_probs", dying)
+            return train_step(step)
+
+        trainer.train_step = patched_first
+
+    def watch() -> None:  # every attempt's trainer, from the moment it exists (its workers take seconds to start)
+        wrapped = None
+        deadline = time.monotonic() + 600
+        while not killed.is_set() and time.monotonic() < deadline:
+            trainer = runner.trainer
+            if trainer is not None and trainer is not wrapped:
+                before_each_step(trainer)
+                wrapped = trainer
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
 
 
 # -- warm spares -------------------------------------------------------------------------------------------------

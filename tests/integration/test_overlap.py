@@ -70,7 +70,7 @@ def test_lag_1_is_the_same_for_two_rollout_workers_through_losses_and_a_stop(bac
         lambda: metrics_lines(tmp_path) >= 5,
         lambda: patch_worker_module(runner.trainer.rollout_group, 0, "rlrunner.rollout.worker", "derive_seed", dying),
     )
-    kill_in_next_update(runner, 1, 7, tmp_path)
+    kill_in_next_update(runner, 1, 7)
     once(lambda: metrics_lines(tmp_path) >= 8, lambda: runner.stop.request("SIGTERM received"))
     with pytest.raises(StoppedEarly, match=r"SIGTERM received at step \d+; (saved global_step_|global_step_\d+ is)"):
         runner.run()

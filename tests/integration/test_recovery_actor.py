@@ -51,7 +51,7 @@ def test_actor_ranks_killed_mid_save_then_mid_step_come_back(cluster, reference,
     root = tmp_path / "test" / "checkpoints"
     staged = lambda: root.is_dir() and any(p.name.startswith(layout.STAGING_PREFIX) for p in root.iterdir())  # noqa: E731
     once(staged, lambda: kill(runner.trainer.actor_group.hosts[0]["pid"]))
-    kill_in_next_update(runner, 1, 6, tmp_path)
+    kill_in_next_update(runner, 1, 6)
     runner.run()
     mid_save, mid_step = recovery_events(tmp_path, "failure")
     assert "actor rank 0" in mid_save["cause"] and mid_save["step"] < 6, mid_save

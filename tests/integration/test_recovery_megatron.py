@@ -41,7 +41,7 @@ def test_megatron_rollout_worker_then_tensor_parallel_rank_killed_mid_step(clust
     comes back from the in-memory snapshot. (Both in one run: one run's start-up less for the suite.)"""
     runner = Supervisor(run_config(tmp_path, *RUN, *MEGATRON))
     once(lambda: metrics_lines(tmp_path) >= 3, lambda: kill(runner.trainer.rollout_group.hosts[0]["pid"]))
-    kill_in_next_update(runner, 1, 6, tmp_path)
+    kill_in_next_update(runner, 1, 6)
     runner.run()
     [repair] = recovery_events(tmp_path, "rollout_repaired")
     assert "rollout rank 0" in repair["cause"] and repair["lost_steps"] == 0 and repair["step"] in (4, 5), repair
@@ -90,7 +90,7 @@ def test_megatron_dp2_tp2_rank_killed_mid_update_is_replaced_within_seconds(clus
     ]
     Supervisor(run_config(tmp_path / "whole", *layout)).run()
     runner = Supervisor(run_config(tmp_path / "killed", *layout))
-    kill_in_next_update(runner, 3, 2, tmp_path / "killed")
+    kill_in_next_update(runner, 3, 2)
     runner.run()
     failure = assert_restored_from_memory(tmp_path / "killed")
     assert "actor rank 3" in failure["cause"] and failure["replaced"] == "actor ranks 3", failure
