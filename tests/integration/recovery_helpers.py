@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -155,38 +154,30 @@ def raising(original):
     return boom
 
 
-def kill_in_next_update(runner: Supervisor, rank: int, after_steps: int) -> threading.Thread:
+def kill_in_next_update(runner: Supervisor, rank: int, after_steps: int) -> None:
     """Actor `rank` dies inside the update of step `after_steps` + 1 (in its log-probs, after the forward).
 
-    The patch is sent from the driver's loop as that step starts, so it reaches the rank before the update call does.
-    Sent from a thread once `after_steps` steps are logged, it could arrive after the update call, which waits for no
-    generation when the batch was generated ahead (`algorithm.policy_lag`), and the rank would die a step later."""
-    killed = threading.Event()
+    The patch is sent from the driver's loop as that step starts (a callback wraps each attempt's `train_step`), so it
+    reaches the rank before the update call does. Sent from a thread once `after_steps` steps are logged, it could
+    arrive after the update call, which waits for no generation when the batch was generated ahead
+    (`algorithm.policy_lag`), and the rank would die a step later."""
+    killed: list[int] = []
 
-    def before_each_step(trainer) -> None:
+    def patch_before_the_step(trainer) -> None:
         train_step = trainer.train_step
+        if getattr(train_step, "kills_a_rank", False):  # the same trainer again (a rank replaced alone)
+            return
 
         def patched_first(step: int) -> dict:
-            if step == after_steps + 1 and not killed.is_set():
-                killed.set()
+            if step == after_steps + 1 and not killed:
+                killed.append(step)
                 patch_worker_module(trainer.actor_group, rank, "rlrunner.backends.actor", "token_log_probs", dying)
             return train_step(step)
 
+        patched_first.kills_a_rank = True
         trainer.train_step = patched_first
 
-    def watch() -> None:  # every attempt's trainer, from the moment it exists (its workers take seconds to start)
-        wrapped = None
-        deadline = time.monotonic() + 600
-        while not killed.is_set() and time.monotonic() < deadline:
-            trainer = runner.trainer
-            if trainer is not None and trainer is not wrapped:
-                before_each_step(trainer)
-                wrapped = trainer
-            time.sleep(0.002)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
+    runner.callbacks.append(Inspect(on_start=patch_before_the_step))
 
 
 # -- warm spares -------------------------------------------------------------------------------------------------
