@@ -120,6 +120,7 @@ def _start_multi_node_cluster():
 
 _kept: str | None = None  # the shared Ray that is up: "ray_session" or "cluster" (the fixture's name)
 _kept_cluster = None  # the cluster fixture's Cluster, while _kept == "cluster"
+_worker_forks = None  # the fork server of the session's Ray workers, if it has integration tests
 # the modules that use each shared Ray, in the order they run: all those of one, then those of the next, then the rest
 _shared_modules: dict[str, set[str]] = {"ray_session": set(), "cluster": set()}
 
@@ -136,10 +137,16 @@ def _shared_ray_order(item) -> int:
 
 def pytest_collection_modifyitems(session, config, items) -> None:
     """The modules that use ray_session first, then those that use the cluster (each in their order), so that each
-    set shares one Ray and its parked workers."""
+    set shares one Ray and its parked workers. Under xdist each set is one group, run whole by one worker (so its
+    Ray and parked workers are started once), and every other module is a group of its own (its module-scoped
+    fixtures built once)."""
     for fixture, modules in _shared_modules.items():
         modules.update(_module(item) for item in items if fixture in item.fixturenames)
     items.sort(key=_shared_ray_order)
+    if config.pluginmanager.hasplugin("xdist"):  # `-n 2 --dist loadgroup` (pyproject.toml): what runs in one worker
+        for item in items:
+            shared = next((fixture for fixture, modules in _shared_modules.items() if _module(item) in modules), None)
+            item.add_marker(pytest.mark.xdist_group(shared or _module(item)))
 
 
 def _shut_down_kept_ray() -> None:
@@ -159,9 +166,24 @@ def pytest_runtest_setup(item) -> None:
         _shut_down_kept_ray()
 
 
+def pytest_collection_finish(session) -> None:
+    """Ray's workers forked from a preloaded server (tests/forked_ray_workers.py) when integration tests will run."""
+    global _worker_forks
+    if any("tests/integration/" in item.nodeid for item in session.items):
+        from forked_ray_workers import serve_ray_workers
+
+        _worker_forks = serve_ray_workers()
+
+
 def pytest_sessionfinish(session) -> None:
     if _kept is not None:
         _shut_down_kept_ray()
+    if _worker_forks is not None:
+        from forked_ray_workers import stop
+
+        ended = stop(_worker_forks)
+        if ended is not None:  # not a failure (the workers started as Ray starts them), but the suite's time
+            print(f"\nthe Ray worker fork server ended early (exit code {ended}): workers were started unforked")
 
 
 def run_config(tmp_path: Path, *overrides: str):

@@ -3,10 +3,10 @@ ways."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import torch
+from ports import free_port
 from spawned_ranks import spawn_ranks
 
 from rlrunner.models.loading import build_model
@@ -72,12 +72,6 @@ def save_hf_folder(folder: Path, overrides: dict) -> tuple[Path, torch.nn.Module
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder, model
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # -- MegatronActorWorker ranks in spawned processes (real gloo groups, no Ray) --------------------------------------

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from ports import free_port
 from reference_runs import NUMERICS, Reference, reference_run
 
 from rlrunner.cluster.ray_setup import init_ray
@@ -109,7 +110,7 @@ def test_a_joined_cluster_whose_head_is_gone_ends_the_driver_for_a_relaunch(tmp_
     """Not a wait: the driver exits with code 1 (the launch script relaunches that) and one line naming the cause."""
     env = {**subprocess_env, "RAY_AUTH_MODE": "token"}
     temp_dir = tempfile.mkdtemp(prefix="rlr-head-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    port = 6411
+    port = free_port()
     head = subprocess.Popen(
         [
             str(Path(sys.executable).with_name("ray")),

@@ -10,12 +10,12 @@ parameter's whole gradient on every TP rank; DP rank d trains on its own targets
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
+from ports import free_port
 from spawned_ranks import spawn_ranks
 
 from rlrunner.backends.megatron.distrib_optim import DistributedAdamW
@@ -418,21 +418,15 @@ def _worker(rank: int, world: int, port: int, dp: int, tp: int, scenario: str, s
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("shard_gradients", [True, False], ids=["sharded_gradients", "whole_gradients"])
 def test_dp2_tp2_matches_adamw_with_clipping_deterministic_resumable_and_skips_non_finite(shard_gradients) -> None:
     spawn_ranks(
-        _worker, args=(4, _free_port(), 2, 2, "training", shard_gradients), nprocs=4
+        _worker, args=(4, free_port(), 2, 2, "training", shard_gradients), nprocs=4
     )  # raises with the rank's traceback
 
 
 def test_dp2_state_reshards_to_dp1_bitwise_and_bad_state_is_named() -> None:
-    spawn_ranks(_worker, args=(2, _free_port(), 2, 1, "resharding"), nprocs=2)
+    spawn_ranks(_worker, args=(2, free_port(), 2, 1, "resharding"), nprocs=2)
 
 
 def test_the_gradient_norm_s_squares_are_summed_a_chunk_at_a_time_in_fp64() -> None:

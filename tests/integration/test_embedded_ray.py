@@ -13,7 +13,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 from conftest import TINY_MODEL, read_metrics
 
@@ -52,7 +52,8 @@ def driver_env(subprocess_env):
     groups of their own)."""
     ray_tmpdir = tempfile.mkdtemp(prefix="rlre-", dir="/tmp")
     marker = secrets.token_hex(8)
-    env = {k: v for k, v in subprocess_env.items() if k != "RAY_ADDRESS"}
+    # nor the suite's job config (tests/forked_ray_workers.py): a forked worker's /proc environ is its server's
+    env = {k: v for k, v in subprocess_env.items() if k not in ("RAY_ADDRESS", "RAY_JOB_CONFIG_JSON_ENV_VAR")}
     env.update({"RAY_TMPDIR": ray_tmpdir, _MARKER: marker})
     yield env
     kill_marked(marker)
@@ -149,9 +150,7 @@ def test_a_second_run_starts_its_own_ray_and_outlives_the_first(tmp_path, driver
 def test_a_stale_ray_start_address_falls_back_to_an_embedded_ray_at_once(driver_env):
     """A `ray start` cluster that died without `ray stop` (or a killed `ray.cluster_utils.Cluster`) leaves its address
     in Ray's bootstrap file: nothing answers there, so the driver starts its own Ray without waiting on it."""
-    with socket.socket() as sock:  # a port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     bootstrap = Path(driver_env["RAY_TMPDIR"]) / "ray" / "ray_current_cluster"
     bootstrap.parent.mkdir(parents=True)
     bootstrap.write_text(f"127.0.0.1:{port}")

@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from ports import free_port
 from spawned_ranks import spawn_ranks
 
 from rlrunner.backends.fsdp.worker import decoder_layers, fill_own_rows, shard_model
@@ -19,7 +20,6 @@ from rlrunner.models.loading import build_hf_config, meta_model, restore_buffers
 from rlrunner.models.tokenizer import build_char_tokenizer
 
 from conftest import TINY_MODEL_CFG, assert_bit_equal
-from megatron_models import free_port
 
 WORLD = 2
 LAYERS = 2

@@ -368,12 +368,11 @@ def test_megatron_core_loads_a_trained_checkpoint_strictly(reference, tmp_path):
     """megatron-core's GPTModel (CPU, gloo, tp=2) accepts each rank's `model` of a checkpoint the backend wrote, and
     what it loaded is the trained policy."""
     import megatron.core  # noqa: F401  (the test extra installs it: the check must run, never skip)
+    from ports import free_port
     from test_megatron_core import megatron_core_worker
     from transformers import AutoModelForCausalLM
 
     from rlrunner.backends.megatron.to_hf import megatron_to_hf
-
-    from megatron_models import free_port
 
     actor = tmp_path / "actor"
     shutil.copytree(reference.checkpoint(10) / "actor", actor)

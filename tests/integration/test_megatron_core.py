@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+from ports import free_port
 from spawned_ranks import spawn_ranks
 
 from rlrunner.backends.megatron import file_writes as mfw
@@ -24,7 +25,6 @@ from rlrunner.storage import open_storage
 
 from conftest import assert_bit_equal
 from megatron_core_loader import gpt_model, held_state, resume_worker, start_rank
-from megatron_models import free_port
 
 
 def megatron_core_worker(rank: int, world: int, port: int, folder: str) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from ports import free_port
 from spawned_ranks import spawn_ranks
 
 from rlrunner.backends.megatron import moment_save
@@ -32,7 +33,7 @@ from rlrunner.storage import open_storage
 
 from conftest import assert_bit_equal
 from megatron_core_loader import held_state, resume_worker
-from megatron_models import free_port, spawn_workers, worker_kwargs
+from megatron_models import spawn_workers, worker_kwargs
 
 STEP = 4
 CHUNK = 777  # elements: a slice of the tiny model's moments is many chunks

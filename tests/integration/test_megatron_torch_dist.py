@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from ports import free_port
 from spawned_ranks import spawn_ranks
 
 from rlrunner.backends.megatron.dist_ckpt import COMMON_FILE, FORMAT_FILE
@@ -22,7 +23,7 @@ from rlrunner.storage import open_storage
 
 from conftest import assert_bit_equal, run_config
 from megatron_core_loader import dist_load_worker, held_state
-from megatron_models import free_port, spawn_workers, worker_kwargs
+from megatron_models import spawn_workers, worker_kwargs
 
 STEP = 4
 DIST = "actor.megatron.ckpt_format=torch_dist"

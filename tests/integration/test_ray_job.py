@@ -14,7 +14,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from ports import free_ports
 
 from conftest import TINY_MODEL
 
@@ -30,19 +30,6 @@ pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 240  # the whole test, head start to job end (about 50 s on 2 cores)
 _MARKER = "RLRUNNER_TEST_RAY_HEAD"
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def head_env(temp_dir: Path, marker: str) -> dict[str, str]:

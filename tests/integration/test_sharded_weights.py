@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from ports import free_port
 from spawned_ranks import spawn_ranks
 
 from rlrunner.backends.megatron.distrib_optim import DistributedAdamW
@@ -20,7 +21,7 @@ from rlrunner.backends.megatron.weight_units import UnitCursor
 from rlrunner.backends.megatron.worker import parallel_groups, replicated_names
 
 from conftest import assert_bit_equal
-from megatron_models import SHAPES, build_test_model, free_port
+from megatron_models import SHAPES, build_test_model
 
 DP, TP = 2, 2
 IDS = torch.randint(0, 99, (4, 8), generator=torch.Generator().manual_seed(3))

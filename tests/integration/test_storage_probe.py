@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import sys
 
 import pytest
+from ports import free_port
 from ray import cloudpickle
 
 from rlrunner.cluster.shared_storage import answer_probe, check_shared_folder
@@ -67,12 +67,6 @@ def node() -> str:
     return ray.util.get_node_ip_address()
 
 
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]  # nothing listens there once the socket is closed
-
-
 def test_a_shared_local_folder_passes_and_keeps_nothing(workers, tmp_path):
     folder = str(tmp_path / "checkpoints")
     check_shared_folder(open_storage(str(tmp_path)), folder, [workers])
@@ -124,7 +118,7 @@ def test_an_unreachable_endpoint_is_named(workers, s3_store):
     url, options = s3_store
     options = {
         **options,
-        "client_kwargs": {**options["client_kwargs"], "endpoint_url": f"http://127.0.0.1:{closed_port()}"},
+        "client_kwargs": {**options["client_kwargs"], "endpoint_url": f"http://127.0.0.1:{free_port()}"},
         "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2},  # botocore would retry for seconds
     }
     with pytest.raises(StorageNotSharedError) as caught:

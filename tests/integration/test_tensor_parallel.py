@@ -10,13 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from ports import free_port
 from spawned_ranks import spawn_ranks
 
 from rlrunner.backends.megatron.layout import hf_to_megatron_rank
 from rlrunner.backends.megatron.model import TPCausalLM
 
 from conftest import assert_bit_equal
-from megatron_models import SHAPES, build_test_model, free_port
+from megatron_models import SHAPES, build_test_model
 
 # left padding on the first row: its padding queries see no key at all (HF and we must agree there too)
 IDS = torch.tensor([[0, 0, 0, 12, 40, 98, 7, 3], [5, 17, 42, 61, 2, 9, 0, 0]])
