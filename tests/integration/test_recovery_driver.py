@@ -17,6 +17,7 @@ from recovery_helpers import (
     RUN,
     assert_matches_reference,
     driver_command,
+    driver_last_line,
     recovery_events,
     wait_for,
 )
@@ -88,7 +89,7 @@ def test_sigterm_writes_an_emergency_checkpoint_then_auto_resumes(cluster, refer
     driver.send_signal(signal.SIGTERM)
     _, err = driver.communicate(timeout=60)
     assert driver.returncode == 3, err
-    last_line = err.strip().splitlines()[-1]
+    last_line = driver_last_line(err)
     assert (
         last_line.startswith("rlrunner: stopped: SIGTERM received at step ")
         and "resume with runner.resume_dir=auto" in last_line

@@ -14,6 +14,7 @@ from recovery_helpers import (
     assert_matches_reference,
     assert_restored_from_memory,
     driver_command,
+    driver_last_line,
     kill,
     kill_in_next_update,
     recovery_events,
@@ -63,7 +64,7 @@ def test_megatron_sigterm_writes_an_emergency_checkpoint_then_auto_resumes(
     driver.send_signal(signal.SIGTERM)
     _, err = driver.communicate(timeout=60)
     assert driver.returncode == 3, err
-    stopped_at = int(err.strip().splitlines()[-1].split("at step ")[1].split(";")[0])
+    stopped_at = int(driver_last_line(err).split("at step ")[1].split(";")[0])
     actor = tmp_path / "test" / "checkpoints" / f"global_step_{stopped_at}" / "actor"
     assert (actor / "latest_checkpointed_iteration.txt").read_text() == str(stopped_at)
     Supervisor(run_config(tmp_path, *RUN, *MEGATRON, "runner.resume_dir=auto")).run()
