@@ -240,8 +240,9 @@ def _serve(socket_path: str) -> None:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, ("accept", None))
     children: dict[int, tuple[socket.socket, int]] = {}  # pidfd -> (client connection, pid)
-    while True:
-        for key, _ in selector.select():
+    parent = os.getppid()
+    while os.getppid() == parent:  # the test process gone (killed, say): so is the server
+        for key, _ in selector.select(timeout=1.0):
             kind, data = key.data
             if kind == "accept":
                 conn, _ = listener.accept()
