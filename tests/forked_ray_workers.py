@@ -92,13 +92,10 @@ def stop(server: subprocess.Popen) -> int | None:
 # -- the client: Ray's py_executable (stdlib only, run with -S) ---------------------------------------------------
 
 
-def _send(conn: socket.socket, payload: dict, fds: list[int] = ()) -> None:
-    data = json.dumps(payload).encode()
-    message = _HEADER.pack(len(data)) + data
-    if fds:
-        socket.send_fds(conn, [message], list(fds))
-    else:
-        conn.sendall(message)
+def _send(conn: socket.socket, request: dict, fds: list[int]) -> None:
+    message = _HEADER.pack(len(data := json.dumps(request).encode())) + data
+    sent = socket.send_fds(conn, [message], fds)
+    conn.sendall(message[sent:])  # what one sendmsg did not take (the server reads up to the header's size)
 
 
 def _recv_exact(conn: socket.socket, size: int) -> bytes:

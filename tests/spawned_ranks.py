@@ -15,16 +15,14 @@ from __future__ import annotations
 import multiprocessing
 from typing import Any, Callable
 
+import forked_ray_workers
 import torch.multiprocessing
 
-# What the ranks of the suite import; a name that fails to import is skipped by the server (the ranks then import it).
+# What the ranks of the suite import: the libraries Ray's workers are forked with, then our backends and megatron-core
+# (these ranks never connect to Ray, so importing it here is harmless); a name that fails to import is skipped by the
+# server (the ranks then import it).
 PRELOAD = [
-    "torch",
-    "torch.distributed.fsdp",
-    "torch.distributed.checkpoint",
-    "transformers",
-    "transformers.models.qwen2.modeling_qwen2",
-    "transformers.models.llama.modeling_llama",
+    *forked_ray_workers.PRELOAD,
     "rlrunner.backends.fsdp.worker",
     "rlrunner.backends.megatron.worker",
     "megatron.core",

@@ -93,9 +93,6 @@ def driver_command(cluster, output_dir: Path, *overrides: str) -> list[str]:
     return [*base, *RUN, *overrides]
 
 
-# -- replacing code inside one worker process ------------------------------------------------------------------
-
-
 # What Ray prints on a driver's stderr for its workers and raylet: each line prefixed "(name pid=N)", maybe coloured
 _FORWARDED = re.compile(r"^(\x1b\[[0-9;]*m)?\([^)]*\)")
 
@@ -104,6 +101,9 @@ def driver_last_line(stderr: str) -> str:
     """The last line a driver wrote itself to `stderr`: the lines Ray forwards from workers (a library's warning, say)
     can come after it."""
     return [line for line in stderr.strip().splitlines() if not _FORWARDED.match(line)][-1]
+
+
+# -- replacing code inside one worker process ------------------------------------------------------------------
 
 
 def patch_worker_module(group: WorkerGroup, rank: int, module: str, name: str, make_replacement) -> None:
