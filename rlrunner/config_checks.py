@@ -11,7 +11,8 @@ from rlrunner.errors import ConfigError
 from rlrunner.rollout.registry import check_engine
 
 _DTYPES = ("float32", "bfloat16", "float16")
-FSDP_UNITS = ("decoder_layer", "linear")  # what one FSDP2 unit is (rlrunner/backends/fsdp/worker.py: shard_model)
+# what one FSDP2 unit is (rlrunner/backends/fsdp/worker.py: resolve_unit, shard_model)
+FSDP_UNITS = ("auto", "decoder_layer", "linear", "model")
 
 
 def mini_batch_prompts(cfg: DictConfig) -> int:

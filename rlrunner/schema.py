@@ -185,7 +185,7 @@ class OptimConfig:
 
 @dataclass
 class FSDPOptions:
-    unit: str = "decoder_layer"  # what one all-gather unshards: decoder_layer | linear (docs/configuration.md)
+    unit: str = "auto"  # what one all-gather unshards: auto | decoder_layer | linear | model (docs/configuration.md)
 
 
 @dataclass

@@ -10,8 +10,9 @@ block of at least that size is mapped on its own and unmapped when freed.
 The threshold is 4 MiB, not lower: a block that is mapped costs a page fault per 4 KiB page at its first write, every
 time it is allocated. On CPU, where activations are host tensors, a threshold of 1 MiB made every activation of the
 default job (256 rows x 8 tokens x 256 floats, 2 MiB) a fresh mapping: its update on one rank with two threads took
-112 ms at 1 MiB and 67 ms at 4 MiB (its elementwise ops 2-3x slower). Blocks between 1 and 4 MiB kept by the heaps cost the peaks
-little (bench_memory, 2 ranks: FSDP 358M 3.47 -> 3.60 GiB, 120M 1.57 -> 1.61; Megatron tp 2 358M 3.25 -> 3.27).
+112 ms at 1 MiB and 67 ms at 4 MiB (its elementwise ops 2-3x slower). Blocks between 1 and 4 MiB kept by the heaps
+cost the peaks little (bench_memory, 2 ranks: FSDP 358M 3.47 -> 3.60 GiB, 120M 1.57 -> 1.61; Megatron tp 2 358M
+3.25 -> 3.27).
 """
 
 from __future__ import annotations

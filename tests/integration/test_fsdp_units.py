@@ -1,7 +1,7 @@
 """FSDP2 units (`actor.fsdp.unit`) and activation recomputation (`actor.gradient_checkpointing`): with each projection
-its own unit, the model is sharded into more, smaller units; with recomputation each layer runs again in the backward;
-either way a forward and backward give the plain decoder-layer run's loss and gradients bit for bit (two real gloo
-ranks)."""
+its own unit, the model is sharded into more, smaller units, and with `model` into one; with recomputation each layer
+runs again in the backward; every way a forward and backward give the plain decoder-layer run's loss and gradients bit
+for bit (two real gloo ranks)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ LINEARS_PER_LAYER = 7  # q, k, v, o; gate, up, down
 VARIANTS = {
     "decoder_layer": ("decoder_layer", False),
     "linear": ("linear", False),
+    "model": ("model", False),
     "recompute": ("decoder_layer", True),
+    "model_recompute": ("model", True),  # the default job's (`auto` on a small model, recomputation on)
 }
 
 
@@ -98,10 +100,11 @@ def ranks(tmp_path_factory) -> list[dict]:
     return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
 
 
-def test_linear_units_shard_each_projection_on_its_own(ranks):
+def test_linear_units_shard_each_projection_on_its_own_and_model_the_whole_model_at_once(ranks):
     for results in ranks:
         assert results["decoder_layer"][0] == LAYERS + 1  # the layers and the root
         assert results["linear"][0] == LAYERS * (LINEARS_PER_LAYER + 1) + 1
+        assert results["model"][0] == 1  # the root alone
 
 
 def test_recomputation_runs_each_layer_again_in_the_backward(ranks):
@@ -109,9 +112,10 @@ def test_recomputation_runs_each_layer_again_in_the_backward(ranks):
         assert results["decoder_layer"][1] == LAYERS
         assert results["linear"][1] == LAYERS
         assert results["recompute"][1] == 2 * LAYERS
+        assert results["model_recompute"][1] == 2 * LAYERS
 
 
-@pytest.mark.parametrize("variant", ["linear", "recompute"])
+@pytest.mark.parametrize("variant", ["linear", "model", "recompute", "model_recompute"])
 def test_the_loss_and_gradients_are_the_plain_runs_bitwise(ranks, variant):
     for results in ranks:
         _, _, plain_loss, plain_grads = results["decoder_layer"]

@@ -54,7 +54,7 @@ def test_print_config_writes_nothing(tmp_path, monkeypatch, capsys):
             "runner.logger.backends: unknown tracker 'neptune' (choose from tensorboard, wandb, mlflow)",
         ),
         (["rollout.val.num_samples=0"], "rollout.val.num_samples must be >= 1, got 0"),
-        (["actor.fsdp.unit=layer"], "actor.fsdp.unit must be one of decoder_layer, linear, got 'layer'"),
+        (["actor.fsdp.unit=layer"], "actor.fsdp.unit must be one of auto, decoder_layer, linear, model, got 'layer'"),
         (["actor.fsdp_unit=linear"], "config key 'actor.fsdp_unit' is now 'actor.fsdp.unit'"),
         (["actor.shard_gradients=false"], "config key 'actor.shard_gradients' is now 'actor.megatron.shard_gradients'"),
         (["+actor.shard_weights=false"], "config key 'actor.shard_weights' is now 'actor.megatron.shard_weights'"),
