@@ -143,6 +143,17 @@ def build_model(
     return model
 
 
+# A model whose float32 weights are at most this big is small: its whole state is less than a rank's fixed overhead
+# (about 0.5 GiB), so what scales memory at real sizes need not be paid for it (rlrunner.backends.fsdp.worker's
+# `resolve_unit`, `ActorWorker.fit_heap_to`). 16M parameters; the default job's model has 0.3M.
+SMALL_MODEL_BYTES = 64 * 2**20
+
+
+def float32_bytes(model: torch.nn.Module) -> int:
+    """The bytes of `model`'s parameters in float32 (a meta model's too)."""
+    return sum(p.numel() for p in model.parameters()) * 4
+
+
 def meta_model(config: Any, attn_implementation: str, dtype: torch.dtype) -> torch.nn.Module:
     """The causal LM of `config` on the meta device: its structure, names and shapes, and no storage."""
     from transformers import AutoModelForCausalLM

@@ -7,12 +7,13 @@ where blocks freed between live ones are kept by the process: measured with FSDP
 rank's peak resident set was 3.07 GiB instead of 1.87 GiB. A fixed threshold turns the adjustment off, so every
 block of at least that size is mapped on its own and unmapped when freed.
 
-The threshold is 4 MiB, not lower: a block that is mapped costs a page fault per 4 KiB page at its first write, every
-time it is allocated. On CPU, where activations are host tensors, a threshold of 1 MiB made every activation of the
-default job (256 rows x 8 tokens x 256 floats, 2 MiB) a fresh mapping: its update on one rank with two threads took
-112 ms at 1 MiB and 67 ms at 4 MiB (its elementwise ops 2-3x slower). Blocks between 1 and 4 MiB kept by the heaps
-cost the peaks little (bench_memory, 2 ranks: FSDP 358M 3.47 -> 3.60 GiB, 120M 1.57 -> 1.61; Megatron tp 2 358M
-3.25 -> 3.27).
+The threshold is 1 MiB; a small model's actor ranks raise it to 4 MiB (`ActorWorker.fit_heap_to`). A block that is
+mapped costs a page fault per 4 KiB page at its first write, every time it is allocated, and on CPU, where activations
+are host tensors, the default job's (2 MiB at 256 rows x 8 tokens x 256 floats, 1 MiB per rank at 2 ranks) were all
+fresh mappings: its update on one rank with two threads took 112 ms at 1 MiB and 67 ms at 4 MiB, the elementwise ops
+2-3x slower. Real sizes keep 1 MiB, for their peaks: the 120M model's FSDP ranks at 4 ranks peaked at 1.34x their
+share plus overhead at 4 MiB (1.35x at 2 MiB) against 1.28x at 1 MiB, 358M at 1.32x against 1.19x (bench_memory,
+snapshots on; the goal is 1.3x).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import logging
 logger = logging.getLogger(__name__)
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-MMAP_THRESHOLD_BYTES = 4 << 20
+MMAP_THRESHOLD_BYTES = 1 << 20
+SMALL_MODEL_MMAP_THRESHOLD_BYTES = 4 << 20
 
 
 def release_freed_memory(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:

@@ -42,3 +42,32 @@ def test_blocks_freed_between_live_ones_leave_the_process():
     # 3 rounds of 32 blocks of 8 MiB freed, 6 MiB of small tensors kept: glibc's default keeps one round's blocks
     assert kept_by_default > 128 << 20, kept_by_default  # the behaviour this guards against, on this C library
     assert kept < 32 << 20, kept
+
+
+FAULTS = """
+import resource, sys, torch
+from rlrunner.backends.actor import ActorWorker
+from rlrunner.models.loading import SMALL_MODEL_BYTES
+from rlrunner.utils.heap import release_freed_memory
+
+release_freed_memory()  # what every worker does when it starts
+ActorWorker.fit_heap_to(None, SMALL_MODEL_BYTES + int(sys.argv[1]))  # what a rank's setup does with its model's size
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(50):  # an activation of the default job's update (2 MiB), made and freed over and over
+    activation = torch.ones(512 << 10)
+    del activation
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _page_faults(over_small_bytes: int) -> int:
+    command = [sys.executable, "-c", FAULTS, str(over_small_bytes)]
+    return int(subprocess.run(command, capture_output=True, text=True, check=True).stdout.split()[-1])
+
+
+def test_a_small_models_rank_reuses_its_activations_blocks_without_page_faults():
+    small = _page_faults(0)
+    large = _page_faults(1)
+    # above SMALL_MODEL_BYTES each 2 MiB block is a fresh mapping: 512 faults every time; a small model's come back
+    assert large > 50 * 400, large
+    assert small < large / 10, (small, large)

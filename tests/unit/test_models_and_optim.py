@@ -284,11 +284,12 @@ def test_adamw_is_fused_on_cuda_and_the_per_tensor_loop_on_the_cpu() -> None:
 
 
 def test_fsdp_unit_auto_is_the_whole_model_only_for_small_models() -> None:
-    from rlrunner.backends.fsdp.worker import WHOLE_MODEL_UNIT_MAX_BYTES, resolve_unit
+    from rlrunner.backends.fsdp.worker import resolve_unit
+    from rlrunner.models.loading import SMALL_MODEL_BYTES
 
     assert resolve_unit("auto", 4 * 300_000) == "model"  # the default job's 0.3M parameters
-    assert resolve_unit("auto", WHOLE_MODEL_UNIT_MAX_BYTES) == "model"
-    assert resolve_unit("auto", WHOLE_MODEL_UNIT_MAX_BYTES + 1) == "decoder_layer"
+    assert resolve_unit("auto", SMALL_MODEL_BYTES) == "model"
+    assert resolve_unit("auto", SMALL_MODEL_BYTES + 1) == "decoder_layer"
     assert resolve_unit("auto", 4 * 120_000_000) == "decoder_layer"  # real sizes keep a unit per layer
     for unit in ("decoder_layer", "linear", "model"):
         assert resolve_unit(unit, 4) == unit == resolve_unit(unit, 4 << 40)

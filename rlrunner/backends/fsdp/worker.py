@@ -20,8 +20,10 @@ from rlrunner.backends.optim import apply_schedule, build_optimizer
 from rlrunner.backends.rank_parts import local_shard
 from rlrunner.models.hf_tensors import BLOCK_ELEMENTS, HFTensors
 from rlrunner.models.loading import (
+    SMALL_MODEL_BYTES,
     build_hf_config,
     build_tokenizer,
+    float32_bytes,
     initial_tensors,
     meta_model,
     restore_buffers,
@@ -35,19 +37,15 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
-# `actor.fsdp.unit=auto`: a model whose float32 weights are at most this big is one unit. What it holds unsharded during
-# a pass (its weights and gradients, 128 MiB at most) is small beside a rank's fixed overhead (about 0.5 GiB), and it
-# saves a collective per layer in the forward, the recomputation and the backward: the default job's update on 2 ranks
-# took 65 ms instead of 79 ms.
-WHOLE_MODEL_UNIT_MAX_BYTES = 64 * 2**20
-
-
 def resolve_unit(unit: str, model_bytes: int) -> str:
-    """The FSDP unit `actor.fsdp.unit` means for a model of `model_bytes` (its float32 weights): `auto` is `model`
-    up to WHOLE_MODEL_UNIT_MAX_BYTES, else `decoder_layer`; any other value is itself."""
+    """The FSDP unit `actor.fsdp.unit` means for a model of `model_bytes` (its float32 weights): `auto` is `model` for
+    a small model (SMALL_MODEL_BYTES), else `decoder_layer`; any other value is itself. What one unit holds unsharded
+    during a pass (a small model's weights and gradients, 128 MiB at most) is small beside a rank's fixed overhead, and
+    it saves a collective per layer in the forward, the recomputation and the backward: the default job's update on 2
+    ranks took 65 ms instead of 79 ms."""
     if unit != "auto":
         return unit
-    return "model" if model_bytes <= WHOLE_MODEL_UNIT_MAX_BYTES else "decoder_layer"
+    return "model" if model_bytes <= SMALL_MODEL_BYTES else "decoder_layer"
 
 
 def shard_model(
@@ -120,7 +118,8 @@ class FSDPActorWorker(ActorWorker):
         config = build_hf_config(self.model_cfg, tokenizer)
         model = meta_model(config, self.model_cfg["attn_implementation"], torch.float32)
         tensors = initial_tensors(self.model_cfg, config, self.init_seed, model, self.read_weights)
-        model_bytes = sum(p.numel() for p in model.parameters()) * 4  # float32, whatever the meta model's dtype
+        model_bytes = float32_bytes(model)
+        self.fit_heap_to(model_bytes)
         shard_model(
             model,
             self.actor_cfg["param_dtype"],

@@ -57,7 +57,14 @@ from rlrunner.backends.megatron.to_hf import megatron_to_hf
 from rlrunner.backends.megatron.weight_units import UnitCursor
 from rlrunner.backends.megatron.weights import MegatronWeightSource
 from rlrunner.backends.optim import apply_schedule, build_schedule
-from rlrunner.models.loading import build_hf_config, build_tokenizer, initial_tensors, meta_model, torch_dtype
+from rlrunner.models.loading import (
+    build_hf_config,
+    build_tokenizer,
+    float32_bytes,
+    initial_tensors,
+    meta_model,
+    torch_dtype,
+)
 from rlrunner.storage import open_storage
 from rlrunner.utils.rng import capture_rng, restore_rng
 from rlrunner.weight_sync.endpoints import WeightSource
@@ -165,6 +172,7 @@ class MegatronActorWorker(ActorWorker):
 
     def _load_initial_weights(self, model: TPCausalLM, into: Callable[[str, torch.Tensor], None] | None = None) -> None:
         plan = meta_model(self.hf_config, self.model_cfg["attn_implementation"], torch.float32)  # names and shapes
+        self.fit_heap_to(float32_bytes(plan))
         tensors = initial_tensors(self.model_cfg, self.hf_config, self.init_seed, plan, self.read_weights)
         model.load_megatron_shard(
             iter_hf_to_megatron_rank(tensors, self.hf_config, self.tp, self.tp_rank, self.divisible_by), into
