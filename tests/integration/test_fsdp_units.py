@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ports import free_port
 from spawned_ranks import spawn_ranks
 
-from rlrunner.backends.fsdp.worker import decoder_layers, fill_own_rows, shard_model
+from rlrunner.backends.fsdp.worker import decoder_layers, enable_recomputation, fill_own_rows, shard_model
 from rlrunner.models.hf_tensors import SeededInit
 from rlrunner.models.loading import build_hf_config, meta_model, restore_buffers
 from rlrunner.models.tokenizer import build_char_tokenizer
@@ -48,7 +48,7 @@ def _sharded(unit: str, recompute: bool) -> torch.nn.Module:
     fill_own_rows(model, tensors)
     restore_buffers(model, config, torch.device("cpu"))
     if recompute:  # as FSDPActorWorker.setup does
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_recomputation(model)
     model.train()
     return model
 

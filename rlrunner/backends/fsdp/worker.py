@@ -71,6 +71,17 @@ def shard_model(
     return model
 
 
+def enable_recomputation(model: torch.nn.Module) -> None:
+    """HF's activation checkpointing per decoder layer, non-reentrant: FSDP2's pre-backward hook all-gathers a layer
+    for its recompute. Through `activation_checkpointing_enable` where transformers has it (5.2x), whose old name
+    warns of its removal in v6 from every rank."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 @torch.no_grad()
 def fill_own_rows(model: torch.nn.Module, tensors: HFTensors) -> None:
     """Copy into each parameter's local shard (its dim-0 rows, FSDP2's torch.chunk split) those rows of the HF
@@ -98,8 +109,7 @@ class FSDPActorWorker(ActorWorker):
         # Master weights stay float32; FSDP computes in actor.param_dtype.
         self.model = self._build(tokenizer, trainable=True)
         if self.actor_cfg["gradient_checkpointing"]:
-            # HF's, non-reentrant: FSDP2's pre-backward hook all-gathers a layer for its recompute
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_recomputation(self.model)
         self.model.train()
         self.optimizer, self.scheduler = build_optimizer(
             self.model.parameters(), self.actor_cfg["optim"], self.total_optimizer_steps
