@@ -9,6 +9,7 @@ Each token's log-probability is taken from the raw distribution (before temperat
 
 from __future__ import annotations
 
+import inspect
 from typing import Sequence
 
 import torch
@@ -35,6 +36,12 @@ def sample_tokens(
     last_kept = (sorted_probs > 0).sum(dim=-1) - 1
     choice = torch.minimum(choice, last_kept)
     return sorted_ids.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name of the KV cache in `model`'s forward and output: `cache` from transformers 5.2x on, where
+    `past_key_values` warns that it goes in 5.40, `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @torch.no_grad()
@@ -69,6 +76,7 @@ def generate(
     stop = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
 
     cache = DynamicCache(config=model.config)
+    cache_name = cache_argument(model)
     responses: list[list[int]] = [[] for _ in range(rows)]
     logprobs: list[list[float]] = [[] for _ in range(rows)]
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -78,7 +86,7 @@ def generate(
             input_ids=step_ids,
             attention_mask=attention_mask,
             position_ids=step_positions,
-            past_key_values=cache,
+            **{cache_name: cache},
             use_cache=True,
         )
         logits = out.logits[:, -1, :].cpu()
@@ -94,7 +102,7 @@ def generate(
         finished |= torch.isin(next_ids, stop)
         if bool(finished.all()):
             break
-        cache = out.past_key_values
+        cache = getattr(out, cache_name)
         step_ids = next_ids.unsqueeze(-1)
         step_positions = step_positions[:, -1:] + 1
         attention_mask = torch.cat([attention_mask, torch.ones((rows, 1), dtype=torch.long, device=device)], dim=-1)
