@@ -28,8 +28,7 @@ from rlrunner.backends.snapshot_stream import SnapshotStream, fetch_part
 from rlrunner.cluster.node import node_ip
 from rlrunner.cluster.worker import Worker
 from rlrunner.models.hf_tensors import HFTensors
-from rlrunner.models.loading import SMALL_MODEL_BYTES, warm_up_model_code
-from rlrunner.utils.heap import SMALL_MODEL_MMAP_THRESHOLD_BYTES, release_freed_memory
+from rlrunner.models.loading import warm_up_model_code
 from rlrunner.utils.stateful import Stateful, StateParts
 from rlrunner.weight_sync.channels import connect_store, serve_store
 from rlrunner.weight_sync.endpoints import WeightSource
@@ -137,13 +136,6 @@ class ActorWorker(Worker, ABC):
     def finish_checkpoint(self) -> dict[str, Any]:
         """Wait for the save in flight; the files this rank wrote: {"files": {name: {size, crc32}}, "write_s"}."""
         return self.saver.finish()
-
-    def fit_heap_to(self, model_bytes: int) -> None:
-        """Called by `setup` with the policy's float32 bytes: a small model's rank (SMALL_MODEL_BYTES) leaves freed
-        blocks under 4 MiB in glibc's heaps, where its activations are reused without page faults (rlrunner.utils.heap);
-        larger ones keep the worker's 1 MiB."""
-        if model_bytes <= SMALL_MODEL_BYTES:
-            release_freed_memory(SMALL_MODEL_MMAP_THRESHOLD_BYTES)
 
     # -- in-memory snapshots (see rlrunner.runner.snapshots) ------------------------------------------
 

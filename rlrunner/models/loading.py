@@ -13,6 +13,7 @@ from rlrunner.checkpoint.layout import ACTOR_HF_DIR, HF_DIR
 from rlrunner.errors import ConfigError, describe
 from rlrunner.models.hf_tensors import HFTensors, SafetensorsFolder, SeededInit, StateDict, tied_aliases
 from rlrunner.models.tokenizer import build_char_tokenizer
+from rlrunner.utils.heap import SMALL_MODEL_MMAP_THRESHOLD_BYTES, release_freed_memory
 
 TINY_CONFIG_PATH = Path(__file__).with_name("tiny_qwen2.json")
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
@@ -145,13 +146,21 @@ def build_model(
 
 # A model whose float32 weights are at most this big is small: its whole state is less than a rank's fixed overhead
 # (about 0.5 GiB), so what scales memory at real sizes need not be paid for it (rlrunner.backends.fsdp.worker's
-# `resolve_unit`, `ActorWorker.fit_heap_to`). 16M parameters; the default job's model has 0.3M.
+# `resolve_unit`, `fit_heap_to`). 16M parameters; the default job's model has 0.3M.
 SMALL_MODEL_BYTES = 64 * 2**20
 
 
 def float32_bytes(model: torch.nn.Module) -> int:
     """The bytes of `model`'s parameters in float32 (a meta model's too)."""
     return sum(p.numel() for p in model.parameters()) * 4
+
+
+def fit_heap_to(model_bytes: int) -> None:
+    """An actor rank's setup, with its policy's float32 bytes: a small model's rank leaves freed blocks under 4 MiB in
+    glibc's heaps, where its activations are reused without page faults (rlrunner.utils.heap); larger ones keep the
+    worker's 1 MiB."""
+    if model_bytes <= SMALL_MODEL_BYTES:
+        release_freed_memory(SMALL_MODEL_MMAP_THRESHOLD_BYTES)
 
 
 def meta_model(config: Any, attn_implementation: str, dtype: torch.dtype) -> torch.nn.Module:

@@ -7,7 +7,7 @@ where blocks freed between live ones are kept by the process: measured with FSDP
 rank's peak resident set was 3.07 GiB instead of 1.87 GiB. A fixed threshold turns the adjustment off, so every
 block of at least that size is mapped on its own and unmapped when freed.
 
-The threshold is 1 MiB; a small model's actor ranks raise it to 4 MiB (`ActorWorker.fit_heap_to`). A block that is
+The threshold is 1 MiB; a small model's actor ranks raise it to 4 MiB (`models.loading.fit_heap_to`). A block that is
 mapped costs a page fault per 4 KiB page at its first write, every time it is allocated, and on CPU, where activations
 are host tensors, the default job's (2 MiB at 256 rows x 8 tokens x 256 floats, 1 MiB per rank at 2 ranks) were all
 fresh mappings: its update on one rank with two threads took 112 ms at 1 MiB and 67 ms at 4 MiB, the elementwise ops

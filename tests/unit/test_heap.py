@@ -46,12 +46,11 @@ def test_blocks_freed_between_live_ones_leave_the_process():
 
 FAULTS = """
 import resource, sys, torch
-from rlrunner.backends.actor import ActorWorker
-from rlrunner.models.loading import SMALL_MODEL_BYTES
+from rlrunner.models.loading import SMALL_MODEL_BYTES, fit_heap_to
 from rlrunner.utils.heap import release_freed_memory
 
 release_freed_memory()  # what every worker does when it starts
-ActorWorker.fit_heap_to(None, SMALL_MODEL_BYTES + int(sys.argv[1]))  # what a rank's setup does with its model's size
+fit_heap_to(SMALL_MODEL_BYTES + int(sys.argv[1]))  # what a rank's setup does with its model's size
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(50):  # an activation of the default job's update (2 MiB), made and freed over and over
     activation = torch.ones(512 << 10)

@@ -23,6 +23,7 @@ from rlrunner.models.loading import (
     SMALL_MODEL_BYTES,
     build_hf_config,
     build_tokenizer,
+    fit_heap_to,
     float32_bytes,
     initial_tensors,
     meta_model,
@@ -129,7 +130,7 @@ class FSDPActorWorker(ActorWorker):
         model = meta_model(config, self.model_cfg["attn_implementation"], torch.float32)
         tensors = initial_tensors(self.model_cfg, config, self.init_seed, model, self.read_weights)
         model_bytes = float32_bytes(model)
-        self.fit_heap_to(model_bytes)
+        fit_heap_to(model_bytes)
         shard_model(
             model,
             self.actor_cfg["param_dtype"],

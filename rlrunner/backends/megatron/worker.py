@@ -60,6 +60,7 @@ from rlrunner.backends.optim import apply_schedule, build_schedule
 from rlrunner.models.loading import (
     build_hf_config,
     build_tokenizer,
+    fit_heap_to,
     float32_bytes,
     initial_tensors,
     meta_model,
@@ -172,7 +173,7 @@ class MegatronActorWorker(ActorWorker):
 
     def _load_initial_weights(self, model: TPCausalLM, into: Callable[[str, torch.Tensor], None] | None = None) -> None:
         plan = meta_model(self.hf_config, self.model_cfg["attn_implementation"], torch.float32)  # names and shapes
-        self.fit_heap_to(float32_bytes(plan))
+        fit_heap_to(float32_bytes(plan))
         tensors = initial_tensors(self.model_cfg, self.hf_config, self.init_seed, plan, self.read_weights)
         model.load_megatron_shard(
             iter_hf_to_megatron_rank(tensors, self.hf_config, self.tp, self.tp_rank, self.divisible_by), into
