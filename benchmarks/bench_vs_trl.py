@@ -6,12 +6,14 @@ rollout worker, 2 cores), `--steps` steps, no validation or periodic save, snaps
 (`benchlib/trl_grpo.py`, run by `--trl-python`, the interpreter of a venv with TRL) is one process training the same
 tiny Qwen2 from the same initial weights (rlrunner's seeded init, written as an HF folder with its tokenizer) on the
 same prompts in the same order (rlrunner's loader's, written out), with the same reward, loss and optimizer settings
-(see that script), activations recomputed in the backward as both do by default (rlrunner's
-`actor.gradient_checkpointing`, which TRL's run follows when it is overridden). Reported: the median step time inside
-each loop and steps per second (rlrunner / TRL), the wall time end to end including start-up, the time outside the
-steps (start-up and close), rlrunner's step broken down (generation and reward, update, weight sync, snapshot), and
-both runs' mean reward over their last 50 steps (the same work should learn alike, not bit for bit: the samplers
-differ).
+(see that script). Each run recomputes activations in the backward as its own defaults say: TRL does
+(`GRPOConfig.gradient_checkpointing`, true), rlrunner does not for a model this small (`actor.gradient_checkpointing`
+null, on above 16M parameters), the same numbers either way; `--trl-gradient-checkpointing off` runs TRL without, and
+an `actor.gradient_checkpointing` override is followed by TRL's run unless that flag is given. Reported: the median step
+time inside each loop and steps per second (rlrunner / TRL), the wall time end to end including start-up, the time
+outside the steps (start-up and close), rlrunner's step broken down (generation and reward, update, weight sync,
+snapshot), and both runs' mean reward over their last 50 steps (the same work should learn alike, not bit for bit: the
+samplers differ).
 
 Run from the repository root (TRL in a venv of its own: it pins its own transformers):
 
@@ -110,6 +112,15 @@ def trl_micro_batch_size(args: argparse.Namespace, cfg: Any) -> int:
     return prompts * cfg.algorithm.group_size // cfg.actor.num_workers
 
 
+def trl_recomputes(args: argparse.Namespace, cfg: Any) -> bool:
+    """Whether TRL's run recomputes activations: `--trl-gradient-checkpointing`, else an explicit
+    `actor.gradient_checkpointing`, else TRL's own default (on)."""
+    if args.trl_gradient_checkpointing != "default":
+        return args.trl_gradient_checkpointing == "on"
+    setting = cfg.actor.gradient_checkpointing
+    return True if setting is None else bool(setting)
+
+
 def run_trl(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from rlrunner.config import load_config
 
@@ -125,7 +136,7 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         f"--seed={args.seed}",
         f"--max-new-tokens={cfg.rollout.max_new_tokens}",
         f"--micro-batch-size={trl_micro_batch_size(args, cfg)}",
-        *(["--gradient-checkpointing"] if cfg.actor.gradient_checkpointing else []),  # TRL's default too
+        *(["--gradient-checkpointing"] if trl_recomputes(args, cfg) else []),
     ]
     began = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
@@ -134,6 +145,7 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     result = json.loads(out.read_text())
     result["wall_s"] = time.perf_counter() - began  # the process's start included
     result["micro_batch_size"] = trl_micro_batch_size(args, cfg)
+    result["recomputes"] = trl_recomputes(args, cfg)
     result["micro_batches"] = cfg.data.batch_size * cfg.algorithm.group_size // result["micro_batch_size"]
     return result
 
@@ -147,6 +159,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="for rlrunner's run")
     parser.add_argument(
         "--trl-micro-batch-size", type=int, default=None, help="TRL's samples per pass (default: rlrunner's)"
+    )
+    parser.add_argument(
+        "--trl-gradient-checkpointing",
+        choices=["default", "on", "off"],
+        default="default",
+        help="TRL's activation recomputation (default: rlrunner's explicit setting, else TRL's default, on)",
     )
     parser.add_argument("--dir", type=Path, default=None, help="folder for the runs' output (a fresh subfolder)")
     args = parser.parse_args(argv)
@@ -203,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         f"forward/backward passes per step: rlrunner {passes} on each of its ranks (actor.micro_batch_tokens "
         f"and actor.micro_batch_size), TRL {trl['micro_batches']} of {trl['micro_batch_size']} samples"
     )
+    print(f"TRL recomputes activations in the backward: {'yes' if trl['recomputes'] else 'no'}")
     print(f"total time: {time.perf_counter() - started:.0f}s")
     return 0
 

@@ -212,7 +212,9 @@ class ActorConfig:
         "float32"  # compute dtype (FSDP2 mixed precision; autocast with megatron); master weights stay float32
     )
     reduce_dtype: str = "float32"
-    gradient_checkpointing: bool = True  # keep each layer's input only, recompute its activations in backward
+    # keep each layer's input only, recompute its activations in the backward; null: on, unless the model is small
+    # (at most 16M parameters, models.loading.SMALL_MODEL_BYTES, whose activations are small)
+    gradient_checkpointing: Optional[bool] = None
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)  # actor.training_backend=fsdp only
     megatron: MegatronOptions = field(default_factory=MegatronOptions)  # actor.training_backend=megatron only

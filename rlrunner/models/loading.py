@@ -146,13 +146,22 @@ def build_model(
 
 # A model whose float32 weights are at most this big is small: its whole state is less than a rank's fixed overhead
 # (about 0.5 GiB), so what scales memory at real sizes need not be paid for it (rlrunner.backends.fsdp.worker's
-# `resolve_unit`, `fit_heap_to`). 16M parameters; the default job's model has 0.3M.
+# `resolve_unit`, `fit_heap_to`, `recomputes_activations`). 16M parameters; the default job's model has 0.3M.
 SMALL_MODEL_BYTES = 64 * 2**20
 
 
 def float32_bytes(model: torch.nn.Module) -> int:
     """The bytes of `model`'s parameters in float32 (a meta model's too)."""
     return sum(p.numel() for p in model.parameters()) * 4
+
+
+def recomputes_activations(setting: bool | None, model_bytes: int) -> bool:
+    """`actor.gradient_checkpointing` for a policy of `model_bytes` float32 bytes: the setting, or when it is null
+    (auto) on unless the model is small. Recomputation trades a second forward for activation memory, which is worth
+    it where activations are large; a small model's are not (about 80 bytes per token, layer and hidden unit in
+    float32: 24 MB for the default job's micro-batch, at most a few GiB at the default token budget), and the default
+    job would pay a sixth of its update for them. Either way the numbers are the same bit for bit."""
+    return bool(setting) if setting is not None else model_bytes > SMALL_MODEL_BYTES
 
 
 def fit_heap_to(model_bytes: int) -> None:

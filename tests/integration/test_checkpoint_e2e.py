@@ -94,11 +94,11 @@ def test_resume_is_bitwise_identical_to_the_uninterrupted_run(reference, tmp_pat
     assert sorted(p.name for p in (experiment / "checkpoints").iterdir()) == expected
 
 
-def test_a_resume_with_linear_units_and_no_recomputation_ends_bitwise_identical(reference, tmp_path):
-    """actor.fsdp.unit=linear (each projection its own FSDP unit), without activation recomputation, loads the default
-    run's checkpoint (decoder-layer units, recomputation on) and trains on exactly as it did."""
+def test_a_resume_with_linear_units_and_recomputation_ends_bitwise_identical(reference, tmp_path):
+    """actor.fsdp.unit=linear (each projection its own FSDP unit), with activation recomputation, loads the default
+    run's checkpoint (the tiny model: one unit, no recomputation) and trains on exactly as it did."""
     experiment, _ = resume_run(
-        tmp_path, reference.checkpoint(6), "actor.fsdp.unit=linear", "actor.gradient_checkpointing=false"
+        tmp_path, reference.checkpoint(6), "actor.fsdp.unit=linear", "actor.gradient_checkpointing=true"
     )
     assert_resumed_bitwise(experiment, reference, 6, 8)
 

@@ -186,11 +186,11 @@ def test_resume_mid_epoch_is_bitwise_identical_to_the_uninterrupted_run(referenc
     assert all(torch.equal(a, b) for a, b in zip(seen["rng"], reference.rng(8), strict=True))
 
 
-def test_a_resume_without_recomputation_ends_bitwise_identical(reference, tmp_path):
-    """actor.gradient_checkpointing (the default) recomputes each layer (its tensor-parallel collectives too) in the
-    backward: the same gradients as keeping the activations, so the same run."""
+def test_a_resume_with_recomputation_ends_bitwise_identical(reference, tmp_path):
+    """actor.gradient_checkpointing=true recomputes each layer (its tensor-parallel collectives too) in the backward:
+    the same gradients as keeping the activations (the default for the tiny model), so the same run."""
     assert_resumed_bitwise(
-        resume(tmp_path, reference.checkpoint(6), 2, 2, "actor.gradient_checkpointing=false"), reference, 6, 8
+        resume(tmp_path, reference.checkpoint(6), 2, 2, "actor.gradient_checkpointing=true"), reference, 6, 8
     )
 
 

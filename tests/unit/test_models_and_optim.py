@@ -293,3 +293,14 @@ def test_fsdp_unit_auto_is_the_whole_model_only_for_small_models() -> None:
     assert resolve_unit("auto", 4 * 120_000_000) == "decoder_layer"  # real sizes keep a unit per layer
     for unit in ("decoder_layer", "linear", "model"):
         assert resolve_unit(unit, 4) == unit == resolve_unit(unit, 4 << 40)
+
+
+def test_recomputation_by_default_only_above_a_small_model() -> None:
+    from rlrunner.models.loading import SMALL_MODEL_BYTES, recomputes_activations
+
+    assert not recomputes_activations(None, 4 * 300_000)  # the default job's 0.3M parameters keep their activations
+    assert not recomputes_activations(None, SMALL_MODEL_BYTES)
+    assert recomputes_activations(None, SMALL_MODEL_BYTES + 1)
+    assert recomputes_activations(None, 4 * 120_000_000)  # real sizes recompute
+    for setting in (True, False):  # a setting is itself, whatever the size
+        assert recomputes_activations(setting, 4) is setting is recomputes_activations(setting, 4 << 40)

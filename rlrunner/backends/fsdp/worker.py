@@ -27,6 +27,7 @@ from rlrunner.models.loading import (
     float32_bytes,
     initial_tensors,
     meta_model,
+    recomputes_activations,
     restore_buffers,
     torch_dtype,
 )
@@ -109,7 +110,7 @@ class FSDPActorWorker(ActorWorker):
         tokenizer = build_tokenizer(self.model_cfg)
         # Master weights stay float32; FSDP computes in actor.param_dtype.
         self.model = self._build(tokenizer, trainable=True)
-        if self.actor_cfg["gradient_checkpointing"]:
+        if recomputes_activations(self.actor_cfg["gradient_checkpointing"], float32_bytes(self.model)):
             enable_recomputation(self.model)
         self.model.train()
         self.optimizer, self.scheduler = build_optimizer(

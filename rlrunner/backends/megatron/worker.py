@@ -64,6 +64,7 @@ from rlrunner.models.loading import (
     float32_bytes,
     initial_tensors,
     meta_model,
+    recomputes_activations,
     torch_dtype,
 )
 from rlrunner.storage import open_storage
@@ -160,8 +161,9 @@ class MegatronActorWorker(ActorWorker):
         )
         if self.optimizer.shard_weights:  # ZeRO-3: the model gathers each unit around its use
             self.model.weight_units = self.optimizer.units
-        self._load_initial_weights(self.model, self.optimizer.load_weight)
-        self.model.gradient_checkpointing = bool(self.actor_cfg["gradient_checkpointing"])
+        model_bytes = self._load_initial_weights(self.model, self.optimizer.load_weight)
+        recompute = self.actor_cfg["gradient_checkpointing"]
+        self.model.gradient_checkpointing = recomputes_activations(recompute, model_bytes)
         self.model.train()
         self.scheduler = build_schedule(self.optimizer.optimizer, optim, self.total_optimizer_steps)
         if self.algorithm_cfg["use_kl_loss"]:
@@ -171,14 +173,17 @@ class MegatronActorWorker(ActorWorker):
             self._load_initial_weights(self.ref_model.requires_grad_(False))
             self.ref_model.eval()
 
-    def _load_initial_weights(self, model: TPCausalLM, into: Callable[[str, torch.Tensor], None] | None = None) -> None:
+    def _load_initial_weights(self, model: TPCausalLM, into: Callable[[str, torch.Tensor], None] | None = None) -> int:
+        """Fill `model` (this rank's part) with the run's initial weights; returns the whole model's float32 bytes."""
         plan = meta_model(self.hf_config, self.model_cfg["attn_implementation"], torch.float32)  # names and shapes
-        fit_heap_to(float32_bytes(plan))
+        model_bytes = float32_bytes(plan)
+        fit_heap_to(model_bytes)
         tensors = initial_tensors(self.model_cfg, self.hf_config, self.init_seed, plan, self.read_weights)
         model.load_megatron_shard(
             iter_hf_to_megatron_rank(tensors, self.hf_config, self.tp, self.tp_rank, self.divisible_by), into
         )
         model.to(self.device)  # the rotary table (the parameters are there already)
+        return model_bytes
 
     # -- the update's backend parts ------------------------------------------------------------
 
