@@ -121,7 +121,14 @@ def patch_worker_module(group: WorkerGroup, rank: int, module: str, name: str, m
         target = sys.modules[module]
         setattr(target, name, make_replacement(getattr(target, name)))
 
-    ray.get(worker.__ray_call__.remote(patch))
+    try:
+        ray.get(worker.__ray_call__.remote(patch))
+    except ray.exceptions.ActorDiedError:
+        # A `dying` patch can take its process before this call's answer has left it: the worker's next task (a
+        # queued generation) calls the patched function at once, and Ray sends the answer asynchronously. Any other
+        # patch must answer.
+        if make_replacement is not dying:
+            raise
 
 
 def patch_worker_attribute(group: WorkerGroup, rank: int, name: str, make_replacement) -> None:
