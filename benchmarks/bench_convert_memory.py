@@ -109,7 +109,7 @@ def model_weight_bytes(dcp_dir: Path) -> int:
     """Bytes of the `model.*` tensors recorded in the DCP metadata (the size of the full weights)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from rlrunner.backends.fsdp.safe_dcp import read_metadata
+    from rlrunner.backends.dcp_files import read_metadata
     from rlrunner.backends.fsdp.weights import MODEL_PREFIX
 
     total = 0

@@ -22,8 +22,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from spawned_ranks import forked_context
 
-from rlrunner.backends.fsdp.dcp_state import checksumming_writer
-from rlrunner.backends.fsdp.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeMetadataError, read_metadata
+from rlrunner.backends.dcp_files import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeMetadataError,
+    checksumming_writer,
+    read_metadata,
+)
 from rlrunner.checkpoint.diagnostics import root_cause
 from rlrunner.storage import FileRecord, join, open_storage
 from rlrunner.tools.convert import load_model_weights

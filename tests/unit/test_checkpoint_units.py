@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from rlrunner.backends.fsdp.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeMetadataError, read_metadata
+from rlrunner.backends.dcp_files import SafeFileSystemReader, SafeLoadPlanner, UnsafeMetadataError, read_metadata
 from rlrunner.checkpoint.diagnostics import root_cause
 from rlrunner.checkpoint.inspect import main as checkpoint_cli
 from rlrunner.checkpoint.manifest import (

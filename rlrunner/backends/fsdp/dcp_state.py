@@ -7,7 +7,7 @@ and the per-rank RNG has no meaning, so it is left as it is).
 
 The folder is a local path or any URL (s3://, gs://, ...): every rank writes its shard straight to
 the store, so no node needs a shared disk. Local folders use DCP's file writer (fsync'd files); a
-remote store goes through `StorageFileSystem` (each object whole or not at all).
+remote store goes through `StorageFileSystem` (each object whole or not at all): `rlrunner.backends.dcp_files`.
 
 A save can run in the background (`start_dcp_save(..., background=True)`): the state is copied
 off the training tensors first (pinned host memory on GPU, a host copy on CPU), then DCP writes (or
@@ -19,18 +19,14 @@ written, never by reading them back.
 from __future__ import annotations
 
 import functools
-import io
 import logging
 import os
 import re
-from contextlib import contextmanager
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -40,8 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from rlrunner.backends.background_save import BackgroundSave
-from rlrunner.backends.fsdp.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, StorageFileSystem, saved_keys
-from rlrunner.storage import ChecksumWriter, open_storage
+from rlrunner.backends.dcp_files import SafeFileSystemReader, SafeLoadPlanner, checksumming_writer, saved_keys
 from rlrunner.utils.stateful import StateParts
 
 logger = logging.getLogger(__name__)
@@ -56,47 +51,6 @@ def saved_world_size(dcp_url: str | os.PathLike, storage_options: dict[str, Any]
 
 def _ranks_saved(keys) -> int:
     return len({int(m.group(1)) for key in keys if (m := _RNG_KEY.match(key))})
-
-
-class _ChecksummingFileSystem(FileSystem):
-    """DCP's local filesystem, recording {file name: size and CRC-32} of every file written through it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: dict[str, dict[str, Any]] = {}
-
-    @contextmanager
-    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
-        with super().create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
-            counted = ChecksumWriter(stream, str(path))
-            yield counted
-        self.records[Path(path).name] = counted.record().as_dict()
-
-    def rename(self, path, new_path) -> None:  # DCP writes .metadata.tmp, then renames it
-        super().rename(path, new_path)
-        if Path(path).name in self.records:
-            self.records[Path(new_path).name] = self.records.pop(Path(path).name)
-
-
-def checksumming_writer(url: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> FileSystemWriter:
-    """DCP's writer of one file per rank under `url`, recording what it wrote in `writer.fs.records`.
-
-    A local folder gets fsync'd files; a remote URL objects uploaded through the Storage (durable once
-    each upload returns, so no fsync: DCP would call os.sync() for a stream without a file descriptor).
-    """
-    storage = open_storage(url, storage_options)
-    writer = FileSystemWriter(
-        storage.url, single_file_per_rank=True, sync_files=storage.is_local, thread_count=1, overwrite=True
-    )
-    if storage.is_local:
-        writer.fs = _ChecksummingFileSystem()
-    else:
-        writer.fs = StorageFileSystem(storage)
-        writer.path = storage.url  # not DCP's Path of it (Path("s3://b") is "s3:/b")
-    return writer
 
 
 def fsdp_parts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from rlrunner.backends.fsdp.safe_dcp import METADATA_FILE, SafeFileSystemReader, SafeLoadPlanner
+from rlrunner.backends.dcp_files import METADATA_FILE, SafeFileSystemReader, SafeLoadPlanner
 from rlrunner.checkpoint.layout import ACTOR_DIR
 from rlrunner.storage import Storage
 from rlrunner.weight_sync.endpoints import Block, WeightSource

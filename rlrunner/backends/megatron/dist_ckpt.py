@@ -42,8 +42,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from rlrunner.backends.fsdp.dcp_state import checksumming_writer
-from rlrunner.backends.fsdp.safe_dcp import SafeFileSystemReader
+from rlrunner.backends.dcp_files import SafeFileSystemReader, checksumming_writer
 from rlrunner.backends.megatron.dist_layout import Chunk, ShardedParam, optimizer_key, rank_shapes, sharded_params
 from rlrunner.backends.megatron.file_writes import write_state_file
 from rlrunner.backends.megatron.files import iteration_dir, read_torch_file

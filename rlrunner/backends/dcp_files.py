@@ -1,4 +1,5 @@
-"""torch.distributed.checkpoint on any store, and reading its folders without running arbitrary pickles.
+"""DCP's files for both backends: torch.distributed.checkpoint on any store, written with every file's size and CRC-32,
+and read without running arbitrary pickles (FSDP's checkpoints and megatron-core's `torch_dist` format).
 
 Stock DCP reads `.metadata` with `pickle.load` and every non-tensor item with
 `torch.load` with weights_only off: a crafted checkpoint could run code on load. Here `.metadata`
@@ -8,7 +9,8 @@ layout, and items go through `torch.load(weights_only=True)`, on local disks and
 `StorageFileSystem` gives DCP's file hooks on a `rlrunner.storage.Storage`, so DCP writes and reads
 any URL (s3://, gs://, ...) directly. Unlike DCP's own fsspec writer (whose files commit on close,
 so a write that fails halfway still leaves a partial object), a file written through it appears
-whole or not at all, and its size and CRC-32 are counted from the bytes as they are uploaded.
+whole or not at all, and its size and CRC-32 are counted from the bytes as they are uploaded; on a local disk
+`checksumming_writer` counts them the same way.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import os
 import pickle
 import tempfile
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
@@ -191,3 +194,44 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class _ChecksummingFileSystem(FileSystem):
+    """DCP's local filesystem, recording {file name: size and CRC-32} of every file written through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[str, dict[str, Any]] = {}
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            counted = ChecksumWriter(stream, str(path))
+            yield counted
+        self.records[Path(path).name] = counted.record().as_dict()
+
+    def rename(self, path, new_path) -> None:  # DCP writes .metadata.tmp, then renames it
+        super().rename(path, new_path)
+        if Path(path).name in self.records:
+            self.records[Path(new_path).name] = self.records.pop(Path(path).name)
+
+
+def checksumming_writer(url: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> FileSystemWriter:
+    """DCP's writer of one file per rank under `url`, recording what it wrote in `writer.fs.records`.
+
+    A local folder gets fsync'd files; a remote URL objects uploaded through the Storage (durable once
+    each upload returns, so no fsync: DCP would call os.sync() for a stream without a file descriptor).
+    """
+    storage = open_storage(url, storage_options)
+    writer = FileSystemWriter(
+        storage.url, single_file_per_rank=True, sync_files=storage.is_local, thread_count=1, overwrite=True
+    )
+    if storage.is_local:
+        writer.fs = _ChecksummingFileSystem()
+    else:
+        writer.fs = StorageFileSystem(storage)
+        writer.path = storage.url  # not DCP's Path of it (Path("s3://b") is "s3:/b")
+    return writer
