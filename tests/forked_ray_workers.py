@@ -272,7 +272,11 @@ def _serve(socket_path: str) -> None:
                     pass
                 conn.close()
             elif kind == "client":  # a client went (killed): its child goes too
-                conn, pid = children[data]
+                conn, pid = children.get(data, (None, 0))
+                if conn is not key.fileobj:
+                    # the child's exit, earlier in this batch, closed this client (and its pidfd's number may be a
+                    # new child's by now): nothing left to do, and nobody else's child to touch
+                    continue
                 if not conn.recv(1):
                     selector.unregister(conn)
                     try:
