@@ -1,6 +1,7 @@
 """The `hf` rollout engine: a Hugging Face model in the worker's own process, sampled with a KV cache.
 
-Each chunk of prompts is one left-padded batch; every sample draws from its own seeded generator
+Each chunk of prompts is one left-padded batch whose distinct prompts are read once (a group's samples share
+the prompt's KV cache); every sample draws from its own seeded generator
 (`rlrunner.rollout.sampling`), so what it gets depends on its seed, its chunk and the weights alone.
 The weight sink writes the synced tensors straight into the model's own parameters and buffers.
 """

@@ -64,12 +64,16 @@ def generate(
 
     device = next(model.parameters()).device
     rows = len(prompts)
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((rows, width), dtype=torch.long)
-    for r, prompt in enumerate(prompts):
-        input_ids[r, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        attention_mask[r, width - len(prompt) :] = 1
+    # Each distinct prompt is read once (a group's samples share theirs); its cache and last logits then serve every
+    # row that continues it.
+    distinct: dict[tuple[int, ...], int] = {}
+    source = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], device=device)
+    width = max(len(p) for p in distinct)
+    input_ids = torch.full((len(distinct), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(distinct), width), dtype=torch.long)
+    for u, prompt in enumerate(distinct):
+        input_ids[u, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[u, width - len(prompt) :] = 1
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
     generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
@@ -81,15 +85,21 @@ def generate(
     logprobs: list[list[float]] = [[] for _ in range(rows)]
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     step_ids, step_positions = input_ids, position_ids
-    for _ in range(max_new_tokens):
+    for token in range(max_new_tokens):
         out = model(
             input_ids=step_ids,
             attention_mask=attention_mask,
             position_ids=step_positions,
             **{cache_name: cache},
             use_cache=True,
+            logits_to_keep=1,
         )
-        logits = out.logits[:, -1, :].cpu()
+        logits = out.logits[:, -1, :]
+        if token == 0:  # from the distinct prompts to the rows
+            logits = logits.index_select(0, source)
+            getattr(out, cache_name).reorder_cache(source)
+            attention_mask, step_positions = attention_mask[source], step_positions[source]
+        logits = logits.cpu()
         sampled = sample_tokens(logits, generators, temperature, top_p)
         token_logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
         sampled = sampled.to(device)

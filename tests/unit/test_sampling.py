@@ -168,6 +168,26 @@ def test_generate_row_depends_only_on_its_prompt_and_seed(model, tokenizer) -> N
     assert batched[0] == alone[0]
 
 
+def test_generate_reads_a_shared_prompt_once_and_each_row_samples_its_own(model, tokenizer) -> None:
+    p1, p2 = ids(tokenizer, "7-2="), ids(tokenizer, "hello 99+1=")
+    prompts, seeds = [p1, p2, p1, p1, p2], [5, 6, 7, 8, 9]
+    first_inputs = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: first_inputs.append(kwargs["input_ids"].shape) if not first_inputs else None,
+        with_kwargs=True,
+    )
+    try:
+        batched = sampling.generate(model, prompts, seeds, 6, 1.0, 1.0, pad_id=0, eos_ids=[])
+    finally:
+        hook.remove()
+    assert first_inputs[0][0] == 2  # the prompt pass holds the two distinct prompts, not the five rows
+    for prompt, seed, completion in zip(prompts, seeds, batched):
+        alone = sampling.generate(model, [prompt], [seed], 6, 1.0, 1.0, pad_id=0, eos_ids=[])[0]
+        assert completion.token_ids == alone.token_ids
+        assert completion.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+    assert len({tuple(batched[r].token_ids) for r in (0, 2, 3)}) > 1  # one prompt, three seeds, not one response
+
+
 def test_generate_responses_never_exceed_max_new_tokens(model, tokenizer) -> None:
     prompts = [ids(tokenizer, "1+1="), ids(tokenizer, "22+22=")]
     for max_new in (1, 3, 7):
