@@ -24,7 +24,7 @@ from rlrunner.algorithms.grpo import token_entropy, token_log_probs
 from rlrunner.algorithms.objective import MicroBatch, MiniBatchCounts, PolicyObjective
 from rlrunner.backends.background_save import BackgroundSave
 from rlrunner.backends.rank_parts import RankRNG, local_tensors, placed_like
-from rlrunner.backends.snapshot_stream import SnapshotStream, fetch_part
+from rlrunner.backends.snapshot_stream import SkeletonCache, SnapshotStream, fetch_part
 from rlrunner.cluster.node import node_ip
 from rlrunner.cluster.worker import Worker
 from rlrunner.models.hf_tensors import HFTensors
@@ -68,6 +68,7 @@ class ActorWorker(Worker, ABC):
         self._kept_weights: list[torch.Tensor] | None = None  # what the last sync with `keep` sent (a policy lag)
         self._weight_sync_store = None
         self._snapshot: SnapshotStream | None = None  # this rank's part of a snapshot on its way to its holder
+        self._skeletons = SkeletonCache()  # the part's skeleton, written again only when its structure changes
         self.model: torch.nn.Module
         self.ref_model: torch.nn.Module | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -146,7 +147,7 @@ class ActorWorker(Worker, ABC):
         `finish_snapshot`."""
         self.abandon_snapshot()
         state = local_tensors(self.rank_state().state_dict())
-        self._snapshot = SnapshotStream(step, self.rank, holder_address, state)
+        self._snapshot = SnapshotStream(step, self.rank, holder_address, state, skeletons=self._skeletons)
 
     def finish_snapshot(self, timeout_s: float | None = None) -> str | None:
         """Wait for the part started last: None once its holder keeps it whole, else why it keeps none."""

@@ -54,6 +54,60 @@ def split_state(state: Any) -> tuple[bytes, list[torch.Tensor]]:
     return buffer.getvalue(), tensors
 
 
+_IMMUTABLE = frozenset({int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size})
+
+
+def _structure(state: Any, tensors: list[torch.Tensor], out: list[Any]) -> bool:
+    """Append `state`'s tensors (in `split_state`'s order) to `tensors` and what its skeleton is made of (containers,
+    keys, plain values, tensors' dtypes and shapes) to `out`. False where a value is of a type that could change in
+    place without the structure showing it (its skeleton is then never reused)."""
+    if isinstance(state, torch.Tensor):
+        tensors.append(state)
+        out.append((state.dtype, state.shape))
+        return True
+    if isinstance(state, dict):
+        out.append((dict, len(state)))
+        reusable = True
+        for key, value in state.items():
+            out.append((type(key), key))
+            reusable = _structure(value, tensors, out) and reusable
+        return reusable and all(type(key) in _IMMUTABLE for key in state)
+    if isinstance(state, (list, tuple)):
+        out.append((type(state), len(state)))
+        if all(type(value) in _IMMUTABLE for value in state):  # plain values only (Python's RNG state: 625 ints)
+            out.append(tuple((type(value), value) for value in state))
+            return True
+        reusable = True
+        for value in state:
+            reusable = _structure(value, tensors, out) and reusable
+        return reusable
+    out.append((type(state), state))
+    return type(state) in _IMMUTABLE
+
+
+class SkeletonCache:
+    """The last skeleton a rank sent, reused for a state of the same structure: a rank's part has the same keys, plain
+    values, dtypes and shapes step after step (its tensors' values change in place), and writing the skeleton
+    (`torch.save`) was most of the time a part took to split."""
+
+    def __init__(self) -> None:
+        self._last: tuple[list[Any], bytes] | None = None
+        self._lock = threading.Lock()
+
+    def split(self, state: Any) -> tuple[bytes, list[torch.Tensor]]:
+        """`split_state(state)`, the skeleton written only when the structure differs from the last one's."""
+        tensors: list[torch.Tensor] = []
+        structure: list[Any] = []
+        reusable = _structure(state, tensors, structure)
+        with self._lock:
+            if reusable and self._last is not None and self._last[0] == structure:
+                return self._last[1], tensors
+        skeleton, tensors = split_state(state)
+        with self._lock:
+            self._last = (structure, skeleton) if reusable else None
+        return skeleton, tensors
+
+
 def _small(tensor: torch.Tensor) -> bool:
     return tensor_bytes(tensor) < DIRECT_BYTES
 
@@ -117,8 +171,17 @@ class SnapshotStream:
     """One rank's part of `step` sent to the holder at `address` ((host, port, token): `SnapshotHolder.address`) from
     a thread of its own."""
 
-    def __init__(self, step: int, rank: int, address: tuple[str, int, str], state: Any, timeout_s: float = 300.0):
+    def __init__(
+        self,
+        step: int,
+        rank: int,
+        address: tuple[str, int, str],
+        state: Any,
+        timeout_s: float = 300.0,
+        skeletons: SkeletonCache | None = None,
+    ):
         self.step, self.rank, self.address, self.timeout_s = step, rank, address, timeout_s
+        self._skeletons = skeletons if skeletons is not None else SkeletonCache()
         self.reason: str | None = None
         self._state = state  # read on the thread: the caller built it, nothing else refers to the structure
         self._given_up = threading.Event()
@@ -128,7 +191,7 @@ class SnapshotStream:
 
     def _run(self) -> None:
         try:
-            skeleton, tensors = split_state(self._state)
+            skeleton, tensors = self._skeletons.split(self._state)
             total = tensor_bytes(tensors)
             host, port, token = self.address
             header = {"token": token, "step": self.step, "rank": self.rank}

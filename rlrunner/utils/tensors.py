@@ -14,8 +14,13 @@ def map_tensors(state: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(state, dict):
         return {key: map_tensors(value, fn) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
+        if all(type(value) in _SCALARS for value in state):  # no tensor inside (Python's RNG state: 625 ints)
+            return type(state)(state)
         return type(state)(map_tensors(value, fn) for value in state)
     return state
+
+
+_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
 
 
 def tensor_bytes(state: Any) -> int:

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from rlrunner.backends.snapshot_stream import SnapshotStream, byte_views, join_state, split_state
+from rlrunner.backends.snapshot_stream import SkeletonCache, SnapshotStream, byte_views, join_state, split_state
 from rlrunner.cluster.snapshot_holder import SnapshotHolder
 from rlrunner.cluster.spares import spare_node
 from rlrunner.runner.snapshots import holder_nodes, newest_complete
@@ -202,6 +202,43 @@ def test_a_part_cut_off_the_live_tensors_is_a_copy():
     assert len(sent) == tensor_bytes(live)
     live["model"]["w"].add_(1)  # the training goes on once the part is held: the part must not change
     assert_same_state(join_state(skeleton, [sent]), live_state())
+
+
+def split_and_join(cache: SkeletonCache, state: dict) -> tuple[bytes, dict]:
+    skeleton, tensors = cache.split(state)
+    return skeleton, join_state(skeleton, [b"".join(bytes(view) for view in byte_views(tensors))])
+
+
+def test_a_skeleton_is_written_again_only_when_the_structure_changes():
+    cache = SkeletonCache()
+    first, _ = split_and_join(cache, live_state())
+    state = live_state()
+    state["model"]["w"].add_(7)  # new values, the same structure: the skeleton is the last one
+    skeleton, joined = split_and_join(cache, state)
+    assert skeleton is first
+    assert_same_state(joined, state)
+    for change in (
+        lambda s: s["optimizer"]["param_groups"][0].update(lr=0.05),  # a scheduled learning rate
+        lambda s: s["model"].update(w=torch.zeros(3, 2)),  # a shape
+        lambda s: s["model"].update(w=s["model"]["w"].double()),  # a dtype
+        lambda s: s["optimizer"]["state"].update({1: {"step": torch.tensor(1.0)}}),  # a key
+    ):
+        state = live_state()
+        change(state)
+        skeleton, joined = split_and_join(cache, state)
+        assert skeleton is not first
+        assert skeleton == split_state(state)[0]
+        assert_same_state(joined, state)
+        first = skeleton
+
+
+def test_a_skeleton_with_a_value_that_can_change_in_place_is_never_reused():
+    cache = SkeletonCache()
+    state = {"w": torch.ones(2), "extra": {"seen": bytearray(b"a")}}
+    first, _ = cache.split(state)
+    state["extra"]["seen"][0] = ord("b")  # the same object, changed: only writing the skeleton again shows it
+    skeleton, _ = cache.split(state)
+    assert skeleton is not first and skeleton != first
 
 
 def test_a_part_with_bytes_beyond_its_tensors_is_refused():
