@@ -266,6 +266,7 @@ def run_one(args: argparse.Namespace, workdir: Path, backend: str, layout: Layou
             f"runner.save_interval={args.steps}",
             "runner.async_save=false",
             "runner.logger.progress_bar=false",
+            "rollout.num_workers=1",  # the layout its figures were measured with (the default job has two now)
             "runner.logger.backends=[]",
             "data.synthetic.val_size=0",
             f"runner.snapshot.enabled={str(not args.no_snapshots).lower()}",

@@ -2,7 +2,7 @@
 """In-job recovery of rlrunner's GRPO runner: how long a restart takes, and what failures cost in goodput.
 
 Everything runs on a local Ray started by this script (`ray.init(address="local", num_cpus=--num-cpus)`),
-with the default job (configs/grpo.yaml: 2 FSDP2 actor ranks + 1 rollout worker at 0.5 CPU each, the
+with the default job (configs/grpo.yaml: 2 FSDP2 actor ranks, and 1 rollout worker of its 2, at 0.5 CPU each, the
 embedded tiny Qwen2, checkpoints every `runner.save_interval` steps). Every run writes to a fresh temp
 folder with the progress bar and TensorBoard off. Workers are killed with SIGKILL on their process id
 (`supervisor.trainer.actor_group.hosts[r]["pid"]`: the current attempt's group) from a thread while
@@ -200,6 +200,7 @@ def build_config(args: argparse.Namespace, output_dir: Path, steps: int, *extra:
             f"runner.max_steps={steps}",
             f"runner.save_interval={args.save_interval}",
             "runner.logger.progress_bar=false",
+            "rollout.num_workers=1",  # the layout its figures were measured with (the default job has two now)
             "runner.logger.backends=[]",
             "data.synthetic.val_size=0",
             f"runner.recovery.max_restarts={args.max_restarts}",

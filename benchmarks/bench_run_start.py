@@ -49,6 +49,7 @@ def one_setting(reuse: bool, runs: int, steps: int, workdir: Path, num_cpus: int
                     f"runner.save_interval={steps}",
                     "runner.val_interval=0",
                     "runner.logger.progress_bar=false",
+                    "rollout.num_workers=1",  # the layout its figures were measured with (the default job has two now)
                     "runner.logger.backends=[]",
                     f"cluster.reuse_workers={str(reuse).lower()}",
                 ]

@@ -47,6 +47,7 @@ def run_overrides(args: argparse.Namespace, name: str, output_dir: Path) -> list
         "data.synthetic.val_size=0",
         f"runner.seed={args.seed}",
         f"runner.snapshot.enabled={str(RUNS[name]).lower()}",
+        "rollout.num_workers=1",  # the layout its figures were measured with (the default job has two now)
         *model_overrides(args.hidden, args.layers),
         *args.override,
     ]

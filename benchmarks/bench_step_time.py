@@ -99,6 +99,7 @@ def run_overrides(args: argparse.Namespace, backend: str, output_dir: Path) -> l
         f"actor.num_workers={args.tp * args.dp}",
         f"cluster.cpus_per_actor_worker={args.cpus_per_actor_worker}",
         f"cluster.cpus_per_rollout_worker={args.cpus_per_rollout_worker}",
+        "rollout.num_workers=1",  # the layout its figures were measured with (the default job has two now)
         *backend_overrides(backend, args.tp),
         *model_overrides(args.hidden, args.layers),
         *args.override,

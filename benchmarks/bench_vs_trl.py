@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The default job against the same work done by TRL's `GRPOTrainer`, one after the other on this machine.
 
-rlrunner's run is the default job (`Supervisor(cfg).run()` on an embedded local Ray: two FSDP actor ranks, one `hf`
-rollout worker, 2 cores), `--steps` steps, no validation or periodic save, snapshots on. TRL's run
+rlrunner's run is the default job (`Supervisor(cfg).run()` on an embedded local Ray: two FSDP actor ranks, two `hf`
+rollout workers, 2 cores), `--steps` steps, no validation or periodic save, snapshots on. TRL's run
 (`benchlib/trl_grpo.py`, run by `--trl-python`, the interpreter of a venv with TRL) is one process training the same
 tiny Qwen2 from the same initial weights (rlrunner's seeded init, written as an HF folder with its tokenizer) on the
 same prompts in the same order (rlrunner's loader's, written out), with the same reward, loss and optimizer settings

@@ -38,6 +38,10 @@ TINY_MODEL_CFG = {
 }
 
 # A model small enough that a GRPO step takes well under a second on one CPU core.
+# The tests' runs generate with one rollout worker (the default job's two pay off at its batch, not at the tests'; and a
+# process less to start): every run a test builds, in this process or on a command line, takes it.
+ONE_ROLLOUT_WORKER = "rollout.num_workers=1"
+
 TINY_MODEL = [
     "+model.override_config.hidden_size=32",
     "+model.override_config.intermediate_size=64",
@@ -201,6 +205,7 @@ def run_config(tmp_path: Path, *overrides: str):
         "cluster.cpus_per_actor_worker=0.5",
         "cluster.cpus_per_rollout_worker=0.5",
         "cluster.placement_timeout_s=30",
+        ONE_ROLLOUT_WORKER,
         "data.synthetic.val_size=0",  # no validation set: tests that validate ask for one
         *TINY_MODEL,
     ]

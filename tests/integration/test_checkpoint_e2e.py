@@ -33,7 +33,17 @@ from rlrunner.runner.supervisor import Supervisor
 from rlrunner.storage import basename
 from rlrunner.tools.convert import load_model_weights
 
-from conftest import LOCAL, TINY_MODEL, Inspect, assert_bit_equal, read_metrics, run_config, run_toolkit, without_time
+from conftest import (
+    LOCAL,
+    ONE_ROLLOUT_WORKER,
+    TINY_MODEL,
+    Inspect,
+    assert_bit_equal,
+    read_metrics,
+    run_config,
+    run_toolkit,
+    without_time,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -172,6 +182,7 @@ def test_a_broken_fsdp_checkpoint_is_refused_in_one_line(reference, tmp_path, ca
             "actor.micro_batch_size=4",
             "runner.logger.progress_bar=false",
             *TINY_MODEL,
+            ONE_ROLLOUT_WORKER,
             "data.synthetic.val_size=0",
         ]
     )
@@ -291,6 +302,7 @@ def test_a_save_killed_halfway_is_skipped_by_auto(ray_session, tmp_path, subproc
         "actor.micro_batch_size=4",
         f"cluster.ray_address={ray_session.get_runtime_context().gcs_address}",
         *TINY_MODEL,
+        ONE_ROLLOUT_WORKER,
         "data.synthetic.val_size=0",
     ]
     driver = subprocess.Popen(
