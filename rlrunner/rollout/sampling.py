@@ -81,6 +81,8 @@ def generate(
 
     cache = DynamicCache(config=model.config)
     cache_name = cache_argument(model)
+    # the prompt pass needs the last position's logits only, where the model can be asked for just those
+    last_logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     responses: list[list[int]] = [[] for _ in range(rows)]
     logprobs: list[list[float]] = [[] for _ in range(rows)]
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -92,7 +94,7 @@ def generate(
             position_ids=step_positions,
             **{cache_name: cache},
             use_cache=True,
-            logits_to_keep=1,
+            **last_logits,
         )
         logits = out.logits[:, -1, :]
         if token == 0:  # from the distinct prompts to the rows
