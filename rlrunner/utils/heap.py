@@ -23,20 +23,27 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers (malloc.h)
+M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 1 << 20
 SMALL_MODEL_MMAP_THRESHOLD_BYTES = 4 << 20
 
 
 def release_freed_memory(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Fix glibc's mmap threshold at `threshold_bytes` for this process; False where the C library has no `mallopt`
-    (not glibc) or refuses it."""
+    """Fix glibc's mmap threshold at `threshold_bytes` for this process, and its trim threshold at twice that; False
+    where the C library has no `mallopt` (not glibc) or refuses it."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         return False
-    done = bool(mallopt(M_MMAP_THRESHOLD, int(threshold_bytes)))
+    # glibc's own adjustment keeps the top of its heap up to twice the mmap threshold; fixed, the trim threshold would
+    # stay at 128 KiB, and a freed block below the mmap threshold at the heap's top would be given back at once, to be
+    # faulted in again at its next allocation (in about a third of fresh processes, by where the block lands)
+    done = bool(mallopt(M_MMAP_THRESHOLD, int(threshold_bytes))) and bool(
+        mallopt(M_TRIM_THRESHOLD, 2 * int(threshold_bytes))
+    )
     if not done:
         logger.warning(
-            "mallopt(M_MMAP_THRESHOLD, %d) was refused: freed memory may stay with the process", threshold_bytes
+            "mallopt(M_MMAP_THRESHOLD, %d) or its trim threshold was refused: freed memory may stay with the process",
+            threshold_bytes,
         )
     return done

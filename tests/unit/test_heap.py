@@ -59,14 +59,20 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _page_faults(over_small_bytes: int) -> int:
+def _page_faults(over_small_bytes: int, processes: int = 1) -> list[int]:
+    """The faults of FAULTS in `processes` fresh interpreters at once (where a block lands differs between them)."""
     command = [sys.executable, "-c", FAULTS, str(over_small_bytes)]
-    return int(subprocess.run(command, capture_output=True, text=True, check=True).stdout.split()[-1])
+    running = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+    outputs = [process.communicate()[0] for process in running]
+    assert all(process.returncode == 0 for process in running)
+    return [int(out.split()[-1]) for out in outputs]
 
 
 def test_a_small_models_rank_reuses_its_activations_blocks_without_page_faults():
-    small = _page_faults(0)
-    large = _page_faults(1)
+    # In a third of fresh processes the block lands at the top of the heap, which glibc gave back at once while its
+    # trim threshold stayed at 128 KiB: several processes, so that this shows
+    small = _page_faults(0, processes=4)
+    (large,) = _page_faults(1)
     # above SMALL_MODEL_BYTES each 2 MiB block is a fresh mapping: 512 faults every time; a small model's come back
     assert large > 50 * 400, large
-    assert small < large / 10, (small, large)
+    assert max(small) < large / 10, (small, large)
