@@ -55,7 +55,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, beside this script
-from benchlib.common import command_line, make_workdir, memory_gib, ray_cpus, start_local_ray, stop_ray  # noqa: E402
+from benchlib.common import (  # noqa: E402
+    ONE_ROLLOUT_WORKER,
+    command_line,
+    make_workdir,
+    memory_gib,
+    ray_cpus,
+    start_local_ray,
+    stop_ray,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SIZES = {
@@ -266,7 +274,7 @@ def run_one(args: argparse.Namespace, workdir: Path, backend: str, layout: Layou
             f"runner.save_interval={args.steps}",
             "runner.async_save=false",
             "runner.logger.progress_bar=false",
-            "rollout.num_workers=1",  # the layout its figures were measured with (the default job has two now)
+            ONE_ROLLOUT_WORKER,
             "runner.logger.backends=[]",
             "data.synthetic.val_size=0",
             f"runner.snapshot.enabled={str(not args.no_snapshots).lower()}",

@@ -89,7 +89,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, beside this script
-from benchlib.common import command_line, make_workdir, start_local_ray, stop_ray  # noqa: E402
+from benchlib.common import ONE_ROLLOUT_WORKER, command_line, make_workdir, start_local_ray, stop_ray  # noqa: E402
 from benchlib.recovery_goodput import measure_goodput  # noqa: E402
 from benchlib.recovery_time import measure_recovery  # noqa: E402
 from benchlib.rollout_repair import measure_rollout_repair  # noqa: E402
@@ -200,7 +200,7 @@ def build_config(args: argparse.Namespace, output_dir: Path, steps: int, *extra:
             f"runner.max_steps={steps}",
             f"runner.save_interval={args.save_interval}",
             "runner.logger.progress_bar=false",
-            "rollout.num_workers=1",  # the layout its figures were measured with (the default job has two now)
+            ONE_ROLLOUT_WORKER,
             "runner.logger.backends=[]",
             "data.synthetic.val_size=0",
             f"runner.recovery.max_restarts={args.max_restarts}",

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, beside this script
-from benchlib.common import command_line, machine, make_workdir, read_jsonl, runs_in_embedded_ray  # noqa: E402
+from benchlib.common import ONE_ROLLOUT_WORKER, command_line, machine, make_workdir, read_jsonl, runs_in_embedded_ray  # noqa: E402
 
 TIMES = ["time/step_s", "time/update_s", "time/weight_sync_s", "time/rollout_s"]
 BACKENDS = ("fsdp", "megatron")
@@ -99,7 +99,7 @@ def run_overrides(args: argparse.Namespace, backend: str, output_dir: Path) -> l
         f"actor.num_workers={args.tp * args.dp}",
         f"cluster.cpus_per_actor_worker={args.cpus_per_actor_worker}",
         f"cluster.cpus_per_rollout_worker={args.cpus_per_rollout_worker}",
-        "rollout.num_workers=1",  # the layout its figures were measured with (the default job has two now)
+        ONE_ROLLOUT_WORKER,
         *backend_overrides(backend, args.tp),
         *model_overrides(args.hidden, args.layers),
         *args.override,

@@ -21,6 +21,11 @@ def timed(action: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - started, result
 
 
+# The layout the figures of the benchmarks that take the default job's were measured with: one rollout worker (the
+# default job has two since db3b9c9).
+ONE_ROLLOUT_WORKER = "rollout.num_workers=1"
+
+
 # -- Ray -----------------------------------------------------------------------------------------------
 
 

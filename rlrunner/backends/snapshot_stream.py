@@ -28,7 +28,7 @@ import ray
 import torch
 
 from rlrunner.errors import describe
-from rlrunner.utils.tensors import map_tensors, tensor_bytes
+from rlrunner.utils.tensors import PLAIN_TYPES, map_tensors, tensor_bytes
 
 CHUNK_BYTES = 32 * 2**20  # small or device tensors' bytes go through a host buffer this big; parts are read back so
 DIRECT_BYTES = 2**20  # a host tensor this big is sent from its own memory
@@ -54,9 +54,6 @@ def split_state(state: Any) -> tuple[bytes, list[torch.Tensor]]:
     return buffer.getvalue(), tensors
 
 
-_IMMUTABLE = frozenset({int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size})
-
-
 def _structure(state: Any, tensors: list[torch.Tensor], out: list[Any]) -> bool:
     """Append `state`'s tensors (in `split_state`'s order) to `tensors` and what its skeleton is made of (containers,
     keys, plain values, tensors' dtypes and shapes) to `out`. False where a value is of a type that could change in
@@ -71,10 +68,10 @@ def _structure(state: Any, tensors: list[torch.Tensor], out: list[Any]) -> bool:
         for key, value in state.items():
             out.append((type(key), key))
             reusable = _structure(value, tensors, out) and reusable
-        return reusable and all(type(key) in _IMMUTABLE for key in state)
+        return reusable and all(type(key) in PLAIN_TYPES for key in state)
     if isinstance(state, (list, tuple)):
         out.append((type(state), len(state)))
-        if all(type(value) in _IMMUTABLE for value in state):  # plain values only (Python's RNG state: 625 ints)
+        if all(type(value) in PLAIN_TYPES for value in state):  # plain values only (Python's RNG state: 625 ints)
             out.append(tuple((type(value), value) for value in state))
             return True
         reusable = True
@@ -82,7 +79,7 @@ def _structure(state: Any, tensors: list[torch.Tensor], out: list[Any]) -> bool:
             reusable = _structure(value, tensors, out) and reusable
         return reusable
     out.append((type(state), state))
-    return type(state) in _IMMUTABLE
+    return type(state) in PLAIN_TYPES
 
 
 class SkeletonCache:

@@ -38,12 +38,6 @@ def sample_tokens(
     return sorted_ids.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
 
 
-def cache_argument(model: torch.nn.Module) -> str:
-    """The name of the KV cache in `model`'s forward and output: `cache` from transformers 5.2x on, where
-    `past_key_values` warns that it goes in 5.40, `past_key_values` before."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -80,9 +74,12 @@ def generate(
     stop = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
 
     cache = DynamicCache(config=model.config)
-    cache_name = cache_argument(model)
+    forward_parameters = inspect.signature(model.forward).parameters
+    # the KV cache's name in the forward and its output: `cache` from transformers 5.2x on (where `past_key_values`
+    # warns that it goes in 5.40), `past_key_values` before
+    cache_name = "cache" if "cache" in forward_parameters else "past_key_values"
     # the prompt pass needs the last position's logits only, where the model can be asked for just those
-    last_logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    last_logits = {"logits_to_keep": 1} if "logits_to_keep" in forward_parameters else {}
     responses: list[list[int]] = [[] for _ in range(rows)]
     logprobs: list[list[float]] = [[] for _ in range(rows)]
     finished = torch.zeros(rows, dtype=torch.bool, device=device)

@@ -6,6 +6,9 @@ from typing import Any, Callable
 
 import torch
 
+# Values that hold no tensor and cannot change in place.
+PLAIN_TYPES = frozenset({int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size})
+
 
 def map_tensors(state: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """`state` with every tensor replaced by `fn(tensor)`; containers rebuilt, other values kept."""
@@ -14,13 +17,10 @@ def map_tensors(state: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(state, dict):
         return {key: map_tensors(value, fn) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
-        if all(type(value) in _SCALARS for value in state):  # no tensor inside (Python's RNG state: 625 ints)
+        if all(type(value) in PLAIN_TYPES for value in state):  # no tensor inside (Python's RNG state: 625 ints)
             return type(state)(state)
         return type(state)(map_tensors(value, fn) for value in state)
     return state
-
-
-_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
 
 
 def tensor_bytes(state: Any) -> int:
