@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from rlrunner.algorithms.grpo import token_entropy, token_log_probs
 from rlrunner.algorithms.objective import MicroBatch, MiniBatchCounts, PolicyObjective
 from rlrunner.backends.background_save import BackgroundSave
+from rlrunner.backends.prompt_packing import ForwardCost, PackedRows, PromptPacker
 from rlrunner.backends.rank_parts import RankRNG, local_tensors, placed_like
 from rlrunner.backends.snapshot_stream import SkeletonCache, SnapshotStream, fetch_part
 from rlrunner.cluster.node import node_ip
@@ -37,6 +38,22 @@ from rlrunner.weight_sync.transport import WeightSender
 
 ABANDON_SAVE_WAIT_S = 30.0  # how long a survivor of a lost rank waits for its save in flight to stop writing
 WeightsReader = Callable[[Any], HFTensors]  # HF config -> the HF tensors of model.path's checkpoint
+
+
+class Pass(NamedTuple):
+    """One forward/backward pass of the update: its rows of the shard, the length they are padded to, and the rows
+    packed by prompt (None: the padded rows as they are)."""
+
+    rows: slice
+    width: int
+    packed: PackedRows | None
+
+    @property
+    def tokens(self) -> int:
+        """The tokens its forward runs, padding included."""
+        if self.packed is not None:
+            return self.packed.input_ids.numel()
+        return (self.rows.stop - self.rows.start) * self.width
 
 
 class ActorWorker(Worker, ABC):
@@ -72,6 +89,7 @@ class ActorWorker(Worker, ABC):
         self.model: torch.nn.Module
         self.ref_model: torch.nn.Module | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR
+        self.packer: PromptPacker  # set by the backend's setup (`use_prompt_packing`)
 
     def warm_up(self) -> dict:
         """A spare runs the model's code once (a one-layer throwaway), so that its setup and first update after it
@@ -86,15 +104,28 @@ class ActorWorker(Worker, ABC):
         """Build this rank's part of the policy (and of the frozen reference when KL is on), its optimizer and LR
         schedule. Called once the process group is up."""
 
+    def use_prompt_packing(self, config: Any, takes_mask: bool) -> None:
+        """A backend's setup: its policy's HF `config` and whether its attention takes a 4D boolean mask (without,
+        rows are never packed; `actor.pack_shared_prompts=true` is refused by the config check)."""
+        setting = self.actor_cfg["pack_shared_prompts"] if takes_mask else False
+        self.packer = PromptPacker(setting, ForwardCost.from_config(config))
+
     @property
     @abstractmethod
     def data_parallel_size(self) -> int:
         """The ranks that see different rows of the batch (gradients are averaged over them)."""
 
     @abstractmethod
-    def forward_logits(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward_logits(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Next-token logits [rows, width, vocab] of `model` (the policy or the reference) for `input_ids`
-        [rows, width]."""
+        [rows, width]; with `position_ids` [rows, width] and a boolean `attention_mask` [rows, 1, width, width] (True:
+        may attend) where given, else positions 0..width-1 and a causal mask."""
 
     @abstractmethod
     def clip_and_step(self, max_norm: float) -> float:
@@ -170,29 +201,36 @@ class ActorWorker(Worker, ABC):
 
     # -- the update ----------------------------------------------------------------------------
 
-    @staticmethod
-    def _micro_batches(shard: dict[str, torch.Tensor], rows: range) -> Iterator[tuple[slice, int]]:
-        """The micro-batches the driver planned (`shard["micro_batches"]`, row counts) that lie in `rows`, each with
-        its longest row's length (what it is padded to)."""
-        start = 0
+    def _passes(self, shard: dict[str, torch.Tensor]) -> list[Pass]:
+        """The forward/backward passes over the micro-batches the driver planned (`shard["micro_batches"]`, row
+        counts), in order: each one's rows, the length they are padded to, and the rows packed by prompt where the
+        packer packs them."""
+        passes, start = [], 0
         for size in shard["micro_batches"].tolist():
-            if rows.start <= start < rows.stop:
-                index = slice(start, start + size)
-                yield index, int(shard["lengths"][index].max())
+            index = slice(start, start + size)
+            lengths = shard["lengths"][index].tolist()
+            width = max(lengths)
+            prompts = shard["prompt_lengths"][index].tolist()
+            packed = self.packer.pack(shard["input_ids"][index, :width], prompts, lengths)
+            passes.append(Pass(index, width, None if packed is None else packed.to(self.device)))
             start += size
+        return passes
 
-    def _logits(self, model: torch.nn.Module, input_ids: torch.Tensor, width: int) -> torch.Tensor:
-        """Next-token logits for positions 0..width-2 of the (right-padded) rows."""
-        return self.forward_logits(model, input_ids[:, :width].to(self.device))[:, :-1]
+    def _logits(self, model: torch.nn.Module, shard: dict[str, torch.Tensor], step: Pass) -> torch.Tensor:
+        """Next-token logits for positions 0..width-2 of the pass's (right-padded) rows."""
+        if step.packed is not None:
+            rows = step.packed
+            return rows.gather(self.forward_logits(model, rows.input_ids, rows.position_ids, rows.attention_mask))
+        return self.forward_logits(model, shard["input_ids"][step.rows, : step.width].to(self.device))[:, :-1]
 
     @torch.no_grad()
-    def _log_probs(self, model: torch.nn.Module, shard: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Token log-probs of every row under `model`, with the same micro-batching as the update."""
+    def _log_probs(self, model: torch.nn.Module, shard: dict[str, torch.Tensor], passes: list[Pass]) -> torch.Tensor:
+        """Token log-probs of every row under `model`, with the same passes as the update."""
         out = torch.zeros_like(shard["loss_mask"], dtype=torch.float32)
-        for index, width in self._micro_batches(shard, range(shard["input_ids"].shape[0])):
-            logits = self._logits(model, shard["input_ids"][index], width)
-            targets = shard["input_ids"][index, 1:width].to(self.device)
-            out[index, : width - 1] = token_log_probs(logits, targets).cpu()
+        for step in passes:
+            logits = self._logits(model, shard, step)
+            targets = shard["input_ids"][step.rows, 1 : step.width].to(self.device)
+            out[step.rows, : step.width - 1] = token_log_probs(logits, targets).cpu()
         return out
 
     def update(self, shard: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -204,8 +242,9 @@ class ActorWorker(Worker, ABC):
         rows_per_minibatch = rows // num_minibatches
         # With one on-policy pass the old policy is the current one: its log-probs are the live ones, detached.
         reuse_live = num_minibatches == 1 and cfg["ppo_epochs"] == 1
-        old_log_probs = None if reuse_live else self._log_probs(self.model, shard)
-        ref_log_probs = self._log_probs(self.ref_model, shard) if self.ref_model is not None else None
+        passes = self._passes(shard)
+        old_log_probs = None if reuse_live else self._log_probs(self.model, shard, passes)
+        ref_log_probs = self._log_probs(self.ref_model, shard, passes) if self.ref_model is not None else None
         max_norm = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
 
         sums = self.objective.new_sums()
@@ -217,8 +256,11 @@ class ActorWorker(Worker, ABC):
                 counts = MiniBatchCounts(tokens, sequences)
                 # FSDP reduce-scatters each micro-batch's gradients in its backward: accumulating them unsharded
                 # over the micro-batches would hold the whole model's gradients on every rank
-                for index, width in self._micro_batches(shard, rows_mb):
-                    logits = self._logits(self.model, shard["input_ids"][index], width)
+                for step in passes:
+                    if not rows_mb.start <= step.rows.start < rows_mb.stop:
+                        continue
+                    index, width = step.rows, step.width
+                    logits = self._logits(self.model, shard, step)
                     targets = shard["input_ids"][index, 1:width].to(self.device)
                     log_probs = token_log_probs(logits, targets)
                     positions = (index, slice(0, width - 1))
@@ -247,6 +289,7 @@ class ActorWorker(Worker, ABC):
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "lr": self.scheduler.get_last_lr()[0],
             "skipped_steps": float(skipped),
+            "pass_tokens": float(sum(step.tokens for step in passes)),
         }
 
     # -- weight sync (see rlrunner.weight_sync) --------------------------------------------------

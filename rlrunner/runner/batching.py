@@ -49,7 +49,8 @@ def build_actor_batch(
     """Right-padded prompt+response rows with a mask over the response's target positions.
 
     input_ids [N, L]; loss_mask [N, L-1] is 1.0 where the token predicted at that position
-    (input_ids[:, t+1]) belongs to the response; lengths [N]; advantages [N]; rollout_logprobs [N, L-1],
+    (input_ids[:, t+1]) belongs to the response; lengths [N] and prompt_lengths [N] (the update packs rows that share a
+    prompt: rlrunner.backends.prompt_packing); advantages [N]; rollout_logprobs [N, L-1],
     the rollout engine's log-probability of each response token at its target position (0 elsewhere).
     """
     if any(not s["prompt_ids"] for s in samples):
@@ -76,6 +77,7 @@ def build_actor_batch(
         "input_ids": input_ids,
         "loss_mask": loss_mask,
         "lengths": torch.tensor(lengths, dtype=torch.long),
+        "prompt_lengths": starts.view(-1) + 1,
         "advantages": advantages.to(torch.float32),
         "rollout_logprobs": rollout_logprobs,
     }

@@ -211,4 +211,5 @@ def actor_metrics(per_rank: list[dict[str, float]], objective: "PolicyObjective"
         "actor/grad_norm": per_rank[0]["grad_norm"],
         "actor/lr": per_rank[0]["lr"],
         "actor/skipped_steps": per_rank[0]["skipped_steps"],
+        "actor/pass_tokens": total["pass_tokens"],
     }

@@ -74,8 +74,9 @@ def test_training_changes_weights_syncs_rollout_and_logs_every_metric(ray_sessio
     assert list(log_dir.glob("events.out.tfevents.*")), "no TensorBoard event file"
 
     # Micro-batches by a token budget: a few rows each, as many on both ranks as the rank that needs the most (FSDP's
-    # collectives run once per pass: a rank with fewer would hang). The first step trains on the same samples from
-    # the same weights, so its loss and gradient are the first run's, up to the order of the sums.
+    # collectives run once per pass: a rank with fewer would hang), and rows never packed by prompt (the first run's
+    # passes of 4 were: each is one group). The first step trains on the same samples from the same weights, so its
+    # loss and gradient are the first run's, up to rounding.
     Supervisor(
         run_config(
             tmp_path / "tokens",
@@ -83,12 +84,15 @@ def test_training_changes_weights_syncs_rollout_and_logs_every_metric(ray_sessio
             "rollout.num_workers=1",
             "actor.micro_batch_size=null",
             "actor.micro_batch_tokens=15",
+            "actor.pack_shared_prompts=false",
         )
     ).run()
     by_tokens = read_metrics(tmp_path / "tokens" / "test" / "metrics.jsonl")
     assert [r["step"] for r in by_tokens] == [1, 2, 3, 4]
     assert all(r["actor/micro_batches"] >= 4 for r in by_tokens), [r["actor/micro_batches"] for r in by_tokens]
     assert by_tokens[0]["rollout/reward_mean"] == records[0]["rollout/reward_mean"]
+    # 16 rows of a 4-token prompt and 1-2 new tokens: at most 96 padded; packed, 4 prompts and the responses
+    assert records[0]["actor/pass_tokens"] <= 4 * 4 + 16 * 2 < by_tokens[0]["actor/pass_tokens"]
     for key in ("actor/loss", "actor/grad_norm", "actor/entropy"):
         assert by_tokens[0][key] == pytest.approx(records[0][key], rel=1e-5, abs=1e-7), key
 

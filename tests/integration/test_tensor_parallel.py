@@ -15,6 +15,7 @@ from spawned_ranks import spawn_ranks
 
 from rlrunner.backends.megatron.layout import hf_to_megatron_rank
 from rlrunner.backends.megatron.model import TPCausalLM
+from rlrunner.backends.prompt_packing import pack_shared_prompts
 
 from conftest import assert_bit_equal
 from megatron_models import SHAPES, build_test_model
@@ -63,6 +64,12 @@ def _check_rank(rank: int, world: int, shape: str) -> None:
         shifted = hf(input_ids=IDS, attention_mask=MASK, position_ids=positions, use_cache=False).logits
         assert torch.allclose(tp_model(IDS, MASK, positions), shifted, atol=1e-5)
         assert not torch.allclose(shifted, hf_logits, atol=1e-3)
+        # rows packed by prompt: a boolean 4D mask and positions that restart, as HF takes them
+        rows = torch.tensor([[12, 40, 98, 7, 3], [12, 40, 5, 17, 0]])
+        packed = pack_shared_prompts(rows, [2, 2], [5, 4], [[0, 1]])
+        inputs = (packed.input_ids, packed.attention_mask, packed.position_ids)
+        expected = hf(input_ids=inputs[0], attention_mask=inputs[1], position_ids=inputs[2], use_cache=False).logits
+        assert torch.allclose(tp_model(*inputs), expected, atol=1e-5)
 
     # backward: every shard's gradient is the HF gradient split by the layout
     _loss(hf_logits).backward()

@@ -173,3 +173,13 @@ def test_an_unknown_megatron_checkpoint_format_is_named() -> None:
     with pytest.raises(ConfigError, match=r"^actor.megatron.ckpt_format must be one of torch, torch_dist, got 'dcp'$"):
         load_config(["actor.training_backend=megatron", "actor.megatron.ckpt_format=dcp"])
     assert load_config(["actor.megatron.ckpt_format=torch_dist"]).actor.megatron.ckpt_format == "torch_dist"
+
+
+def test_packing_by_prompt_needs_a_mask_the_attention_takes() -> None:
+    with pytest.raises(ConfigError, match=r"^actor.pack_shared_prompts=true needs model.attn_implementation in sdpa "):
+        load_config(["actor.pack_shared_prompts=true", "model.attn_implementation=eager"])
+    # megatron's model always takes the mask; null with eager packs nothing (the worker's rule)
+    assert load_config(
+        ["actor.pack_shared_prompts=true", "model.attn_implementation=eager", "actor.training_backend=megatron"]
+    ).actor.pack_shared_prompts
+    assert load_config(["model.attn_implementation=eager"]).actor.pack_shared_prompts is None

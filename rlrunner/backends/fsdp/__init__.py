@@ -9,6 +9,10 @@ from rlrunner.backends.base import RankMap, TrainingBackend
 from rlrunner.errors import ConfigError
 from rlrunner.storage import Storage
 
+# HF attention implementations that take a boolean 4D mask, as packed rows need (rlrunner/backends/prompt_packing.py);
+# eager attention adds a mask as floats
+PACKING_ATTENTION = ("sdpa",)
+
 
 class FSDPBackend(TrainingBackend):
     name = "fsdp"
@@ -36,6 +40,11 @@ class FSDPBackend(TrainingBackend):
             raise ConfigError(
                 "actor.megatron.shard_weights=false needs actor.training_backend=megatron (fsdp always shards "
                 "its weights and all-gathers them a unit at a time)"
+            )
+        if cfg.actor.pack_shared_prompts and cfg.model.attn_implementation not in PACKING_ATTENTION:
+            raise ConfigError(
+                "actor.pack_shared_prompts=true needs model.attn_implementation in "
+                f"{', '.join(PACKING_ATTENTION)} (a boolean 4D mask), got '{cfg.model.attn_implementation}'"
             )
 
     def checkpoint_manager(

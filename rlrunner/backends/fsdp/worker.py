@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from rlrunner.backends.actor import ActorWorker
+from rlrunner.backends.fsdp import PACKING_ATTENTION
 from rlrunner.backends.fsdp.dcp_state import (
     fsdp_parts,
     load_fsdp_state,
@@ -113,6 +114,7 @@ class FSDPActorWorker(ActorWorker):
         if recomputes_activations(self.actor_cfg["gradient_checkpointing"], float32_bytes(self.model)):
             enable_recomputation(self.model)
         self.model.train()
+        self.use_prompt_packing(self.model.config, self.model_cfg["attn_implementation"] in PACKING_ATTENTION)
         self.optimizer, self.scheduler = build_optimizer(
             self.model.parameters(), self.actor_cfg["optim"], self.total_optimizer_steps
         )
@@ -150,8 +152,16 @@ class FSDPActorWorker(ActorWorker):
     def data_parallel_size(self) -> int:
         return self.world_size
 
-    def forward_logits(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=input_ids, use_cache=False).logits
+    def forward_logits(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+        ).logits
 
     def clip_and_step(self, max_norm: float) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)

@@ -258,9 +258,15 @@ def _hf_config(config: Any) -> Any:
 
 
 def _padding_mask(attention_mask: torch.Tensor, seq: int) -> torch.Tensor:
-    """Boolean [batch, 1, seq, seq] (True = may attend): causal and not a padding key, as HF's sdpa mask."""
+    """Boolean [batch, 1, seq, seq] (True = may attend): causal and not a padding key, as HF's sdpa mask; a boolean
+    [batch, 1, seq, seq] mask as it is (as HF takes a 4D mask)."""
+    if attention_mask.dim() == 4 and attention_mask.dtype == torch.bool and attention_mask.shape[-2:] == (seq, seq):
+        return attention_mask
     if attention_mask.dim() != 2 or attention_mask.shape[1] != seq:
-        raise ValueError(f"attention_mask must be [batch, {seq}], got shape {tuple(attention_mask.shape)}")
+        raise ValueError(
+            f"attention_mask must be [batch, {seq}] or a boolean [batch, 1, {seq}, {seq}], "
+            f"got shape {tuple(attention_mask.shape)}"
+        )
     causal = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).tril()
     return causal[None, None] & attention_mask.bool()[:, None, None, :]
 

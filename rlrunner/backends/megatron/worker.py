@@ -165,6 +165,7 @@ class MegatronActorWorker(ActorWorker):
         recompute = self.actor_cfg["gradient_checkpointing"]
         self.model.gradient_checkpointing = recomputes_activations(recompute, model_bytes)
         self.model.train()
+        self.use_prompt_packing(self.hf_config, takes_mask=True)  # its attention is sdpa's
         self.scheduler = build_schedule(self.optimizer.optimizer, optim, self.total_optimizer_steps)
         if self.algorithm_cfg["use_kl_loss"]:
             self.ref_model = TPCausalLM(self.hf_config, self.tp_group, self.divisible_by, device="meta")
@@ -191,7 +192,13 @@ class MegatronActorWorker(ActorWorker):
     def data_parallel_size(self) -> int:
         return self.world_size // self.tp
 
-    def forward_logits(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward_logits(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         compute = torch_dtype(self.actor_cfg["param_dtype"])
         # sharded weights: no cache of each weight's cast copy, which would keep every unit's (in the compute dtype)
         # for the whole forward after the unit itself is released
@@ -201,7 +208,7 @@ class MegatronActorWorker(ActorWorker):
             else contextlib.nullcontext()
         )
         with autocast:
-            return model(input_ids)
+            return model(input_ids, attention_mask, position_ids)
 
     def clip_and_step(self, max_norm: float) -> float:
         self.optimizer.reduce_gradients()
