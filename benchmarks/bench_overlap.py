@@ -97,6 +97,9 @@ def run_overrides(args: argparse.Namespace, name: str, output_dir: Path) -> list
         # the balance above was found with activations recomputed (the default for every model until the tiny one
         # stopped recomputing): kept, so the job and its figures stay the same
         "actor.gradient_checkpointing=true",
+        # and with every row a pass of its own prompt's (the estimate packs none of this job's passes: its responses
+        # are long); pinned, so that a trained policy's shorter responses never change the job
+        "actor.pack_shared_prompts=false",
         "rollout.num_workers=1",
         "cluster.threads_per_worker=1",
         "cluster.cpus_per_actor_worker=0.5",
