@@ -1,10 +1,14 @@
 """Rows that share a prompt, packed: the update's forward reads each distinct prompt of a micro-batch once.
 
 GRPO samples `algorithm.group_size` responses per prompt, so most rows of an update begin with the same tokens. Packed,
-the rows of a micro-batch that share a prompt become one sequence: the prompt, then each row's response in turn. A mask
-lets each response see the prompt and its own earlier tokens only, and its positions restart where the prompt ends, so
-every logit is the unpacked row's up to rounding. `PackedRows.gather` puts them back at the rows' [width - 1] positions:
-the loss and everything after it are unchanged.
+the rows of a micro-batch that share a prompt become one sequence: the prompt but its last token, then each row's own
+copy of that last token followed by its response. A mask lets each row's part see the shared prompt and its own earlier
+tokens only, its positions continuing the prompt's, so every logit is the unpacked row's up to rounding.
+`PackedRows.gather` puts them back at the rows' [width - 1] positions: the loss and everything after it are unchanged.
+
+Each logit a loss reads (from the prompt's last token on) is a row's own: two rows read the same packed position only
+where no loss does (the prompt's earlier positions, padding targets), so their gradients, summed back in whatever
+order a device's indexing backward takes (atomics, threads), are one value plus exact zeros, the same bits every time.
 
 The mask is explicit, so attention works over the whole packed sequence (quadratic in its length) where the unpacked
 rows' causal kernels work over each row. `PromptPacker` packs only where an estimate of the forward's work
@@ -52,9 +56,10 @@ def prompt_groups(input_ids: torch.Tensor, prompt_lengths: Sequence[int]) -> lis
 
 
 def packed_width(group: Sequence[int], prompt_lengths: Sequence[int], lengths: Sequence[int]) -> int:
-    """The length of one packed sequence: the group's prompt, then each of its rows' responses."""
-    prompt = prompt_lengths[group[0]]
-    return prompt + sum(lengths[row] - prompt for row in group)
+    """The length of one packed sequence: the group's prompt but its last token, then each of its rows' last prompt
+    token and response."""
+    shared = prompt_lengths[group[0]] - 1
+    return shared + sum(lengths[row] - shared for row in group)
 
 
 def pack_shared_prompts(
@@ -63,9 +68,9 @@ def pack_shared_prompts(
     """The right-padded rows `input_ids` [rows, width] (row r: a prompt of `prompt_lengths[r]` tokens, then its
     response, `lengths[r]` tokens in all) packed one sequence per group of rows with the same prompt (`prompt_groups`).
 
-    Each row's logits at positions 0..width-2 come from: the shared prompt's positions (up to its last, which predicts
-    the first response token), then its own response tokens; a position past its last token (a padding target, masked
-    out of every loss) reads its last token's."""
+    Each row's logits at positions 0..width-2 come from: the shared prompt's positions before its last, then the row's
+    own part (its copy of the prompt's last token, which predicts the first response token, and its response tokens);
+    a position past its last token (a padding target, masked out of every loss) reads its last token's."""
     rows, width = input_ids.shape
     ids = input_ids.tolist()
     sizes = [packed_width(group, prompt_lengths, lengths) for group in groups]
@@ -75,18 +80,18 @@ def pack_shared_prompts(
     sources: list[int] = [0] * rows
     steps = range(width - 1)
     for packed, (group, size) in enumerate(zip(groups, sizes)):
-        p = prompt_lengths[group[0]]
-        row_tokens, row_positions, row_segments = ids[group[0]][:p], list(range(p)), [0] * p
-        start = p
+        shared = prompt_lengths[group[0]] - 1  # the prompt's tokens before its last
+        row_tokens, row_positions, row_segments = ids[group[0]][:shared], list(range(shared)), [0] * shared
+        start = shared
         for k, row in enumerate(group, start=1):
-            responses = lengths[row] - p
-            row_tokens += ids[row][p : lengths[row]]
-            row_positions += range(p, lengths[row])
-            row_segments += [k] * responses
-            last = start + responses - 1 if responses else p - 1
-            columns[row] = [j if j < p else min(start + j - p, last) for j in steps]
+            own = lengths[row] - shared  # the last prompt token and the response
+            row_tokens += ids[row][shared : lengths[row]]
+            row_positions += range(shared, lengths[row])
+            row_segments += [k] * own
+            last = start + own - 1
+            columns[row] = [j if j < shared else min(start + j - shared, last) for j in steps]
             sources[row] = packed
-            start += responses
+            start += own
         padding = full - size
         tokens.append(row_tokens + [0] * padding)
         positions.append(row_positions + [0] * padding)

@@ -82,19 +82,31 @@ def test_a_response_sees_its_prompt_and_itself_only(model: torch.nn.Module) -> N
 def test_the_packed_layout() -> None:
     ids, prompts, lengths = rows(SAMPLES[:4])
     packed = pack_shared_prompts(ids, prompts, lengths, prompt_groups(ids, prompts))
-    # prompt, then each response; positions restart after the prompt; the shorter sequence padded
+    # the prompt but its last token, then each row's copy of that token and its response, positions continuing the
+    # prompt's; the shorter sequence padded
     assert packed.input_ids.tolist() == [
-        [10, 11, 12, 13, 20, 21, 22, 1, 23, 1],
-        [30, 31, 40, 41, 42, 43, 44, 45, 0, 0],
+        [10, 11, 12, 13, 20, 21, 22, 1, 13, 23, 1],
+        [30, 31, 40, 41, 42, 43, 44, 31, 45, 0, 0],
     ]
-    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 4, 5], [0, 1, 2, 3, 4, 5, 6, 2, 0, 0]]
+    assert packed.position_ids.tolist() == [
+        [0, 1, 2, 3, 4, 5, 6, 7, 3, 4, 5],
+        [0, 1, 2, 3, 4, 5, 6, 1, 2, 0, 0],
+    ]
     mask = packed.attention_mask[0, 0]
-    assert mask[8].tolist() == [True] * 4 + [False] * 4 + [True, False]  # row 2's first token: the prompt, itself
-    assert mask[:4, :4].equal(torch.ones(4, 4, dtype=torch.bool).tril())
-    assert packed.attention_mask[1, 0, 9].tolist() == [False] * 9 + [True]  # padding sees itself only
-    # row 3 (one response token, at packed column 7): the prompt's positions, its token, then that token again
+    assert mask[8].tolist() == [True] * 3 + [False] * 5 + [True, False, False]  # row 2's copy: the prompt, itself
+    assert mask[:3, :3].equal(torch.ones(3, 3, dtype=torch.bool).tril())
+    assert packed.attention_mask[1, 0, 10].tolist() == [False] * 10 + [True]  # padding sees itself only
+    # row 3 (one response token): the prompt's first position, its copy of the last (which predicts its token, the
+    # only position a loss reads), then its token for every padding target
     assert packed.source_rows[3].tolist() == [1] * 7
-    assert packed.source_columns[3].tolist() == [0, 1, 7, 7, 7, 7, 7]
+    assert packed.source_columns[3].tolist() == [0, 7, 8, 8, 8, 8, 8]
+    # every position a loss reads (from the prompt's last token to the row's last but one) is a row's own
+    read = [
+        (int(packed.source_rows[r, j]), int(packed.source_columns[r, j]))
+        for r in range(4)
+        for j in range(prompts[r] - 1, lengths[r] - 1)
+    ]
+    assert len(read) == len(set(read)) == sum(lengths) - sum(prompts)
 
 
 def test_the_packer_packs_where_it_saves() -> None:
