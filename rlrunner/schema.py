@@ -216,7 +216,7 @@ class ActorConfig:
     # (at most 16M parameters, models.loading.SMALL_MODEL_BYTES, whose activations are small)
     gradient_checkpointing: Optional[bool] = None
     # the rows of a micro-batch that share a prompt run as one sequence, the prompt read once (backends.prompt_packing);
-    # null: where the estimated forward work drops by a quarter or more (short responses), with sdpa attention only
+    # null: where the estimated forward work drops by a tenth or more (short responses), with sdpa attention only
     pack_shared_prompts: Optional[bool] = None
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)  # actor.training_backend=fsdp only

@@ -138,3 +138,9 @@ def test_forward_cost_counts_the_layer() -> None:
     assert cost.per_pair == 4 * 128
     assert cost.unpacked([8, 8], 8) == 2 * (8 * cost.per_token + 36 * cost.per_pair)
     assert cost.packed(1, 12) == 12 * cost.per_token + 144 * cost.per_pair
+
+
+def test_a_prompt_drawn_twice_is_cut_into_runs_of_the_median_group() -> None:
+    twice = [([10, 11], [20 + i]) for i in range(8)] + [([30, 31], [40 + i]) for i in range(4)]
+    ids, prompts, _ = rows(twice)
+    assert prompt_groups(ids, prompts) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
