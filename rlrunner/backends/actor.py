@@ -89,7 +89,7 @@ class ActorWorker(Worker, ABC):
         self.model: torch.nn.Module
         self.ref_model: torch.nn.Module | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR
-        self.packer: PromptPacker  # set by the backend's setup (`use_prompt_packing`)
+        self.packer: PromptPacker | None = None  # the backend's setup sets it (`use_prompt_packing`); None: never packs
 
     def warm_up(self) -> dict:
         """A spare runs the model's code once (a one-layer throwaway), so that its setup and first update after it
@@ -211,7 +211,9 @@ class ActorWorker(Worker, ABC):
             lengths = shard["lengths"][index].tolist()
             width = max(lengths)
             prompts = shard["prompt_lengths"][index].tolist()
-            packed = self.packer.pack(shard["input_ids"][index, :width], prompts, lengths)
+            packed = (
+                None if self.packer is None else self.packer.pack(shard["input_ids"][index, :width], prompts, lengths)
+            )
             passes.append(Pass(index, width, None if packed is None else packed.to(self.device)))
             start += size
         return passes
