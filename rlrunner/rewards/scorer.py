@@ -203,9 +203,9 @@ class RewardScorer:
     def ready(self) -> None:
         """Wait until every process has loaded the function; RewardLoadError (one line) when it cannot be loaded."""
         while True:
-            self._raise_if_broken()
-            with self._lock:
-                if all(process.ready for process in self._processes):
+            with self._lock:  # where the feeding thread records a load error and drops the process that had it
+                self._raise_if_broken()
+                if self._processes and all(process.ready for process in self._processes):
                     return
             time.sleep(0.02)
 

@@ -198,6 +198,21 @@ def _update_shards(cfg, num_ranks: int) -> list[dict[str, torch.Tensor]]:
     return shard_actor_batch(build_actor_batch(samples, advantages, ids.pad), num_ranks, 1)
 
 
+def _wait_until_dead(actor, timeout_s: float = 30.0) -> None:
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"the killed actor still answered after {timeout_s:g}s")
+
+
 def _rollout_state(worker) -> dict[str, torch.Tensor]:
     """Runs in a rollout worker: its model's state dict, on CPU."""
     return {name: tensor.detach().cpu().clone() for name, tensor in worker.engine.model.state_dict().items()}
@@ -289,6 +304,7 @@ def test_ray_groups_sync_bit_exact_and_fail_fast(ray_session, tmp_path):
 
         # a rollout worker killed before the sync: sync_weights raises promptly instead of hanging
         ray.kill(group.workers[1], no_restart=True)
+        _wait_until_dead(group.workers[1])  # ray.kill returns before the process is gone
         started = time.monotonic()
         with pytest.raises(Exception) as error:
             sync_weights(actors, group, bucket_bytes=64 << 10, timeout_s=60)
