@@ -132,9 +132,9 @@ class ForwardCost:
         weights = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * ffn
         return cls(per_token=2 * weights, per_pair=4 * heads * head_dim)
 
-    def unpacked(self, lengths: Sequence[int], width: int) -> int:
-        """The rows padded to `width`, each attending causally (a causal kernel skips the upper triangle)."""
-        return len(lengths) * (width * self.per_token + width * (width + 1) // 2 * self.per_pair)
+    def unpacked(self, rows: int, width: int) -> int:
+        """`rows` rows padded to `width`, each attending causally (a causal kernel skips the upper triangle)."""
+        return rows * (width * self.per_token + width * (width + 1) // 2 * self.per_pair)
 
     def packed(self, count: int, width: int) -> int:
         """`count` packed rows of `width`, each attending over its whole width (an explicit mask is computed
@@ -158,7 +158,7 @@ class PromptPacker:
             return None
         if self.setting is None:
             width = max(packed_width(group, prompt_lengths, lengths) for group in groups)
-            unpacked = self.cost.unpacked(lengths, input_ids.shape[1])
+            unpacked = self.cost.unpacked(len(lengths), input_ids.shape[1])
             if self.cost.packed(len(groups), width) > (1 - MIN_SAVING) * unpacked:
                 return None
         return pack_shared_prompts(input_ids, prompt_lengths, lengths, groups)

@@ -136,7 +136,7 @@ def test_forward_cost_counts_the_layer() -> None:
     # q and o 128x128, k and v 128x64, gate/up/down 128x256: 2 flops per weight; scores and values 4 x 128 per pair
     assert cost.per_token == 2 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256)
     assert cost.per_pair == 4 * 128
-    assert cost.unpacked([8, 8], 8) == 2 * (8 * cost.per_token + 36 * cost.per_pair)
+    assert cost.unpacked(2, 8) == 2 * (8 * cost.per_token + 36 * cost.per_pair)
     assert cost.packed(1, 12) == 12 * cost.per_token + 144 * cost.per_pair
 
 
