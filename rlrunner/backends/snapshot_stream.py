@@ -21,6 +21,8 @@ import io
 import json
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Iterable, Iterator
 
 import numpy
@@ -33,6 +35,9 @@ from rlrunner.utils.tensors import PLAIN_TYPES, map_tensors, tensor_bytes
 CHUNK_BYTES = 32 * 2**20  # small or device tensors' bytes go through a host buffer this big; parts are read back so
 DIRECT_BYTES = 2**20  # a host tensor this big is sent from its own memory
 CONNECT_TIMEOUT_S = 10.0  # a holder that does not accept by then is lost: the wait for the part must not hang on it
+# The streams' threads, kept from one snapshot to the next: starting a thread waits until the CPU runs it, 2 ms of an
+# actor rank's step on the default job's busy cores, where a kept thread is handed the stream and the rank goes on.
+_STREAM_THREADS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="snapshot-stream")
 
 
 def _raw(tensor: torch.Tensor) -> torch.Tensor:
@@ -166,7 +171,7 @@ def join_state(skeleton: bytes, chunks: Iterable[bytes]) -> Any:
 
 class SnapshotStream:
     """One rank's part of `step` sent to the holder at `address` ((host, port, token): `SnapshotHolder.address`) from
-    a thread of its own."""
+    a thread of the streams' own."""
 
     def __init__(
         self,
@@ -183,8 +188,7 @@ class SnapshotStream:
         self._state = state  # read on the thread: the caller built it, nothing else refers to the structure
         self._given_up = threading.Event()
         self._connection: socket.socket | None = None
-        self._thread = threading.Thread(target=self._run, name=f"snapshot-step-{step}", daemon=True)
-        self._thread.start()
+        self._sent = _STREAM_THREADS.submit(self._run)
 
     def _run(self) -> None:
         try:
@@ -216,8 +220,9 @@ class SnapshotStream:
         """None once the holder keeps the whole part; else why it keeps none. A part still on its way after
         `timeout_s` is given up before this returns (its connection cut, so that the holder keeps none of it): the
         caller may then change the tensors."""
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
+        try:
+            self._sent.result(timeout_s)
+        except FutureTimeout:
             self._given_up.set()
             connection = self._connection
             if connection is not None:
@@ -225,7 +230,7 @@ class SnapshotStream:
                     connection.shutdown(socket.SHUT_RDWR)  # a send blocked on a stuck holder fails at once
                 except OSError:
                     pass
-            self._thread.join()
+            self._sent.result()
             return f"actor rank {self.rank}'s part was still on its way after {timeout_s:g} s"
         return self.reason
 

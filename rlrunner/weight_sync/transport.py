@@ -72,7 +72,8 @@ class _Member:
         self._check()
         started = time.perf_counter()
         try:
-            stats = sync(bucket_bytes)
+            with torch.no_grad():  # the blocks are read, never trained through (a DTensor's to_local is then cheap)
+                stats = sync(bucket_bytes)
         except BaseException as exc:
             self.broken = describe(exc)
             # Close our end at once, so that the peers still blocked on us fail now instead of at the channel's

@@ -255,13 +255,16 @@ def test_a_restored_scheduler_keeps_this_run_s_schedule_from_its_first_step() ->
     assert same_optimizer.param_groups[0]["lr"] == saved_optimizer.param_groups[0]["lr"]
 
 
-def test_adamw_is_fused_on_cuda_and_the_per_tensor_loop_on_the_cpu() -> None:
+def test_adamw_is_fused_on_cuda_and_on_the_cpu_foreach_for_small_models_else_the_per_tensor_loop() -> None:
     """The actor's AdamW: fused on CUDA (torch's default there, foreach, makes temporaries of the whole shard); on the
-    CPU the per-tensor loop, which steps each element as a whole-model AdamW would."""
+    CPU foreach for a small model and the per-tensor loop above it. Each steps every element as a whole-model AdamW
+    would, and the two CPU implementations give the same bits."""
     from rlrunner.backends.optim import adamw_implementation, build_optimizer
+    from rlrunner.models.loading import SMALL_MODEL_BYTES
 
     assert adamw_implementation(torch.device("cuda", 0)) == "fused"
-    assert adamw_implementation(torch.device("cpu")) == "for-loop"
+    assert adamw_implementation(torch.device("cpu"), SMALL_MODEL_BYTES) == "foreach"
+    assert adamw_implementation(torch.device("cpu"), SMALL_MODEL_BYTES + 1) == "for-loop"
     cfg = {
         "lr": 0.1,
         "betas": [0.9, 0.99],
@@ -272,15 +275,19 @@ def test_adamw_is_fused_on_cuda_and_the_per_tensor_loop_on_the_cpu() -> None:
     }
     whole = torch.nn.Parameter(torch.arange(6, dtype=torch.float32))
     halves = [torch.nn.Parameter(whole.detach()[:3].clone()), torch.nn.Parameter(whole.detach()[3:].clone())]
+    looped = [torch.nn.Parameter(whole.detach()[:3].clone()), torch.nn.Parameter(whole.detach()[3:].clone())]
     optimizers = [build_optimizer([whole], cfg, 4)[0], build_optimizer(halves, cfg, 4)[0]]
-    assert [(o.defaults["foreach"], o.defaults["fused"]) for o in optimizers] == [(False, None)] * 2
+    assert [(o.defaults["foreach"], o.defaults["fused"]) for o in optimizers] == [(True, None)] * 2
+    loop = torch.optim.AdamW(looped, lr=0.1, betas=(0.9, 0.99), weight_decay=0.01, foreach=False)
     grad = torch.linspace(-1.0, 1.0, 6)
     for _ in range(3):
         whole.grad = grad.clone()
-        halves[0].grad, halves[1].grad = grad[:3].clone(), grad[3:].clone()
-        for optimizer in optimizers:
+        for pair in (halves, looped):
+            pair[0].grad, pair[1].grad = grad[:3].clone(), grad[3:].clone()
+        for optimizer in [*optimizers, loop]:
             optimizer.step()
     assert torch.equal(torch.cat([h.detach() for h in halves]), whole.detach())  # the same bits, however split
+    assert torch.equal(torch.cat([h.detach() for h in looped]), whole.detach())  # and as the per-tensor loop's
 
 
 def test_fsdp_unit_auto_is_the_whole_model_only_for_small_models() -> None:

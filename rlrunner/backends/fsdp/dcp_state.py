@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from rlrunner.backends.background_save import BackgroundSave
 from rlrunner.backends.dcp_files import SafeFileSystemReader, SafeLoadPlanner, checksumming_writer, saved_keys
+from rlrunner.backends.fsdp.reused_state import Live, ReusedRead
 from rlrunner.utils.stateful import StateParts
 
 logger = logging.getLogger(__name__)
@@ -59,13 +60,18 @@ def fsdp_parts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedul
 
 
 class FSDPModelState:
-    """The "model" part: the model's sharded state dict (DTensors), what DCP saves and reshards."""
+    """The "model" part: the model's sharded state dict (DTensors), what DCP saves and reshards (read again only when
+    a tensor was replaced: `reused_state`)."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
+        self.reused = ReusedRead()
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        return self.reused.get(lambda: get_model_state_dict(self.model), self._live)
+
+    def _live(self) -> Live:
+        return Live([*self.model.parameters(), *self.model.buffers()])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_model_state_dict(self.model, state)
@@ -77,9 +83,35 @@ class FSDPOptimizerState:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.model = model
         self.optimizer = optimizer
+        self.reused = ReusedRead()
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        state = self.reused.get(lambda: get_optimizer_state_dict(self.model, self.optimizer), self._live)
+        saved, live = state["param_groups"], self.optimizer.param_groups
+        if len(saved) != len(live) or any(set(s) != set(g) for s, g in zip(saved, live)):
+            return get_optimizer_state_dict(self.model, self.optimizer)  # groups DCP lays out otherwise: read each time
+        # The groups' settings as they are now (the schedule changes the learning rate every step), under the names
+        # DCP gave their parameters.
+        state["param_groups"] = [
+            {**{key: value for key, value in group.items() if key != "params"}, "params": names["params"]}
+            for group, names in zip(live, saved)
+        ]
+        return state
+
+    def _live(self) -> Live:
+        """The parameters and their state's tensors; the state's plain values and the groups' keys must not change
+        either (the groups' values are read live)."""
+        tensors, plain = [], []
+        for group in self.optimizer.param_groups:
+            plain.append(tuple(group))
+            for param in group["params"]:
+                tensors.append(param)
+                for key, value in self.optimizer.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        tensors.append(value)
+                    else:
+                        plain.append((key, value))
+        return Live(tensors, tuple(plain))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state)

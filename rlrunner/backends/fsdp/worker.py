@@ -118,6 +118,7 @@ class FSDPActorWorker(ActorWorker):
         self.optimizer, self.scheduler = build_optimizer(
             self.model.parameters(), self.actor_cfg["optim"], self.total_optimizer_steps
         )
+        self.parts = fsdp_parts(self.model, self.optimizer, self.scheduler)  # kept: they reuse what they read
         # Checkpoint collectives get a gloo group of their own: a save written in the background must never
         # interleave its collectives with training's (and DCP's background path needs a CPU backend on GPU too).
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=self.dist_timeout)
@@ -189,7 +190,7 @@ class FSDPActorWorker(ActorWorker):
     # -- state -------------------------------------------------------------------------------------
 
     def state_parts(self) -> dict[str, Any]:
-        return fsdp_parts(self.model, self.optimizer, self.scheduler)
+        return self.parts
 
     # -- weights out ---------------------------------------------------------------------------
 
