@@ -219,21 +219,21 @@ class ActorWorker(Worker, ABC):
             start += size
         return passes
 
-    def _logits(self, model: torch.nn.Module, shard: dict[str, torch.Tensor], step: Pass) -> torch.Tensor:
+    def _logits(self, model: torch.nn.Module, shard: dict[str, torch.Tensor], forward: Pass) -> torch.Tensor:
         """Next-token logits for positions 0..width-2 of the pass's (right-padded) rows."""
-        if step.packed is not None:
-            rows = step.packed
+        if forward.packed is not None:
+            rows = forward.packed
             return rows.gather(self.forward_logits(model, rows.input_ids, rows.position_ids, rows.attention_mask))
-        return self.forward_logits(model, shard["input_ids"][step.rows, : step.width].to(self.device))[:, :-1]
+        return self.forward_logits(model, shard["input_ids"][forward.rows, : forward.width].to(self.device))[:, :-1]
 
     @torch.no_grad()
     def _log_probs(self, model: torch.nn.Module, shard: dict[str, torch.Tensor], passes: list[Pass]) -> torch.Tensor:
         """Token log-probs of every row under `model`, with the same passes as the update."""
         out = torch.zeros_like(shard["loss_mask"], dtype=torch.float32)
-        for step in passes:
-            logits = self._logits(model, shard, step)
-            targets = shard["input_ids"][step.rows, 1 : step.width].to(self.device)
-            out[step.rows, : step.width - 1] = token_log_probs(logits, targets).cpu()
+        for forward in passes:
+            logits = self._logits(model, shard, forward)
+            targets = shard["input_ids"][forward.rows, 1 : forward.width].to(self.device)
+            out[forward.rows, : forward.width - 1] = token_log_probs(logits, targets).cpu()
         return out
 
     def update(self, shard: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -259,11 +259,11 @@ class ActorWorker(Worker, ABC):
                 counts = MiniBatchCounts(tokens, sequences)
                 # FSDP reduce-scatters each micro-batch's gradients in its backward: accumulating them unsharded
                 # over the micro-batches would hold the whole model's gradients on every rank
-                for step in passes:
-                    if not rows_mb.start <= step.rows.start < rows_mb.stop:
+                for forward in passes:
+                    if not rows_mb.start <= forward.rows.start < rows_mb.stop:
                         continue
-                    index, width = step.rows, step.width
-                    logits = self._logits(self.model, shard, step)
+                    index, width = forward.rows, forward.width
+                    logits = self._logits(self.model, shard, forward)
                     targets = shard["input_ids"][index, 1:width].to(self.device)
                     log_probs = token_log_probs(logits, targets)
                     positions = (index, slice(0, width - 1))
@@ -292,7 +292,7 @@ class ActorWorker(Worker, ABC):
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "lr": self.scheduler.get_last_lr()[0],
             "skipped_steps": float(skipped),
-            "pass_tokens": float(sum(step.tokens for step in passes)),
+            "pass_tokens": float(sum(forward.tokens for forward in passes)),
         }
 
     # -- weight sync (see rlrunner.weight_sync) --------------------------------------------------
