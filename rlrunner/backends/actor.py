@@ -86,6 +86,7 @@ class ActorWorker(Worker, ABC):
         self._weight_sync_store = None
         self._snapshot: SnapshotStream | None = None  # this rank's part of a snapshot on its way to its holder
         self._skeletons = SkeletonCache()  # the part's skeleton, written again only when its structure changes
+        self._update_failed = False  # the last update raised: its state is no step's, so no snapshot part is sent
         self.model: torch.nn.Module
         self.ref_model: torch.nn.Module | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -175,8 +176,11 @@ class ActorWorker(Worker, ABC):
         """Start sending this rank's part of `step`'s snapshot (its training state and RNG, straight off the live
         tensors) to the holder at `holder_address` (`SnapshotHolder.address`), from a thread: the calls queued after
         this one (the weight sync) run meanwhile, and read the same tensors. Nothing may change them before
-        `finish_snapshot`."""
+        `finish_snapshot`. The driver queues it behind the step's update; after an update that raised it sends
+        nothing and raises."""
         self.abandon_snapshot()
+        if self._update_failed:
+            raise RuntimeError(f"actor rank {self.rank}: no snapshot part of step {step}: its update failed")
         with torch.no_grad():  # a DTensor's to_local outside no_grad goes through autograd, 20 times slower
             state = local_tensors(self.rank_state().state_dict())
         self._snapshot = SnapshotStream(step, self.rank, holder_address, state, skeletons=self._skeletons)
@@ -238,6 +242,12 @@ class ActorWorker(Worker, ABC):
 
     def update(self, shard: dict[str, torch.Tensor]) -> dict[str, float]:
         """One policy update on this rank's shard; returns sums for the driver to combine."""
+        self._update_failed = True
+        sums = self._update(shard)
+        self._update_failed = False
+        return sums
+
+    def _update(self, shard: dict[str, torch.Tensor]) -> dict[str, float]:
         cfg, algo = self.actor_cfg, self.algorithm_cfg
         rows = shard["input_ids"].shape[0]
         token_counts, sequence_counts = shard["token_counts"].tolist(), shard["sequence_counts"].tolist()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from rlrunner.cluster.worker_group import CallAbandoned, WorkerGroup
 from rlrunner.errors import RewardFunctionError, exception_chain
@@ -57,18 +57,19 @@ class RolloutPhase:
                 return running
         return self.launch_generation(step, prompts, during=during)
 
-    def sync_weights(self, kept: bool = False) -> None:
+    def sync_weights(self, kept: bool = False, then: Callable[[], None] | None = None) -> None:
         """Every actor rank sends its own part of the weights, in the rollout's dtype, to every rollout worker, straight
         from worker to worker over collective channels: nothing passes through the driver or the object store. With a
         policy lag the ranks keep a copy of what they sent, which `kept` sends again: the weights a generation ahead
         was started with, for a rollout group replaced after the update changed the live ones."""
         keep = self.cfg.algorithm.policy_lag > 0 and not kept
-        sync_weights(self.actor_group, self.rollout_group, DEFAULT_BUCKET_BYTES, keep=keep, kept=kept)
+        sync_weights(self.actor_group, self.rollout_group, DEFAULT_BUCKET_BYTES, keep=keep, kept=kept, then=then)
 
-    def sync_weights_in_step(self, step: int) -> None:
-        """`sync_weights` after an update; lost rollout workers are replaced, and the repair pushes the weights."""
+    def sync_weights_in_step(self, step: int, then: Callable[[], None] | None = None) -> None:
+        """`sync_weights` after an update (`then` is called once it is asked for); lost rollout workers are replaced,
+        and the repair pushes the weights."""
         try:
-            self.sync_weights()
+            self.sync_weights(then=then)
         except Exception as exc:
             try:
                 self.repair_rollout(exc, step, "weight sync")

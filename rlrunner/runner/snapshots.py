@@ -35,7 +35,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rlrunner.cluster import parked_groups
 from rlrunner.cluster.ray_setup import alive_nodes, cluster_lost, started_here
 from rlrunner.cluster.snapshot_holder import SnapshotHolder
-from rlrunner.cluster.worker_group import kill_quietly
+from rlrunner.cluster.worker_group import drain, kill_quietly
 from rlrunner.errors import describe
 
 logger = logging.getLogger(__name__)
@@ -113,8 +113,9 @@ class SnapshotStore:
         self.reserve_bytes = int(snapshot_cfg.reserve_memory_gb * 2**30)
         self.holders: dict[str, Any] = {}  # node id -> its holder
         self.addresses: dict[str, tuple[Any, tuple[str, int, str]]] = {}  # node id -> (its holder, where it listens)
-        # the snapshot started in this step: (step, the ranks' start calls, the node holding each rank's part)
-        self.in_flight: tuple[int, list[ray.ObjectRef], list[str]] | None = None
+        # the snapshot started in this step: (step, the ranks' start calls, the node holding each rank's part), then
+        # with `ask_finish` (step, the start and finish calls, those nodes, how many of the calls are starts)
+        self.in_flight: tuple | None = None
         self.complete_step: int | None = None  # the newest step known complete
         self._warned: str | None = None
         self._said_own_node = False
@@ -127,8 +128,9 @@ class SnapshotStore:
     # -- taking ----------------------------------------------------------------------------------
 
     def take(self, step: int, actor_group: Any) -> None:
-        """Start `step`'s snapshot, right after its update: each rank streams its part to its holder in a thread while
-        its next calls (the weight sync) run. Returns at once; `finish` waits for the parts."""
+        """Start `step`'s snapshot: called right after the update is asked for, so that each rank's start is queued
+        behind its update and the rank streams its part (in a thread) the moment the update ends, while its next calls
+        (the weight sync) run. Returns at once; `ask_finish` and `finish` wait for the parts."""
         self.in_flight = None
         if cluster_lost() is not None:
             return  # every GCS call would block until Ray gives up: the next call to a worker reports the loss
@@ -142,19 +144,30 @@ class SnapshotStore:
         starts = actor_group.call_each_async("start_snapshot", [(step, address) for address in addresses])
         self.in_flight = (step, starts, nodes)
 
+    def ask_finish(self, actor_group: Any, driver_state: dict[str, Any], timeout_s: float) -> None:
+        """After the weight sync is asked for: `driver_state` goes beside rank 0's part, and each rank's wait for its
+        part (`finish_snapshot`, at most half of `timeout_s`) is queued behind its sync, so that no round trip through
+        the driver comes between them. `finish` takes the answers."""
+        if self.in_flight is None:
+            return
+        step, starts, nodes = self.in_flight[:3]
+        self._holder(nodes[0]).put_driver_state.remote(step, driver_state)
+        finishes = actor_group.call_all_async("finish_snapshot", timeout_s / 2)
+        self.in_flight = (step, [*starts, *finishes], nodes, len(starts))
+
     def finish(self, actor_group: Any, driver_state: dict[str, Any], timeout_s: float) -> None:
         """Within the step `take` started, after its weight sync: wait until every rank's part is with its holder, so
         that once the step completes a lost rank costs no completed step, and no later update changes the tensors
-        being read. `driver_state` goes beside rank 0's part. A part a holder refused or lost leaves the step's
-        snapshot incomplete, with a warning (as does a holder that takes half of `timeout_s`, the step's); a rank lost
-        on the way fails the step."""
+        being read. `driver_state` goes beside rank 0's part (unless `ask_finish` sent it). A part a holder refused or
+        lost leaves the step's snapshot incomplete, with a warning (as does a holder that takes half of `timeout_s`,
+        the step's); a rank lost on the way fails the step."""
         if self.in_flight is None:
             return
-        step, starts, nodes = self.in_flight
+        if len(self.in_flight) == 3:
+            self.ask_finish(actor_group, driver_state, timeout_s)
+        step, calls, nodes, started = self.in_flight
         self.in_flight = None
-        self._holder(nodes[0]).put_driver_state.remote(step, driver_state)
-        finishes = actor_group.call_all_async("finish_snapshot", timeout_s / 2)
-        reasons = [r for r in actor_group.get([*starts, *finishes], timeout_s)[len(starts) :] if r]
+        reasons = [r for r in actor_group.get(calls, timeout_s)[started:] if r]
         if reasons:
             self._forget_dead_holders(nodes)
             self._warn(
@@ -167,6 +180,12 @@ class SnapshotStore:
         self._warned = None
         for holder in self.holders.values():
             holder.drop_before.remote(step)
+
+    def abandon(self) -> None:
+        """The step failed before `finish`: its calls' answers are not waited for (their errors are not reported)."""
+        if self.in_flight is not None:
+            drain(self.in_flight[1])
+            self.in_flight = None
 
     def _holder_nodes(self, actor_group: Any) -> list[str]:
         """Where each rank's part goes; chosen once per group (asking the GCS for the nodes every step would make a

@@ -245,12 +245,17 @@ class Trainer(AttemptState, RolloutPhase):
             cfg.actor.micro_batch_size,
             cfg.actor.micro_batch_tokens,
         )
-        per_rank = self.actor_group.call_each("update", [(shard,) for shard in ctx.rank_map.scatter(shards)])
+        updates = self.actor_group.call_each_async("update", [(shard,) for shard in ctx.rank_map.scatter(shards)])
+        snapshot_due = ctx.snapshots.due(step)
+        if snapshot_due:  # queued behind the update: the ranks stream their parts while the sync runs
+            ctx.snapshots.take(step, self.actor_group)
+        try:
+            per_rank = self.actor_group.get(updates)
+        except BaseException:
+            ctx.snapshots.abandon()
+            raise
         actor_stats = ctx.rank_map.collect(per_rank)
         update_done = time.perf_counter()
-        snapshot_due = ctx.snapshots.due(step)
-        if snapshot_due:  # the ranks stream their parts while the generation ahead is waited for and the sync runs
-            ctx.snapshots.take(step, self.actor_group)
         try:
             generated = self.collect_generations(ahead, ahead=True)
         except RewardFunctionError as exc:
@@ -262,7 +267,7 @@ class Trainer(AttemptState, RolloutPhase):
             in_flight.push(GeneratedBatch(generation.step, step - 1, samples_ahead))
         sync_started = time.perf_counter()
 
-        self.sync_weights_in_step(step)
+        self.sync_weights_in_step(step, then=self._ask_snapshot_finish(step) if snapshot_due else None)
         sync_done = time.perf_counter()
         if snapshot_due:  # the step completes once every rank's part is held
             ctx.snapshots.finish(self.actor_group, self.driver_state_of(step), cfg.runner.recovery.step_timeout_s)
@@ -284,6 +289,11 @@ class Trainer(AttemptState, RolloutPhase):
         if ctx.snapshots.enabled:
             metrics["time/snapshot_s"] = snapshot_done - sync_done  # the streams outlasting the sync
         return metrics
+
+    def _ask_snapshot_finish(self, step: int) -> Any:
+        """What `sync_weights_in_step` calls once the sync is asked for: the snapshot's finish, queued behind it."""
+        cfg = self.cfg.runner.recovery
+        return lambda: self.ctx.snapshots.ask_finish(self.actor_group, self.driver_state_of(step), cfg.step_timeout_s)
 
     # -- the loop ------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ rebuilds both groups, and `Trainer.start` connects them).
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 
@@ -42,12 +42,16 @@ def sync_weights(
     timeout_s: float | None = None,
     keep: bool = False,
     kept: bool = False,
+    then: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Push the actor's current weights into every rollout worker (`keep`: the actor ranks keep a copy of what they
-    sent), or (`kept`) the copy kept at an earlier sync. Waits at most `timeout_s` (default: the groups' call limits).
-    Returns {"bytes": bytes into each rollout worker, "seconds": the slowest rollout worker's receive}."""
+    sent), or (`kept`) the copy kept at an earlier sync. `then` is called once the sync is asked for, before it is
+    waited for (to queue the workers' next calls behind it). Waits at most `timeout_s` (default: the groups' call
+    limits). Returns {"bytes": bytes into each rollout worker, "seconds": the slowest rollout worker's receive}."""
     sends = actor_group.call_all_async("send_weights", bucket_bytes, keep, kept)
     receives = rollout_group.call_all_async("receive_weights", bucket_bytes)
+    if then is not None:
+        then()
     _, received = wait_both(actor_group, sends, rollout_group, receives, timeout_s)
     return {"bytes": received[0]["bytes"], "seconds": max(r["seconds"] for r in received)}
 

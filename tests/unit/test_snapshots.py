@@ -252,3 +252,19 @@ def test_spares_go_off_the_nodes_of_the_group_they_cover_and_spread():
     assert spare_node(["a", "b", "c"], avoid=["a"], spares_on=["b"]) == "c"
     assert spare_node(["a", "b"], avoid=["a", "b"], spares_on=["a"]) == "b"  # every node runs the group: spread
     assert spare_node([], avoid=[], spares_on=[]) is None
+
+
+def test_a_rank_whose_update_failed_sends_no_part(tmp_path):
+    """The driver queues a rank's snapshot start behind its update: after an update that raised, the rank's state is
+    no step's, and the start refuses to send it."""
+    from rlrunner.backends.fsdp.worker import FSDPActorWorker
+
+    from conftest import actor_worker_kwargs, run_config
+
+    worker = FSDPActorWorker(0, 1, **actor_worker_kwargs(run_config(tmp_path)))
+    with pytest.raises(KeyError):
+        worker.update({})  # a shard without its tensors: raises before it changes anything
+    holder = SnapshotHolder(reserve_bytes=0)
+    with pytest.raises(RuntimeError, match=r"^actor rank 0: no snapshot part of step 3: its update failed$"):
+        worker.start_snapshot(3, holder.address())
+    assert holder.held() == {}
