@@ -319,7 +319,7 @@ def test_a_killed_engine_core_ends_its_rollout_worker_repaired_like_a_lost_one(r
         "rollout", 0, kill_at_call(3, lambda w: w.engine, "generate", engine_core_pids)
     )
     runner = Supervisor(
-        run_config(tmp_path, *RUN, "rollout.vllm.multiprocessing=true", "runner.recovery.step_timeout_s=10"),
+        run_config(tmp_path, *RUN, "rollout.vllm.multiprocessing=true", "runner.recovery.step_timeout_s=30"),
         callbacks=[callback],
     )
     runner.run()
