@@ -194,27 +194,44 @@ class SnapshotStream:
         try:
             skeleton, tensors = self._skeletons.split(self._state)
             total = tensor_bytes(tensors)
-            host, port, token = self.address
-            header = {"token": token, "step": self.step, "rank": self.rank}
+            header = {"token": self.address[2], "step": self.step, "rank": self.rank}
             header.update(skeleton_bytes=len(skeleton), total_bytes=total)
-            with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as connection:
-                connection.settimeout(self.timeout_s)
-                self._connection = connection
-                connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the header waits for no ACK
-                answers = connection.makefile("rb")
-                connection.sendall(json.dumps(header).encode() + b"\n" + skeleton)
-                self.reason = _answer(answers)
-                if self.reason is not None:
+            request = json.dumps(header).encode() + b"\n" + skeleton
+            kept = _KEPT_CONNECTIONS.take(self.address)
+            if kept is not None:
+                try:
+                    self._send(kept, request, tensors)
                     return
-                for view in byte_views(tensors):
+                except Exception:
                     if self._given_up.is_set():
-                        raise ConnectionAbortedError("given up")
-                    connection.sendall(view)
-                self.reason = _answer(answers)
+                        raise
+                    # The holder ended the connection since the last part (it closes a connection it refused a
+                    # part on, or its run's reset): it keeps nothing half-sent, so the part goes again on a new one.
+            self._send(_HolderConnection(self.address[:2], self.timeout_s), request, tensors)
         except Exception as exc:  # the holder was lost: this step's snapshot is incomplete, the run goes on
             self.reason = f"actor rank {self.rank}'s part was lost on the way ({describe(exc)})"
         finally:
             self._state = None  # the live tensors are no longer referenced from here
+
+    def _send(self, holder: _HolderConnection, request: bytes, tensors: list[torch.Tensor]) -> None:
+        """The part over `holder`'s connection, kept for the next part once held; closed on any failure."""
+        self._connection = holder.socket
+        try:
+            holder.socket.sendall(request)
+            self.reason = _answer(holder.answers)
+            if self.reason is None:
+                for view in byte_views(tensors):
+                    if self._given_up.is_set():
+                        raise ConnectionAbortedError("given up")
+                    holder.socket.sendall(view)
+                self.reason = _answer(holder.answers)
+        except BaseException:
+            holder.close()
+            raise
+        if self.reason is None:
+            _KEPT_CONNECTIONS.put(self.address, holder)
+        else:
+            holder.close()  # a refusal ends the connection on the holder's side too
 
     def wait(self, timeout_s: float | None = None) -> str | None:
         """None once the holder keeps the whole part; else why it keeps none. A part still on its way after
@@ -233,6 +250,46 @@ class SnapshotStream:
             self._sent.result()
             return f"actor rank {self.rank}'s part was still on its way after {timeout_s:g} s"
         return self.reason
+
+
+class _HolderConnection:
+    """A rank's TCP connection to a holder, with the reader of the holder's answer lines."""
+
+    def __init__(self, host_port: tuple[str, int], timeout_s: float):
+        self.socket = socket.create_connection(host_port, timeout=CONNECT_TIMEOUT_S)
+        self.socket.settimeout(timeout_s)
+        self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the header waits for no ACK
+        self.answers = self.socket.makefile("rb")
+
+    def close(self) -> None:
+        self.answers.close()
+        self.socket.close()
+
+
+class _KeptConnections:
+    """The connection to the holder of the last part sent, kept for the next one: a snapshot then costs a rank no new
+    connection and its holder no new thread (both wait on the busy cores, every step). A rank sends its parts to one
+    holder at a time, so one is kept (one to another holder is closed). A stream takes it out while using it."""
+
+    def __init__(self) -> None:
+        self._kept: tuple[tuple[str, int, str], _HolderConnection] | None = None
+        self._lock = threading.Lock()
+
+    def take(self, address: tuple[str, int, str]) -> _HolderConnection | None:
+        with self._lock:
+            if self._kept is None or self._kept[0] != tuple(address):
+                return None
+            connection, self._kept = self._kept[1], None
+        return connection
+
+    def put(self, address: tuple[str, int, str], connection: _HolderConnection) -> None:
+        with self._lock:
+            old, self._kept = self._kept, (tuple(address), connection)
+        if old is not None:
+            old[1].close()
+
+
+_KEPT_CONNECTIONS = _KeptConnections()
 
 
 def _answer(answers: Any) -> str | None:

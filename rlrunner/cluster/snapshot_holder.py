@@ -12,9 +12,10 @@ process copies them on the way (through the object store each would: every byte 
 set). The connection must first give the holder's token, which only a Ray call (`address`) hands out. A part is
 refused, with the reason, where keeping it would leave the node less than `reserve_bytes` of free memory.
 
-Wire format, per connection: a JSON line {"token", "step", "rank", "skeleton_bytes", "total_bytes"}, the skeleton;
-the holder answers a line (empty: go on; else why not), then reads `total_bytes` of tensor bytes and answers a last
-line (empty: held).
+Wire format, per part: a JSON line {"token", "step", "rank", "skeleton_bytes", "total_bytes"}, the skeleton; the
+holder answers a line (empty: go on; else why not, and it closes the connection), then reads `total_bytes` of tensor
+bytes and answers a last line (empty: held). A rank sends its next parts over the same connection (the holder waits
+for them), so a snapshot costs it no new connection and the holder no new thread.
 
 Plain Python without torch or Ray imports: a holder starts in a fraction of a second and holds bytes only.
 """
@@ -73,33 +74,44 @@ class SnapshotHolder:
             threading.Thread(target=self._receive, args=(connection,), daemon=True).start()
 
     def _receive(self, connection: socket.socket) -> None:
-        """One rank's part over `connection`: kept once every byte is in; nothing is kept from a broken one."""
+        """One rank's parts over `connection`, one after another (the rank keeps its connection from one snapshot to
+        the next): each kept once every byte is in; nothing is kept from a broken one, and the connection then ends."""
         with connection:
-            connection.settimeout(RECEIVE_TIMEOUT_S)
             try:
                 stream = connection.makefile("rb")
-                header = json.loads(stream.readline(4096))
-                if not secrets.compare_digest(str(header.get("token")), self._token):
-                    return  # not a rank of this run: not a byte more is read
-                step, rank, total = int(header["step"]), int(header["rank"]), int(header["total_bytes"])
-                skeleton = read_exactly(stream, int(header["skeleton_bytes"]))
-                data = self._reused_buffer(total)
-                refused = None if data is not None else self._refusal(total)
-                connection.sendall((refused or "").encode() + b"\n")
-                if refused:
-                    return
-                data = data if data is not None else bytearray(total)
-                view, filled = memoryview(data), 0
-                while filled < total:
-                    got = stream.readinto(view[filled:])
-                    if not got:
-                        raise ConnectionError(f"the connection closed after {filled} of {total} bytes")
-                    filled += got
-                with self._lock:
-                    self.parts[(step, rank)] = (skeleton, data)
-                connection.sendall(b"\n")
+                while True:
+                    connection.settimeout(None)  # the rank's next part comes with its next snapshot
+                    line = stream.readline(4096)
+                    if not line:
+                        return  # the rank closed its connection (or its process ended)
+                    connection.settimeout(RECEIVE_TIMEOUT_S)
+                    if not self._receive_part(connection, stream, json.loads(line)):
+                        return
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 return  # the sender died or sent garbage: its part is not held, and it learns so (if alive)
+
+    def _receive_part(self, connection: socket.socket, stream: BinaryIO, header: dict[str, Any]) -> bool:
+        """The part whose `header` was read; False where the connection must end (a wrong token, a refusal)."""
+        if not secrets.compare_digest(str(header.get("token")), self._token):
+            return False  # not a rank of this run: not a byte more is read
+        step, rank, total = int(header["step"]), int(header["rank"]), int(header["total_bytes"])
+        skeleton = read_exactly(stream, int(header["skeleton_bytes"]))
+        data = self._reused_buffer(total)
+        refused = None if data is not None else self._refusal(total)
+        connection.sendall((refused or "").encode() + b"\n")
+        if refused:
+            return False
+        data = data if data is not None else bytearray(total)
+        view, filled = memoryview(data), 0
+        while filled < total:
+            got = stream.readinto(view[filled:])
+            if not got:
+                raise ConnectionError(f"the connection closed after {filled} of {total} bytes")
+            filled += got
+        with self._lock:
+            self.parts[(step, rank)] = (skeleton, data)
+        connection.sendall(b"\n")
+        return True
 
     def _reused_buffer(self, size: int) -> bytearray | None:
         """A dropped part's buffer of `size` bytes, if one is kept: a rank's part has the same size every step, and

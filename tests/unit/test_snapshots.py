@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from rlrunner.backends import snapshot_stream
 from rlrunner.backends.snapshot_stream import SkeletonCache, SnapshotStream, byte_views, join_state, split_state
 from rlrunner.cluster.snapshot_holder import SnapshotHolder
 from rlrunner.cluster.spares import spare_node
@@ -113,6 +114,28 @@ def test_a_holder_keeps_whole_parts_and_drops_older_steps():
     assert holder.get_driver_state(4) == {"step": 4}
     holder.drop_before(5)
     assert holder.held() == {5: [0]} and holder.driver_states == {5: {"step": 5}}
+
+
+def test_a_ranks_parts_go_over_one_kept_connection_and_a_broken_one_is_replaced():
+    holder = SnapshotHolder(reserve_bytes=0)
+    address = holder.address()
+    assert send(holder, 1, 0, {"w": torch.full((3,), 1.0)}) is None
+    connection = snapshot_stream._KEPT_CONNECTIONS.take(address)
+    assert connection is not None  # kept after its part was held
+    snapshot_stream._KEPT_CONNECTIONS.put(address, connection)
+    for step in (2, 3):
+        assert send(holder, step, 0, {"w": torch.full((3,), float(step))}) is None
+    assert snapshot_stream._KEPT_CONNECTIONS.take(address) is connection  # the holder read parts 2 and 3 from it
+    # The connection broke since the last part (as when the holder ended it): the next part goes on a new one.
+    connection.socket.shutdown(socket.SHUT_RDWR)
+    snapshot_stream._KEPT_CONNECTIONS.put(address, connection)
+    assert send(holder, 4, 0, {"w": torch.full((3,), 4.0)}) is None
+    assert holder.held() == {1: [0], 2: [0], 3: [0], 4: [0]}
+    for step in (1, 2, 3, 4):
+        assert_bit_equal(read_back(holder, step, 0, 5), {"w": torch.full((3,), float(step))})
+    kept = snapshot_stream._KEPT_CONNECTIONS.take(address)
+    assert kept is not None and kept is not connection
+    kept.close()
 
 
 def test_a_sender_lost_halfway_leaves_nothing_held():
