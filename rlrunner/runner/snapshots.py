@@ -80,6 +80,20 @@ def newest_complete(
     return step, {rank: where[step][rank] for rank in range(world_size)}
 
 
+@dataclass
+class _Taken:
+    """The snapshot started in this step: the ranks' start calls, then (`ask_finish`) their finish calls after them."""
+
+    step: int
+    nodes: list[str]  # the node holding each rank's part
+    calls: list[ray.ObjectRef]
+    starts: int  # how many of `calls` are starts
+
+    @property
+    def finish_asked(self) -> bool:
+        return len(self.calls) > self.starts
+
+
 @dataclass(frozen=True)
 class Snapshot:
     step: int
@@ -113,9 +127,7 @@ class SnapshotStore:
         self.reserve_bytes = int(snapshot_cfg.reserve_memory_gb * 2**30)
         self.holders: dict[str, Any] = {}  # node id -> its holder
         self.addresses: dict[str, tuple[Any, tuple[str, int, str]]] = {}  # node id -> (its holder, where it listens)
-        # the snapshot started in this step: (step, the ranks' start calls, the node holding each rank's part), then
-        # with `ask_finish` (step, the start and finish calls, those nodes, how many of the calls are starts)
-        self.in_flight: tuple | None = None
+        self.in_flight: _Taken | None = None  # the snapshot started in this step
         self.complete_step: int | None = None  # the newest step known complete
         self._warned: str | None = None
         self._said_own_node = False
@@ -142,7 +154,7 @@ class SnapshotStore:
             self._warn("incomplete", f"the in-memory snapshot of step {step} is skipped: {describe(exc)}")
             return
         starts = actor_group.call_each_async("start_snapshot", [(step, address) for address in addresses])
-        self.in_flight = (step, starts, nodes)
+        self.in_flight = _Taken(step, nodes, starts, len(starts))
 
     def ask_finish(self, actor_group: Any, driver_state: dict[str, Any], timeout_s: float) -> None:
         """After the weight sync is asked for: `driver_state` goes beside rank 0's part, and each rank's wait for its
@@ -150,10 +162,9 @@ class SnapshotStore:
         the driver comes between them. `finish` takes the answers."""
         if self.in_flight is None:
             return
-        step, starts, nodes = self.in_flight[:3]
-        self._holder(nodes[0]).put_driver_state.remote(step, driver_state)
-        finishes = actor_group.call_all_async("finish_snapshot", timeout_s / 2)
-        self.in_flight = (step, [*starts, *finishes], nodes, len(starts))
+        taken = self.in_flight
+        self._holder(taken.nodes[0]).put_driver_state.remote(taken.step, driver_state)
+        taken.calls += actor_group.call_all_async("finish_snapshot", timeout_s / 2)
 
     def finish(self, actor_group: Any, driver_state: dict[str, Any], timeout_s: float) -> None:
         """Within the step `take` started, after its weight sync: wait until every rank's part is with its holder, so
@@ -163,11 +174,11 @@ class SnapshotStore:
         the step's); a rank lost on the way fails the step."""
         if self.in_flight is None:
             return
-        if len(self.in_flight) == 3:
+        if not self.in_flight.finish_asked:
             self.ask_finish(actor_group, driver_state, timeout_s)
-        step, calls, nodes, started = self.in_flight
-        self.in_flight = None
-        reasons = [r for r in actor_group.get(calls, timeout_s)[started:] if r]
+        taken, self.in_flight = self.in_flight, None
+        step, nodes = taken.step, taken.nodes
+        reasons = [r for r in actor_group.get(taken.calls, timeout_s)[taken.starts :] if r]
         if reasons:
             self._forget_dead_holders(nodes)
             self._warn(
@@ -184,7 +195,7 @@ class SnapshotStore:
     def abandon(self) -> None:
         """The step failed before `finish`: its calls' answers are not waited for (their errors are not reported)."""
         if self.in_flight is not None:
-            drain(self.in_flight[1])
+            drain(self.in_flight.calls)
             self.in_flight = None
 
     def _holder_nodes(self, actor_group: Any) -> list[str]:

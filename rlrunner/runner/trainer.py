@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import ray
 import torch
@@ -290,7 +290,7 @@ class Trainer(AttemptState, RolloutPhase):
             metrics["time/snapshot_s"] = snapshot_done - sync_done  # the streams outlasting the sync
         return metrics
 
-    def _ask_snapshot_finish(self, step: int) -> Any:
+    def _ask_snapshot_finish(self, step: int) -> Callable[[], None]:
         """What `sync_weights_in_step` calls once the sync is asked for: the snapshot's finish, queued behind it."""
         cfg = self.cfg.runner.recovery
         return lambda: self.ctx.snapshots.ask_finish(self.actor_group, self.driver_state_of(step), cfg.step_timeout_s)
