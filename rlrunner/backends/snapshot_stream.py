@@ -5,11 +5,12 @@
     reason = stream.wait()  # None once the holder has the whole part; else why it has none
 
 The part is a skeleton (the state with every tensor replaced by a meta tensor of its dtype and shape: `torch.save`
-bytes, read back with `weights_only=True`) and the tensors' raw bytes, in order, sent over a TCP connection to the
-holder (`SnapshotHolder.address`; the wire format is in `rlrunner.cluster.snapshot_holder`). A large host tensor's
-bytes are sent from its own memory; small and device tensors' through one host buffer of at most `CHUNK_BYTES`. So
-the rank holds no copy of its state beside it (the serialized part a snapshot used to be, or chunks in Ray's object
-store: every byte put there stays in the putting process's resident set).
+bytes, read back with `weights_only=True`), its scalars (every int, float, bool, str and None in it, in order: a JSON
+list that replaces the skeleton's own when the part is read back) and the tensors' raw bytes, in order, sent over a TCP
+connection to the holder (`SnapshotHolder.address`; the wire format is in `rlrunner.cluster.snapshot_holder`). A large
+host tensor's bytes are sent from its own memory; small and device tensors' through one host buffer of at most
+`CHUNK_BYTES`. So the rank holds no copy of its state beside it (the serialized part a snapshot used to be, or chunks in
+Ray's object store: every byte put there stays in the putting process's resident set).
 
 The tensors must not change until `wait` returns: the driver waits for the stream within the step it snapshots, before
 any later update (`rlrunner.runner.snapshots`). A part is read back from its holder in chunks (`fetch_part`).
@@ -45,6 +46,32 @@ def _raw(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+# Host tensors of these dtypes are read through numpy (`Tensor.numpy()`, then numpy's views and copies): a torch call
+# costs several microseconds, and `_raw` and a copy through torch took 8 ms of the default job's step per rank for
+# its ~110 small tensors. Other dtypes (bfloat16, float8) have no numpy dtype and go through `_raw`.
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    }
+)
+
+
+def _host_bytes(tensor: torch.Tensor) -> numpy.ndarray:
+    """A host tensor's bytes as a flat uint8 array (a view when it is contiguous)."""
+    array = tensor.numpy() if tensor.dtype in _NUMPY_DTYPES and not tensor.requires_grad else _raw(tensor).numpy()
+    return numpy.ascontiguousarray(array).reshape(-1).view(numpy.uint8)
+
+
 def split_state(state: Any) -> tuple[bytes, list[torch.Tensor]]:
     """`state`'s skeleton (`torch.save` bytes, every tensor a meta tensor of its dtype and shape) and its tensors in the
     order `join_state` fills them back."""
@@ -59,55 +86,78 @@ def split_state(state: Any) -> tuple[bytes, list[torch.Tensor]]:
     return buffer.getvalue(), tensors
 
 
-def _structure(state: Any, tensors: list[torch.Tensor], out: list[Any]) -> bool:
-    """Append `state`'s tensors (in `split_state`'s order) to `tensors` and what its skeleton is made of (containers,
-    keys, plain values, tensors' dtypes and shapes) to `out`. False where a value is of a type that could change in
+# Values sent apart from the skeleton, as JSON (which gives each back exactly, of the same type): an LR schedule's step
+# count changes every step, and the skeleton would otherwise be written again for it.
+SCALAR_TYPES = frozenset({int, float, bool, str, type(None)})
+
+
+def _structure(state: Any, tensors: list[torch.Tensor], scalars: list[Any], out: list[Any]) -> bool:
+    """Append `state`'s tensors (in `split_state`'s order) to `tensors`, its scalars (`SCALAR_TYPES`, in the order
+    `join_state` puts them back) to `scalars`, and what its skeleton is made of (containers, keys, the scalars' types,
+    other plain values, tensors' dtypes and shapes) to `out`. False where a value is of a type that could change in
     place without the structure showing it (its skeleton is then never reused)."""
     if isinstance(state, torch.Tensor):
         tensors.append(state)
         out.append((state.dtype, state.shape))
+        return True
+    if type(state) in SCALAR_TYPES:
+        scalars.append(state)
+        out.append(type(state))
         return True
     if isinstance(state, dict):
         out.append((dict, len(state)))
         reusable = True
         for key, value in state.items():
             out.append((type(key), key))
-            reusable = _structure(value, tensors, out) and reusable
+            reusable = _structure(value, tensors, scalars, out) and reusable
         return reusable and all(type(key) in PLAIN_TYPES for key in state)
     if isinstance(state, (list, tuple)):
         out.append((type(state), len(state)))
-        if all(type(value) in PLAIN_TYPES for value in state):  # plain values only (Python's RNG state: 625 ints)
-            out.append(tuple((type(value), value) for value in state))
-            return True
         reusable = True
         for value in state:
-            reusable = _structure(value, tensors, out) and reusable
+            reusable = _structure(value, tensors, scalars, out) and reusable
         return reusable
     out.append((type(state), state))
     return type(state) in PLAIN_TYPES
 
 
+def _with_scalars(state: Any, scalars: Iterator[Any], fill: Any) -> Any:
+    """`state` (a skeleton read back) with its scalars replaced, in `_structure`'s order, by the next of `scalars`, and
+    each tensor by `fill(tensor)`."""
+    if isinstance(state, torch.Tensor):
+        return fill(state)
+    if type(state) in SCALAR_TYPES:
+        return next(scalars)
+    if isinstance(state, dict):
+        return {key: _with_scalars(value, scalars, fill) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_with_scalars(value, scalars, fill) for value in state)
+    return state
+
+
 class SkeletonCache:
-    """The last skeleton a rank sent, reused for a state of the same structure: a rank's part has the same keys, plain
-    values, dtypes and shapes step after step (its tensors' values change in place), and writing the skeleton
-    (`torch.save`) was most of the time a part took to split."""
+    """The last skeleton a rank sent, reused for a state of the same structure: a rank's part has the same keys,
+    dtypes and shapes step after step (its tensors' values change in place, its scalars go apart), and writing the
+    skeleton (`torch.save`, a cost per tensor) took 8 ms of each of the default job's steps on each rank."""
 
     def __init__(self) -> None:
         self._last: tuple[list[Any], bytes] | None = None
         self._lock = threading.Lock()
 
-    def split(self, state: Any) -> tuple[bytes, list[torch.Tensor]]:
-        """`split_state(state)`, the skeleton written only when the structure differs from the last one's."""
+    def split(self, state: Any) -> tuple[bytes, list[Any], list[torch.Tensor]]:
+        """`split_state(state)` and the state's scalars: the skeleton written only when the structure differs from the
+        last one's."""
         tensors: list[torch.Tensor] = []
+        scalars: list[Any] = []
         structure: list[Any] = []
-        reusable = _structure(state, tensors, structure)
+        reusable = _structure(state, tensors, scalars, structure)
         with self._lock:
             if reusable and self._last is not None and self._last[0] == structure:
-                return self._last[1], tensors
+                return self._last[1], scalars, tensors
         skeleton, tensors = split_state(state)
         with self._lock:
             self._last = (structure, skeleton) if reusable else None
-        return skeleton, tensors
+        return skeleton, scalars, tensors
 
 
 def _small(tensor: torch.Tensor) -> bool:
@@ -120,33 +170,40 @@ def byte_views(tensors: list[torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> I
     `chunk_bytes` (so that a model's many small tensors go out in few sends). A view is valid until the next is asked
     for."""
     buffer: torch.Tensor | None = None
+    host_buffer: numpy.ndarray | None = None  # the buffer's bytes, seen by numpy
     filled = 0
     for tensor in tensors:
-        raw = _raw(tensor)
-        if raw.device.type == "cpu" and not _small(raw):
+        on_host = tensor.device.type == "cpu"
+        raw = _host_bytes(tensor) if on_host else _raw(tensor)
+        size = raw.size if on_host else raw.numel()
+        if on_host and size >= DIRECT_BYTES:
             if filled:
-                yield memoryview(buffer[:filled].numpy())
+                yield memoryview(host_buffer[:filled])
                 filled = 0
-            yield memoryview(raw.numpy())
+            yield memoryview(raw)
             continue
         if buffer is None:
             staged = tensor_bytes([t for t in tensors if t.device.type != "cpu" or _small(t)])
-            buffer = torch.empty(min(chunk_bytes, staged), dtype=torch.uint8, pin_memory=raw.device.type == "cuda")
-            chunk_bytes = buffer.numel()
+            buffer = torch.empty(min(chunk_bytes, staged), dtype=torch.uint8, pin_memory=not on_host)
+            host_buffer, chunk_bytes = buffer.numpy(), buffer.numel()
         start = 0
-        while start < raw.numel():
-            n = min(raw.numel() - start, chunk_bytes - filled)
-            buffer[filled : filled + n].copy_(raw[start : start + n])
+        while start < size:
+            n = min(size - start, chunk_bytes - filled)
+            if on_host:
+                host_buffer[filled : filled + n] = raw[start : start + n]
+            else:
+                buffer[filled : filled + n].copy_(raw[start : start + n])
             filled, start = filled + n, start + n
             if filled == chunk_bytes:
-                yield memoryview(buffer.numpy())
+                yield memoryview(host_buffer)
                 filled = 0
     if filled:
-        yield memoryview(buffer[:filled].numpy())
+        yield memoryview(host_buffer[:filled])
 
 
-def join_state(skeleton: bytes, chunks: Iterable[bytes]) -> Any:
-    """The state `split_state` took apart, its tensors (new ones, on the host) filled from the chunks' bytes."""
+def join_state(skeleton: bytes, chunks: Iterable[bytes], scalars: list[Any] | None = None) -> Any:
+    """The state `split_state` took apart, its tensors (new ones, on the host) filled from the chunks' bytes, and its
+    scalars, where given (`SkeletonCache.split`'s), in place of the skeleton's."""
     chunk_iter = iter(chunks)
     pending = memoryview(b"")
 
@@ -163,10 +220,20 @@ def join_state(skeleton: bytes, chunks: Iterable[bytes]) -> Any:
             pending, start = pending[n:], start + n
         return tensor
 
-    state = map_tensors(torch.load(io.BytesIO(skeleton), weights_only=True), filled)
+    loaded = torch.load(io.BytesIO(skeleton), weights_only=True)
+    if scalars is None:
+        state = map_tensors(loaded, filled)
+    else:
+        scalar_iter = iter(scalars)
+        state = _with_scalars(loaded, scalar_iter, filled)
+        if next(scalar_iter, _END) is not _END:
+            raise ValueError("a snapshot part has more scalars than its skeleton")
     if len(pending) or next(chunk_iter, None) is not None:
         raise ValueError("a snapshot part has more bytes than its tensors")
     return state
+
+
+_END = object()
 
 
 class SnapshotStream:
@@ -192,11 +259,12 @@ class SnapshotStream:
 
     def _run(self) -> None:
         try:
-            skeleton, tensors = self._skeletons.split(self._state)
+            skeleton, scalars, tensors = self._skeletons.split(self._state)
+            values = json.dumps(scalars).encode()
             total = tensor_bytes(tensors)
             header = {"token": self.address[2], "step": self.step, "rank": self.rank}
-            header.update(skeleton_bytes=len(skeleton), total_bytes=total)
-            request = json.dumps(header).encode() + b"\n" + skeleton
+            header.update(skeleton_bytes=len(skeleton), scalars_bytes=len(values), total_bytes=total)
+            request = json.dumps(header).encode() + b"\n" + skeleton + values
             kept = _KEPT_CONNECTIONS.take(self.address)
             if kept is not None:
                 try:
@@ -302,6 +370,6 @@ def _answer(answers: Any) -> str | None:
 
 def fetch_part(holder: Any, step: int, rank: int) -> Any:
     """`rank`'s part of `step` read back from `holder` (a `SnapshotHolder` actor), a chunk at a time."""
-    skeleton, num_chunks = ray.get(holder.get.remote(step, rank, CHUNK_BYTES))
+    skeleton, scalars, num_chunks = ray.get(holder.get.remote(step, rank, CHUNK_BYTES))
     chunks = (ray.get(holder.get_chunk.remote(step, rank, i, CHUNK_BYTES)) for i in range(num_chunks))
-    return join_state(skeleton, chunks)
+    return join_state(skeleton, chunks, json.loads(scalars))

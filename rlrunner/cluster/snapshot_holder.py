@@ -12,10 +12,11 @@ process copies them on the way (through the object store each would: every byte 
 set). The connection must first give the holder's token, which only a Ray call (`address`) hands out. A part is
 refused, with the reason, where keeping it would leave the node less than `reserve_bytes` of free memory.
 
-Wire format, per part: a JSON line {"token", "step", "rank", "skeleton_bytes", "total_bytes"}, the skeleton; the
-holder answers a line (empty: go on; else why not, and it closes the connection), then reads `total_bytes` of tensor
-bytes and answers a last line (empty: held). A rank sends its next parts over the same connection (the holder waits
-for them), so a snapshot costs it no new connection and the holder no new thread.
+Wire format, per part: a JSON line {"token", "step", "rank", "skeleton_bytes", "scalars_bytes", "total_bytes"}, the
+skeleton and the scalars (a JSON list); the holder answers a line (empty: go on; else why not, and it closes the
+connection), then reads `total_bytes` of tensor bytes and answers a last line (empty: held). A rank sends its next parts
+over the same connection (the holder waits for them), so a snapshot costs it no new connection and the holder no new
+thread.
 
 Plain Python without torch or Ray imports: a holder starts in a fraction of a second and holds bytes only.
 """
@@ -44,7 +45,8 @@ def read_exactly(stream: BinaryIO, size: int) -> bytes:
 class SnapshotHolder:
     def __init__(self, reserve_bytes: int):
         self.reserve_bytes = reserve_bytes
-        self.parts: dict[tuple[int, int], tuple[bytes, bytearray]] = {}  # (step, rank) -> (skeleton, tensor bytes)
+        # (step, rank) -> (skeleton, scalars, tensor bytes)
+        self.parts: dict[tuple[int, int], tuple[bytes, bytes, bytearray]] = {}
         self.driver_states: dict[int, Any] = {}  # step -> the driver's state of that step
         self._lock = threading.Lock()  # the parts are added by the connections' threads
         self._spares: dict[int, list[bytearray]] = {}  # size -> buffers of dropped parts, for the next parts
@@ -96,6 +98,7 @@ class SnapshotHolder:
             return False  # not a rank of this run: not a byte more is read
         step, rank, total = int(header["step"]), int(header["rank"]), int(header["total_bytes"])
         skeleton = read_exactly(stream, int(header["skeleton_bytes"]))
+        scalars = read_exactly(stream, int(header["scalars_bytes"]))
         data = self._reused_buffer(total)
         refused = None if data is not None else self._refusal(total)
         connection.sendall((refused or "").encode() + b"\n")
@@ -109,7 +112,7 @@ class SnapshotHolder:
                 raise ConnectionError(f"the connection closed after {filled} of {total} bytes")
             filled += got
         with self._lock:
-            self.parts[(step, rank)] = (skeleton, data)
+            self.parts[(step, rank)] = (skeleton, scalars, data)
         connection.sendall(b"\n")
         return True
 
@@ -144,13 +147,14 @@ class SnapshotHolder:
             steps.setdefault(step, []).append(rank)
         return {step: sorted(ranks) for step, ranks in steps.items()}
 
-    def get(self, step: int, rank: int, chunk_bytes: int) -> tuple[bytes, int]:
-        """A held part's skeleton and how many chunks of `chunk_bytes` its tensor bytes are read in (`get_chunk`)."""
-        skeleton, data = self.parts[(step, rank)]
-        return skeleton, -(-len(data) // chunk_bytes)
+    def get(self, step: int, rank: int, chunk_bytes: int) -> tuple[bytes, bytes, int]:
+        """A held part's skeleton, its scalars, and how many chunks of `chunk_bytes` its tensor bytes are read in
+        (`get_chunk`)."""
+        skeleton, scalars, data = self.parts[(step, rank)]
+        return skeleton, scalars, -(-len(data) // chunk_bytes)
 
     def get_chunk(self, step: int, rank: int, index: int, chunk_bytes: int) -> bytes:
-        data = self.parts[(step, rank)][1]
+        data = self.parts[(step, rank)][2]
         return bytes(memoryview(data)[index * chunk_bytes : (index + 1) * chunk_bytes])
 
     def get_driver_state(self, step: int) -> Any:
@@ -162,7 +166,7 @@ class SnapshotHolder:
         with self._lock:
             self._spares = {}  # buffers no part took since the last drop are freed: at most one snapshot's are kept
             for key in [key for key in self.parts if key[0] < step]:
-                data = self.parts.pop(key)[1]
+                data = self.parts.pop(key)[2]
                 self._spares.setdefault(len(data), []).append(data)  # for the same rank's next part
         self.driver_states = {s: state for s, state in self.driver_states.items() if s >= step}
 

@@ -85,8 +85,9 @@ def assert_same_state(got: dict, expected: dict) -> None:
 
 def read_back(holder: SnapshotHolder, step: int, rank: int, chunk_bytes: int) -> dict:
     """What `fetch_part` reads through Ray, read in this process."""
-    skeleton, num_chunks = holder.get(step, rank, chunk_bytes)
-    return join_state(skeleton, [holder.get_chunk(step, rank, i, chunk_bytes) for i in range(num_chunks)])
+    skeleton, scalars, num_chunks = holder.get(step, rank, chunk_bytes)
+    chunks = [holder.get_chunk(step, rank, i, chunk_bytes) for i in range(num_chunks)]
+    return join_state(skeleton, chunks, json.loads(scalars))
 
 
 def send(holder: SnapshotHolder, step: int, rank: int, state: dict) -> str | None:
@@ -98,7 +99,7 @@ def test_a_part_sent_to_a_holder_reads_back_bit_for_bit(chunk_bytes):
     holder = SnapshotHolder(reserve_bytes=0)
     assert send(holder, 3, 1, live_state()) is None
     assert holder.held() == {3: [1]}
-    skeleton, num_chunks = holder.get(3, 1, chunk_bytes)
+    _, _, num_chunks = holder.get(3, 1, chunk_bytes)
     assert num_chunks == -(-tensor_bytes(live_state()) // chunk_bytes)
     assert_same_state(read_back(holder, 3, 1, chunk_bytes), live_state())
 
@@ -142,9 +143,9 @@ def test_a_sender_lost_halfway_leaves_nothing_held():
     holder = SnapshotHolder(reserve_bytes=0)
     host, port, token = holder.address()
     listening = threading.active_count()
-    header = {"token": token, "step": 1, "rank": 0, "skeleton_bytes": 4, "total_bytes": 100}
+    header = {"token": token, "step": 1, "rank": 0, "skeleton_bytes": 4, "scalars_bytes": 2, "total_bytes": 100}
     with socket.create_connection((host, port), timeout=10) as connection:
-        connection.sendall(json.dumps(header).encode() + b"\nskel")
+        connection.sendall(json.dumps(header).encode() + b"\nskel[]")
         assert connection.makefile("rb").readline() == b"\n"  # go on
         connection.sendall(bytes(60))  # then the rank dies
     deadline = time.monotonic() + 10
@@ -228,20 +229,36 @@ def test_a_part_cut_off_the_live_tensors_is_a_copy():
 
 
 def split_and_join(cache: SkeletonCache, state: dict) -> tuple[bytes, dict]:
-    skeleton, tensors = cache.split(state)
-    return skeleton, join_state(skeleton, [b"".join(bytes(view) for view in byte_views(tensors))])
+    skeleton, scalars, tensors = cache.split(state)
+    sent = json.loads(json.dumps(scalars))  # as they go over the wire
+    return skeleton, join_state(skeleton, [b"".join(bytes(view) for view in byte_views(tensors))], sent)
 
 
 def test_a_skeleton_is_written_again_only_when_the_structure_changes():
     cache = SkeletonCache()
     first, _ = split_and_join(cache, live_state())
     state = live_state()
-    state["model"]["w"].add_(7)  # new values, the same structure: the skeleton is the last one
+    state["model"]["w"].add_(7)  # new tensor values, the same structure: the skeleton is the last one
     skeleton, joined = split_and_join(cache, state)
     assert skeleton is first
     assert_same_state(joined, state)
+    # New scalars, of the same types (an LR schedule's step, a scheduled learning rate, Python's RNG): the skeleton is
+    # the last one, and the part reads back with the new values, exactly and of the same types.
+    state = live_state()
+    state["scheduler"] = {"last_epoch": 7, "_last_lr": [0.1 / 3], "name": "cosine", "verbose": False, "x": None}
+    first, _ = split_and_join(cache, state)
+    state = live_state()
+    state["optimizer"]["param_groups"][0].update(lr=float("inf"), betas=(-0.0, 1 / 7))
+    state["scheduler"] = {"last_epoch": 8, "_last_lr": [2**70 / 3], "name": "linear", "verbose": True, "x": None}
+    state["rng"]["python"] = (3, tuple(range(625)), None)
+    skeleton, joined = split_and_join(cache, state)
+    assert skeleton is first
+    assert_same_state(joined, state)
+    assert joined["scheduler"] == state["scheduler"] and type(joined["scheduler"]["last_epoch"]) is int
+    assert str(joined["optimizer"]["param_groups"][0]["betas"][0]) == "-0.0"
+    assert type(joined["rng"]["python"][1]) is tuple
     for change in (
-        lambda s: s["optimizer"]["param_groups"][0].update(lr=0.05),  # a scheduled learning rate
+        lambda s: s["optimizer"]["param_groups"][0].update(lr=1),  # a scalar's type
         lambda s: s["model"].update(w=torch.zeros(3, 2)),  # a shape
         lambda s: s["model"].update(w=s["model"]["w"].double()),  # a dtype
         lambda s: s["optimizer"]["state"].update({1: {"step": torch.tensor(1.0)}}),  # a key
@@ -251,6 +268,7 @@ def test_a_skeleton_is_written_again_only_when_the_structure_changes():
         skeleton, joined = split_and_join(cache, state)
         assert skeleton is not first
         assert skeleton == split_state(state)[0]
+        assert joined["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
         assert_same_state(joined, state)
         first = skeleton
 
@@ -258,9 +276,9 @@ def test_a_skeleton_is_written_again_only_when_the_structure_changes():
 def test_a_skeleton_with_a_value_that_can_change_in_place_is_never_reused():
     cache = SkeletonCache()
     state = {"w": torch.ones(2), "extra": {"seen": bytearray(b"a")}}
-    first, _ = cache.split(state)
+    first, _, _ = cache.split(state)
     state["extra"]["seen"][0] = ord("b")  # the same object, changed: only writing the skeleton again shows it
-    skeleton, _ = cache.split(state)
+    skeleton, _, _ = cache.split(state)
     assert skeleton is not first and skeleton != first
 
 
@@ -268,6 +286,8 @@ def test_a_part_with_bytes_beyond_its_tensors_is_refused():
     skeleton, _ = split_state({"w": torch.ones(2)})
     with pytest.raises(ValueError, match="more bytes than its tensors"):
         join_state(skeleton, [bytes(8), b"x"])
+    with pytest.raises(ValueError, match="more scalars than its skeleton"):
+        join_state(skeleton, [bytes(8)], [3])
 
 
 def test_spares_go_off_the_nodes_of_the_group_they_cover_and_spread():
