@@ -6,15 +6,26 @@ import torch
 from rlrunner.models.loading import build_model
 from rlrunner.models.tokenizer import build_char_tokenizer
 from rlrunner.rollout import sampling
-from rlrunner.rollout.sampling import sample_tokens
+from rlrunner.rollout.sampling import row_uniforms, sample_tokens
 
 from conftest import TINY_MODEL_CFG as TINY
 
 # --- sample_tokens ------------------------------------------------------------------
 
 
-def gens(seeds) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed(int(s)) for s in seeds]
+def gens(seeds) -> torch.Tensor:
+    """Each seed's generator's first uniform number: what `generate` gives `sample_tokens` at a row's first token."""
+    return row_uniforms([torch.Generator().manual_seed(int(s)) for s in seeds], 1)[:, 0]
+
+
+@pytest.mark.parametrize("count", [1, 7, 16, 17, 300])
+def test_a_rows_uniforms_drawn_at_once_are_those_drawn_one_per_token(count) -> None:
+    # generate draws each row's uniforms for every token up front; the samples are the ones one draw per token gave
+    at_once = row_uniforms([torch.Generator().manual_seed(s) for s in (0, 9)], count)
+    for row, seed in enumerate((0, 9)):
+        generator = torch.Generator().manual_seed(seed)
+        one_by_one = torch.stack([torch.rand((), generator=generator) for _ in range(count)])
+        assert torch.equal(at_once[row], one_by_one)
 
 
 LOGITS = torch.tensor([2.0, 1.0, 0.0, -1.0])  # softmax ~ [0.6439, 0.2369, 0.0871, 0.0321]
