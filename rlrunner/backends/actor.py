@@ -347,10 +347,12 @@ class ActorWorker(Worker, ABC):
                 raise WeightSyncError(f"actor rank {self.rank}: no copy of an earlier sync's weights was kept")
             return self.weight_sync.send_copy(bucket_bytes, self._kept_weights)
         self._kept_weights = None  # the older copy goes before a new one is made
-        copy: list[torch.Tensor] | None = [] if keep else None
-        stats = self.weight_sync.send(bucket_bytes, copy)
-        self._kept_weights = copy
-        return stats
+        if not keep:
+            return self.weight_sync.send(bucket_bytes)
+        # Copied whole first: a send that fails (a rollout worker lost in it) leaves the copy for the repair to push,
+        # even after the next update (already queued behind this sync) has changed the live weights.
+        self._kept_weights = self.weight_sync.copy_blocks()
+        return self.weight_sync.send_copy(bucket_bytes, self._kept_weights)
 
     def _drop_weight_sync_channels(self) -> None:
         sync, self.weight_sync = self.weight_sync, None

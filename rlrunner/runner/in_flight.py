@@ -30,6 +30,15 @@ class GeneratedBatch:
         return self.step - 1 - self.weights_step
 
 
+@dataclass
+class SubmittedUpdate:
+    """An update asked of the actor ranks (`Trainer.submit_update`), not yet collected."""
+
+    step: int
+    refs: list[Any]  # one call per rank
+    micro_batches: int  # each rank's forward/backward passes (the same on every rank)
+
+
 def steps_ahead(step: int, last_queued: int, lag: int, total_steps: int) -> list[int]:
     """The steps whose batches are generated during step `step`'s update: those after `last_queued` (the last step
     with a batch already generated, `step` included) up to `step + lag`, none past the run's last step."""
@@ -54,6 +63,10 @@ class InFlightBatches:
         if batch.step != expected:
             raise ValueError(f"a batch for step {batch.step} queued where step {expected}'s belongs")
         self.batches.append(batch)
+
+    def peek(self, step: int) -> GeneratedBatch | None:
+        """Step `step`'s batch if it is the next one, left in place (the state still holds it)."""
+        return self.batches[0] if self.batches and self.batches[0].step == step else None
 
     def pop(self, step: int) -> GeneratedBatch | None:
         """Step `step`'s batch, or None when none was generated ahead. A queue that starts at another step does not

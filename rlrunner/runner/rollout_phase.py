@@ -67,12 +67,13 @@ class RolloutPhase:
 
     def sync_weights_in_step(self, step: int, then: Callable[[], None] | None = None) -> None:
         """`sync_weights` after an update (`then` is called once it is asked for); lost rollout workers are replaced,
-        and the repair pushes the weights."""
+        and the repair pushes the weights: with a policy lag the copy this sync kept, as the next step's update may
+        already be running behind it (`Trainer._may_update_ahead`)."""
         try:
             self.sync_weights(then=then)
         except Exception as exc:
             try:
-                self.repair_rollout(exc, step, "weight sync")
+                self.repair_rollout(exc, step, "weight sync", kept_weights=self.cfg.algorithm.policy_lag > 0)
             except CallAbandoned:
                 # Stopped during the repair. The update is done, so the step is complete: the loop stops after it and
                 # the emergency checkpoint holds it (a resumed run pushes the weights at its start).

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any
 
 import ray
 import torch
@@ -31,7 +31,7 @@ from rlrunner.runner.attempt_state import AttemptState
 from rlrunner.runner.batching import build_actor_batch, shard_actor_batch
 from rlrunner.runner.context import RunContext
 from rlrunner.runner.driver_state import DriverState
-from rlrunner.runner.in_flight import GeneratedBatch, steps_ahead
+from rlrunner.runner.in_flight import GeneratedBatch, SubmittedUpdate, steps_ahead
 from rlrunner.runner.metrics import Progress, actor_metrics, rollout_metrics
 from rlrunner.runner.placement import START_TIMEOUT_S, group_specs, spare_pools
 from rlrunner.runner.rollout_phase import Generation, RolloutPhase
@@ -66,6 +66,7 @@ class Trainer(AttemptState, RolloutPhase):
         self.reward_failure: RewardFunctionError | None = None  # the reward function failed on a batch generated ahead
         self.generations_ahead: list[Generation] = []  # started beside the update in flight, not yet collected
         self.generations_kept = 0  # generations ahead kept running through an actor rank's repair
+        self.update_ahead: SubmittedUpdate | None = None  # the next step's update, asked for behind this step's sync
 
     # -- the attempt's groups --------------------------------------------------------------------
 
@@ -102,6 +103,7 @@ class Trainer(AttemptState, RolloutPhase):
         kept, joins new weight-sync channels and gets the weights. The save in flight (it had the lost ranks) is
         dropped, never committed."""
         self.started = False
+        self.update_ahead = None  # asked of the ranks that go: the step is redone from the snapshot
         started = time.monotonic()
         recovery, group = self.cfg.runner.recovery, self.actor_group
         survivors = [rank for rank in range(group.num_workers) if rank not in ranks]
@@ -234,23 +236,16 @@ class Trainer(AttemptState, RolloutPhase):
         samples = batch.samples
         rollout_done = time.perf_counter()
 
-        rewards = torch.tensor([s["reward"] for s in samples], dtype=torch.float32)
-        lengths = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.long)
-        advantages = ctx.advantages(rewards, cfg.algorithm.group_size, lengths, cfg.algorithm.norm_adv_by_std)
-        actor_batch = build_actor_batch(samples, advantages, ctx.token_ids.pad)
-        shards = shard_actor_batch(
-            actor_batch,
-            ctx.rank_map.dp,
-            ctx.num_minibatches,
-            cfg.actor.micro_batch_size,
-            cfg.actor.micro_batch_tokens,
-        )
-        updates = self.actor_group.call_each_async("update", [(shard,) for shard in ctx.rank_map.scatter(shards)])
+        update, self.update_ahead = self.update_ahead, None
+        if update is None:
+            update = self.submit_update(step, samples)
+        elif update.step != step:  # the actor ranks' state is past this step: nothing may go on from it
+            raise RuntimeError(f"step {step} found step {update.step}'s update asked for ahead of it")
         snapshot_due = ctx.snapshots.due(step)
         if snapshot_due:  # queued behind the update: the ranks stream their parts while the sync runs
             ctx.snapshots.take(step, self.actor_group)
         try:
-            per_rank = self.actor_group.get(updates)
+            per_rank = self.actor_group.get(update.refs)
         except BaseException:
             ctx.snapshots.abandon()
             raise
@@ -267,7 +262,7 @@ class Trainer(AttemptState, RolloutPhase):
             in_flight.push(GeneratedBatch(generation.step, step - 1, samples_ahead))
         sync_started = time.perf_counter()
 
-        self.sync_weights_in_step(step, then=self._ask_snapshot_finish(step) if snapshot_due else None)
+        self.sync_weights_in_step(step, then=lambda: self._after_sync_asked(step, snapshot_due))
         sync_done = time.perf_counter()
         if snapshot_due:  # the step completes once every rank's part is held
             ctx.snapshots.finish(self.actor_group, self.driver_state_of(step), cfg.runner.recovery.step_timeout_s)
@@ -277,7 +272,7 @@ class Trainer(AttemptState, RolloutPhase):
             "data/epoch": epoch,
             **rollout_metrics(samples, count_errors=cfg.reward.on_error == "zero"),
             **actor_metrics(actor_stats, ctx.objective),
-            "actor/micro_batches": len(shards[0]["micro_batches"]),  # each rank's passes (the same on every rank)
+            "actor/micro_batches": update.micro_batches,
             "time/rollout_s": rollout_done - started,
             "time/update_s": update_done - rollout_done,
             "time/weight_sync_s": sync_done - sync_started,
@@ -290,10 +285,48 @@ class Trainer(AttemptState, RolloutPhase):
             metrics["time/snapshot_s"] = snapshot_done - sync_done  # the streams outlasting the sync
         return metrics
 
-    def _ask_snapshot_finish(self, step: int) -> Callable[[], None]:
-        """What `sync_weights_in_step` calls once the sync is asked for: the snapshot's finish, queued behind it."""
-        cfg = self.cfg.runner.recovery
-        return lambda: self.ctx.snapshots.ask_finish(self.actor_group, self.driver_state_of(step), cfg.step_timeout_s)
+    def submit_update(self, step: int, samples: list[dict[str, Any]]) -> SubmittedUpdate:
+        """Ask the actor ranks for step `step`'s update on `samples` (advantages, the batch, each rank's shard)."""
+        cfg, ctx = self.cfg, self.ctx
+        rewards = torch.tensor([s["reward"] for s in samples], dtype=torch.float32)
+        lengths = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.long)
+        advantages = ctx.advantages(rewards, cfg.algorithm.group_size, lengths, cfg.algorithm.norm_adv_by_std)
+        actor_batch = build_actor_batch(samples, advantages, ctx.token_ids.pad)
+        shards = shard_actor_batch(
+            actor_batch,
+            ctx.rank_map.dp,
+            ctx.num_minibatches,
+            cfg.actor.micro_batch_size,
+            cfg.actor.micro_batch_tokens,
+        )
+        refs = self.actor_group.call_each_async("update", [(shard,) for shard in ctx.rank_map.scatter(shards)])
+        return SubmittedUpdate(step, refs, len(shards[0]["micro_batches"]))
+
+    def _after_sync_asked(self, step: int, snapshot_due: bool) -> None:
+        """What `sync_weights_in_step` calls once the sync is asked for, queued behind it: the snapshot's finish, then
+        (`_may_update_ahead`) the next step's update."""
+        if snapshot_due:
+            timeout_s = self.cfg.runner.recovery.step_timeout_s
+            self.ctx.snapshots.ask_finish(self.actor_group, self.driver_state_of(step), timeout_s)
+        following = self.driver_state.in_flight.peek(step + 1)
+        if following is not None and self._may_update_ahead(step):
+            self.update_ahead = self.submit_update(step + 1, following.samples)
+
+    def _may_update_ahead(self, step: int) -> bool:
+        """Whether step + 1's update (its batch generated ahead) may start behind step `step`'s sync, before `step`
+        completes: the actor ranks then go from one update to the next without waiting for the driver. Only where
+        nothing after `step` reads or saves the actor's state of `step` (a save, a save still being committed) or may
+        end the run at `step` (its last step, a stop request, a reward function that failed, a validation that may).
+        Once asked for, step + 1 is run even if a stop request comes: like an update in progress today."""
+        ctx = self.ctx
+        return not (
+            step >= ctx.total_steps
+            or ctx.stop.requested
+            or self.reward_failure is not None
+            or self.pending_save is not None
+            or ctx.handler.should_save(step, ctx.total_steps)
+            or self.validation_due(step)
+        )
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -318,7 +351,11 @@ class Trainer(AttemptState, RolloutPhase):
                     metrics_log.log(0, self.validate(0))  # the initial policy's score, logged at step 0
                 except RewardFunctionError as exc:
                     failed = exc
-            while failed is None and self.global_step < ctx.total_steps and not ctx.stop.requested:
+            while (
+                failed is None
+                and self.global_step < ctx.total_steps
+                and (not ctx.stop.requested or self.update_ahead is not None)  # an update asked for is run
+            ):
                 step = self.global_step + 1
                 committed_before = self.last_saved_step
                 self._raise_if_lock_lost(f"step {step}")

@@ -155,25 +155,36 @@ class WeightSender(_Member):
                 indices.append(index)
         return pieces, indices, blocks
 
-    def send(self, bucket_bytes: int, copy: list[torch.Tensor] | None = None) -> dict[str, float]:
-        """Broadcast this rank's blocks as they are now, in buckets; returns stats. With `copy`, each piece sent is also
-        appended to it, in the wire's dtype: this sync's weights, for a later `send_copy`."""
-        return self._run(lambda size: self._send(size, copy), bucket_bytes)
+    def send(self, bucket_bytes: int) -> dict[str, float]:
+        """Broadcast this rank's blocks as they are now, in buckets; returns stats."""
+        return self._run(self._send, bucket_bytes)
+
+    def copy_blocks(self) -> list[torch.Tensor]:
+        """This rank's blocks as they are now, copied in the wire's dtypes (one flat tensor per piece): what
+        `send_copy` sends, now or later. Made whole before any of it is sent, so a send that fails still leaves it."""
+        try:
+            with torch.no_grad():
+                flat = self._block_values()
+                return [flat[k].to(piece.dtype, copy=True) for k, piece in enumerate(self.pieces)]
+        finally:
+            self.source.end_of_sync()
 
     def send_copy(self, bucket_bytes: int, copy: list[torch.Tensor]) -> dict[str, float]:
-        """Broadcast `copy` (an earlier `send`'s) instead of the blocks: the weights an overlapped run's generation in
+        """Broadcast `copy` (`copy_blocks`') instead of the blocks: the weights an overlapped run's generation in
         flight was started with, after the update has changed the live ones."""
         if [(t.numel(), t.dtype) for t in copy] != [(p.numel, p.dtype) for p in self.pieces]:
             raise WeightSyncError(f"actor rank {self.rank}: the kept copy of the weights does not fit these channels")
         return self._run(lambda size: self._send_values(size, copy), bucket_bytes)
 
-    def _send(self, bucket_bytes: int, copy: list[torch.Tensor] | None) -> dict[str, float]:
+    def _block_values(self) -> _BlockValues:
+        pieces, indices, blocks = self._pieces()
+        if pieces != self.pieces:
+            raise WeightSyncError(f"actor rank {self.rank}: the model's shards changed since the join; join again")
+        return _BlockValues(self.source, blocks, indices)
+
+    def _send(self, bucket_bytes: int) -> dict[str, float]:
         try:
-            pieces, indices, blocks = self._pieces()
-            if pieces != self.pieces:
-                raise WeightSyncError(f"actor rank {self.rank}: the model's shards changed since the join; join again")
-            flat = _BlockValues(self.source, blocks, indices)
-            return self._send_values(bucket_bytes, flat if copy is None else _Copying(flat, pieces, copy))
+            return self._send_values(bucket_bytes, self._block_values())
         finally:
             self.source.end_of_sync()
 
@@ -199,19 +210,6 @@ class WeightSender(_Member):
             if work is not None:
                 channel.wait(work)
         return {"bytes": float(sum(b.nbytes for b in buckets)), "buckets": float(len(buckets))}
-
-
-class _Copying:
-    """Piece k's values from `flat`, each also copied into `copy` (in the piece's wire dtype) when first read."""
-
-    def __init__(self, flat: Any, pieces: list[Piece], copy: list[torch.Tensor]):
-        self.flat, self.pieces, self.copy = flat, pieces, copy
-
-    def __getitem__(self, piece: int) -> torch.Tensor:
-        values = self.flat[piece]
-        if piece == len(self.copy):
-            self.copy.append(values.to(self.pieces[piece].dtype, copy=True))
-        return values
 
 
 class _BlockValues:

@@ -17,12 +17,12 @@ from recovery_helpers import (
     patch_worker_module,
     recovery_events,
 )
-from reference_runs import BACKEND_OVERRIDES, Reference, reference_run
+from reference_runs import BACKEND_OVERRIDES, LAG1, Reference, reference_run
 
 from rlrunner.errors import StoppedEarly
 from rlrunner.runner.supervisor import Supervisor
 
-from conftest import metrics_lines, once, read_metrics, run_config, without_time
+from conftest import Inspect, metrics_lines, once, read_metrics, run_config, without_time
 
 pytestmark = [pytest.mark.slow, pytest.mark.multinode]
 
@@ -88,6 +88,51 @@ def test_lag_1_is_the_same_for_two_rollout_workers_through_losses_and_a_stop(bac
     Supervisor(run_config(tmp_path, *run, "runner.resume_dir=auto")).run()
     assert_matches_reference(tmp_path, reference)
     assert not (tmp_path / "test" / "checkpoints" / "global_step_10" / "data" / "in_flight.pt").exists()
+
+
+def test_updates_asked_ahead_of_their_step_survive_a_lost_sync_a_lost_rank_and_a_stop(references, cluster, tmp_path):
+    """With no save before the last step, each update is asked for behind the weight sync of the step before it
+    (`Trainer._may_update_ahead`), so it may run before that step completes. Rollout worker 0 dies in a weight sync
+    after step 4: the repair pushes the copy that sync kept, not the live weights, which the update asked for ahead
+    has changed by then. Actor rank 1 dies in an update after step 6, possibly one asked for ahead. A stop after
+    step 8 still runs the update already asked for. Resumed, the run is the reference's, bit for bit, no step lost."""
+    run = [*RUN, *LAG1, "runner.save_interval=100"]
+    runner = Supervisor(run_config(tmp_path, *run))
+    asked_ahead: list[int] = []  # the updates asked for before the step before them completed
+
+    def record_updates(trainer) -> None:
+        submit = trainer.submit_update
+
+        def recorded(step: int, samples: list) -> object:
+            if step > trainer.global_step + 1:
+                asked_ahead.append(step)
+            return submit(step, samples)
+
+        trainer.submit_update = recorded
+
+    runner.callbacks.append(Inspect(on_start=record_updates))
+    once(
+        lambda: metrics_lines(tmp_path) >= 4,
+        lambda: patch_worker_module(
+            runner.trainer.rollout_group, 0, "rlrunner.weight_sync.transport", "Assembler", dying
+        ),
+    )
+    once(
+        lambda: metrics_lines(tmp_path) >= 6,
+        lambda: patch_worker_module(runner.trainer.actor_group, 1, "rlrunner.backends.actor", "token_log_probs", dying),
+    )
+    once(lambda: metrics_lines(tmp_path) >= 8, lambda: runner.stop.request("SIGTERM received"))
+    with pytest.raises(StoppedEarly, match=r"SIGTERM received at step \d+"):
+        runner.run()
+
+    assert set(asked_ahead) >= {2, 3, 4}  # at least up to the lost sync
+    [repair] = recovery_events(tmp_path, "rollout_repaired")
+    assert repair["phase"] == "weight sync" and repair["lost_steps"] == 0 and repair["step"] >= 5, repair
+    failure = assert_restored_from_memory(tmp_path)
+    assert failure["replaced"] == "actor ranks 1" and failure["step"] >= 7, failure
+
+    Supervisor(run_config(tmp_path, *run, "runner.resume_dir=auto")).run()
+    assert_matches_reference(tmp_path, references["fsdp_lag1"])
 
 
 def test_a_lag_0_checkpoint_resumes_with_lag_1_and_back(references, cluster, tmp_path):

@@ -252,3 +252,40 @@ def test_mismatched_bucket_size_is_caught_and_breaks_the_channels():
         rollout.receive(16)
     actor.close()
     rollout.close()
+
+
+def test_a_kept_copy_is_whole_before_the_send_and_outlives_a_failed_one():
+    """An overlapped run's sync keeps a copy of what it sends (`copy_blocks`): the next update, already queued behind
+    the sync, may change the live weights before a rollout repair pushes the copy (`send_copy`) again."""
+    from rlrunner.weight_sync.channels import connect_store, serve_store
+    from rlrunner.weight_sync.transport import WeightReceiver, WeightSender
+
+    actor_model, rollout_model = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3).to(torch.bfloat16)
+    cpu = torch.device("cpu")
+
+    def members():  # a join: a new rendezvous store, as `connect_weight_sync` gets at every join
+        server = serve_store("127.0.0.1")
+        return server, *_in_threads(
+            lambda: WeightSender(
+                connect_store("127.0.0.1", server.port, 2), 0, 1, 1, FSDPWeightSource(actor_model), cpu, 2, "127.0.0.1"
+            ),
+            lambda: WeightReceiver(
+                connect_store("127.0.0.1", server.port, 2), 0, 1, 1, ModuleSink(rollout_model), cpu, 2, "127.0.0.1"
+            ),
+        )
+
+    _, actor, rollout = members()
+    sent_weights = {n: t.to(torch.bfloat16) for n, t in actor_model.state_dict().items()}
+    copy = actor.copy_blocks()
+    assert [t.dtype for t in copy] == [torch.bfloat16, torch.bfloat16]
+    rollout.close()  # the receiver is lost: the send fails, the copy stays whole
+    assert isinstance(_in_threads(lambda: actor.send_copy(16, copy))[0], Exception)
+    with torch.no_grad():
+        actor_model.weight.add_(1.0)  # the next update changes the live weights
+    _, actor, rollout = members()  # the repair joins again and pushes the copy, not the live weights
+    _in_threads(lambda: actor.send_copy(16, copy), lambda: rollout.receive(16))
+    assert_bit_equal(dict(rollout_model.state_dict()), sent_weights)
+    with pytest.raises(WeightSyncError, match="does not fit"):
+        actor.send_copy(16, copy[:1])
+    actor.close()
+    rollout.close()
