@@ -199,7 +199,9 @@ class MegatronOptions:
 class ActorConfig:
     # rlrunner/backends/registry.py: fsdp (FSDP2, DCP checkpoints) | megatron (tensor parallel, Megatron-LM layout)
     training_backend: str = "fsdp"
-    num_workers: int = 2  # actor ranks: data-parallel x tensor-parallel
+    # actor ranks: data-parallel x tensor-parallel. One for the default job: two ranks of its 0.3M-parameter model on 2
+    # cores add CPU (each rank's per-layer work, the gathers) and leave no core free for a generation beside the update
+    num_workers: int = 1
     tensor_model_parallel_size: int = 1  # megatron backend: ranks each layer is split over (never across nodes)
     mini_batch_size: Optional[int] = None  # prompts per optimizer step; null: data.batch_size
     # A rank's forward/backward passes: consecutive sequences, at most micro_batch_size of them (null: no limit) and
@@ -246,8 +248,9 @@ class ValidationRolloutConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "hf"  # the rollout engine (rlrunner/rollout/registry.py): hf (HF model, our sampler) | vllm
-    # two: a lag-0 generation (the actor idle) uses both cores of the default job's machine, 0.09 s a step against 0.10
-    num_workers: int = 2
+    # one: with one actor rank, generation and training each have a core of the default job's 2 to themselves, which
+    # an overlapped run (algorithm.policy_lag >= 1) uses at once; a second worker would speed a lag-0 generation only
+    num_workers: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 4

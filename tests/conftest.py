@@ -38,9 +38,10 @@ TINY_MODEL_CFG = {
 }
 
 # A model small enough that a GRPO step takes well under a second on one CPU core.
-# The tests' runs generate with one rollout worker (the default job's two pay off at its batch, not at the tests'; and a
-# process less to start): every run a test builds, in this process or on a command line, takes it.
-ONE_ROLLOUT_WORKER = "rollout.num_workers=1"
+# The tests' runs train on two actor ranks (sharded state and checkpoints, collectives, a rank to lose beside one that
+# survives: what a one-rank run never exercises; the default job has one) and generate with one rollout worker (a
+# process less to start): every run a test builds, in this process or on a command line, takes this layout.
+TEST_LAYOUT = ["actor.num_workers=2", "rollout.num_workers=1"]
 
 TINY_MODEL = [
     "+model.override_config.hidden_size=32",
@@ -205,7 +206,7 @@ def run_config(tmp_path: Path, *overrides: str):
         "cluster.cpus_per_actor_worker=0.5",
         "cluster.cpus_per_rollout_worker=0.5",
         "cluster.placement_timeout_s=30",
-        ONE_ROLLOUT_WORKER,
+        *TEST_LAYOUT,
         "data.synthetic.val_size=0",  # no validation set: tests that validate ask for one
         *TINY_MODEL,
     ]

@@ -26,7 +26,7 @@ from rlrunner.cluster.worker_group import WorkerGroup
 from rlrunner.runner.supervisor import Supervisor
 from rlrunner.tools.convert import load_model_weights
 
-from conftest import ONE_ROLLOUT_WORKER, TINY_MODEL, Inspect, assert_bit_equal, read_metrics, run_config, without_time
+from conftest import TEST_LAYOUT, TINY_MODEL, Inspect, assert_bit_equal, read_metrics, run_config, without_time
 
 STEPS = REFERENCE_STEPS  # 10, saves at 3, 6, 9 and 10
 STEP_TIMEOUT_S = 30
@@ -88,7 +88,7 @@ def driver_command(cluster, output_dir: Path, *overrides: str) -> list[str]:
         "actor.micro_batch_size=4",
         f"cluster.ray_address={cluster.address}",
         *TINY_MODEL,
-        ONE_ROLLOUT_WORKER,
+        *TEST_LAYOUT,
         "data.synthetic.val_size=0",
     ]
     return [*base, *RUN, *overrides]

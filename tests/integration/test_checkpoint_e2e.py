@@ -35,7 +35,7 @@ from rlrunner.tools.convert import load_model_weights
 
 from conftest import (
     LOCAL,
-    ONE_ROLLOUT_WORKER,
+    TEST_LAYOUT,
     TINY_MODEL,
     Inspect,
     assert_bit_equal,
@@ -182,7 +182,7 @@ def test_a_broken_fsdp_checkpoint_is_refused_in_one_line(reference, tmp_path, ca
             "actor.micro_batch_size=4",
             "runner.logger.progress_bar=false",
             *TINY_MODEL,
-            ONE_ROLLOUT_WORKER,
+            *TEST_LAYOUT,
             "data.synthetic.val_size=0",
         ]
     )
@@ -302,7 +302,7 @@ def test_a_save_killed_halfway_is_skipped_by_auto(ray_session, tmp_path, subproc
         "actor.micro_batch_size=4",
         f"cluster.ray_address={ray_session.get_runtime_context().gcs_address}",
         *TINY_MODEL,
-        ONE_ROLLOUT_WORKER,
+        *TEST_LAYOUT,
         "data.synthetic.val_size=0",
     ]
     driver = subprocess.Popen(

@@ -9,7 +9,7 @@ import pytest
 
 from rlrunner.main_grpo import main
 
-from conftest import ONE_ROLLOUT_WORKER, TINY_MODEL, error_line
+from conftest import TEST_LAYOUT, TINY_MODEL, error_line
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def test_more_workers_than_the_cluster_can_place(ray_session, tmp_path, capsys):
             "cluster.placement_timeout_s=2",
             "runner.logger.backends=[]",
             *TINY_MODEL,
-            ONE_ROLLOUT_WORKER,
+            *TEST_LAYOUT,
             "data.synthetic.val_size=0",
         ]
     )

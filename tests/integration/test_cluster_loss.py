@@ -28,7 +28,7 @@ from rlrunner.runner.supervisor import Supervisor
 from rlrunner.tools.convert import load_model_weights
 
 from conftest import (
-    ONE_ROLLOUT_WORKER,
+    TEST_LAYOUT,
     TINY_MODEL,
     assert_bit_equal,
     metrics_lines,
@@ -151,7 +151,7 @@ def test_a_joined_cluster_whose_head_is_gone_ends_the_driver_for_a_relaunch(tmp_
             "data.synthetic.num_problems=26",
             "rollout.max_new_tokens=2",
             *TINY_MODEL,
-            ONE_ROLLOUT_WORKER,
+            *TEST_LAYOUT,
             "data.synthetic.val_size=0",
         ]
         deadline = time.monotonic() + 60

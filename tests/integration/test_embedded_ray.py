@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from ports import free_port
 
-from conftest import ONE_ROLLOUT_WORKER, TINY_MODEL, read_metrics
+from conftest import TEST_LAYOUT, TINY_MODEL, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ RUN = [
     "data.synthetic.num_problems=26",
     "runner.save_interval=1000",
     *TINY_MODEL,
-    ONE_ROLLOUT_WORKER,
+    *TEST_LAYOUT,
     "data.synthetic.val_size=0",
 ]
 B_STEPS = 50

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from ports import free_ports
 
-from conftest import ONE_ROLLOUT_WORKER, TINY_MODEL
+from conftest import TEST_LAYOUT, TINY_MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -181,7 +181,7 @@ def test_ray_job_submit_runs_the_launch_script(repo_root: Path, tmp_path: Path):
 
         overrides = [
             *TINY_MODEL,
-            ONE_ROLLOUT_WORKER,
+            *TEST_LAYOUT,
             "data.synthetic.val_size=0",
             "runner.max_steps=2",
             "data.batch_size=4",

@@ -26,7 +26,7 @@ from rlrunner.runner.supervisor import Supervisor
 from rlrunner.storage import open_storage
 from rlrunner.tools.convert import load_model_weights
 
-from conftest import ONE_ROLLOUT_WORKER, TINY_MODEL, Inspect, assert_bit_equal, run_config, without_time
+from conftest import TEST_LAYOUT, TINY_MODEL, Inspect, assert_bit_equal, run_config, without_time
 
 pytestmark = pytest.mark.slow
 
@@ -181,7 +181,7 @@ def test_a_save_killed_halfway_on_s3_is_skipped_by_auto(
         "actor.micro_batch_size=4",
         f"cluster.ray_address={ray_session.get_runtime_context().gcs_address}",
         *TINY_MODEL,
-        ONE_ROLLOUT_WORKER,
+        *TEST_LAYOUT,
         "data.synthetic.val_size=0",
     ]
     driver = subprocess.Popen(

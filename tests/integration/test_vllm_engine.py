@@ -37,7 +37,7 @@ from rlrunner.tools.convert import load_model_weights
 from rlrunner.weight_sync.driver import connect_weight_sync, sync_weights
 
 from conftest import (
-    ONE_ROLLOUT_WORKER,
+    TEST_LAYOUT,
     Inspect,
     actor_worker_kwargs,
     assert_bit_equal,
@@ -351,7 +351,7 @@ def test_the_default_task_is_learnt_with_vllm(ray_session, tmp_path):
             "runner.save_interval=60",
             "runner.logger.progress_bar=false",
             "data.synthetic.val_size=0",
-            ONE_ROLLOUT_WORKER,
+            *TEST_LAYOUT,
             *VLLM,
         ]
     )
