@@ -118,7 +118,9 @@ class RolloutPhase:
                 if failed:  # the innermost: the worker's own error (the outer ones carry Ray's traceback)
                     raise RewardFunctionError(str(failed[-1])) from None
                 phase = "validation" if generation.validation else "generation ahead" if ahead else "generation"
-                self.repair_rollout(exc, generation.step, phase, kept_weights=ahead)
+                # A generation ahead belongs to a step whose update is done: its repair goes on through a stop request
+                # (abandoned, the step would be undone while the actor's weights keep its update)
+                self.repair_rollout(exc, generation.step, phase, kept_weights=ahead, stoppable=not ahead)
                 pending = [self.launch_generation(g.step, g.prompts, g.validation, g.during) for g in pending]
                 continue
             results.append([sample for part in parts for sample in part])
@@ -141,31 +143,34 @@ class RolloutPhase:
             return runner.val_before_train is not False
         return runner.val_interval > 0 and (step % runner.val_interval == 0 or step == self.ctx.total_steps)
 
-    def repair_rollout(self, exc: Exception, step: int, phase: str, kept_weights: bool = False) -> None:
+    def repair_rollout(
+        self, exc: Exception, step: int, phase: str, kept_weights: bool = False, stoppable: bool = True
+    ) -> None:
         """Replace the rollout group after a loss or hang of rollout workers alone and push the actor's current weights
         into it (`kept_weights`: the copy of the last sync's, `sync_weights`): no checkpoint is loaded and the actor is
         not touched, so no step is lost. A repair that fails the same
         way is tried again. Raises the failure (the whole attempt is then repaired, or the run ends) for any other
         failure, or once `runner.recovery.max_restarts` rollout repairs came without a step completed in between;
-        CallAbandoned after a stop request."""
+        CallAbandoned after a stop request (`stoppable`: else the repair goes on to its end)."""
         recovery = self.cfg.runner.recovery
         failed_at = time.time()
+        stop_requested = self._stop_requested if stoppable else lambda: False
         while True:
             cause = rollout_loss(exc, self.actor_group, self.rollout_group) if recovery.enabled else None
             if cause is None or self.rollout_repairs >= recovery.max_restarts:
                 raise exc
-            if self.ctx.stop.requested:
+            if stop_requested():
                 raise CallAbandoned(f"stopped during a rollout repair ({phase} of step {step})")
             self.rollout_repairs += 1
             started = time.monotonic()
             logger.error("step %d, %s: %s; replacing the rollout group alone (no step is lost)", step, phase, cause)
             self.rollout_group.shutdown()
             try:
-                _, rollout = group_specs(self.ctx, recovery.wait_timeout_s, self._stop_requested)
+                _, rollout = group_specs(self.ctx, recovery.wait_timeout_s, stop_requested)
                 rollout["spares"] = spares = spare_pools(self.ctx)["rollout"].take(rollout["num_workers"])
                 self.rollout_group = WorkerGroup(**rollout)
                 self.spares_due = True
-                self.rollout_group.wait_ready(self._stop_requested)
+                self.rollout_group.wait_ready(stop_requested)
                 replaced = time.monotonic()
                 connect_weight_sync(self.actor_group, self.rollout_group, timeout_s=recovery.step_timeout_s)
                 self.sync_weights(kept=kept_weights)

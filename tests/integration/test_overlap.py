@@ -135,6 +135,43 @@ def test_updates_asked_ahead_of_their_step_survive_a_lost_sync_a_lost_rank_and_a
     assert_matches_reference(tmp_path, references["fsdp_lag1"])
 
 
+def test_a_stop_during_the_repair_of_a_generation_ahead_ends_after_its_step(references, cluster, tmp_path):
+    """A stop request that comes while the rollout group is repaired for a generation ahead (the step's update is done)
+    does not abandon the repair: the step completes, its emergency checkpoint holds the repaired generation's batch,
+    and the resumed run is the reference's. Abandoned, the step would be undone while the actor kept its update, and
+    the emergency checkpoint of the step before would hold the weights after it."""
+    run = [*RUN, *LAG1, "runner.save_interval=100"]
+    runner = Supervisor(run_config(tmp_path, *run))
+    repaired: list[int] = []
+
+    def stop_in_repairs(trainer) -> None:
+        repair = trainer.repair_rollout
+
+        def stopping(exc, step, phase, **kwargs) -> None:
+            runner.stop.request("SIGTERM received")
+            repaired.append(step)
+            repair(exc, step, phase, **kwargs)
+
+        trainer.repair_rollout = stopping
+
+    runner.callbacks.append(Inspect(on_start=stop_in_repairs))
+    once(
+        lambda: metrics_lines(tmp_path) >= 4,
+        lambda: patch_worker_module(runner.trainer.rollout_group, 0, "rlrunner.rollout.worker", "derive_seed", dying),
+    )
+    with pytest.raises(StoppedEarly, match=r"SIGTERM received at step (\d+); saved global_step_\1"):
+        runner.run()
+    [generated_for] = repaired  # the step whose batch it was, generated during the step before (lag 1)
+    assert metrics_lines(tmp_path) == generated_for - 1  # that step completed, and the run ended after it
+    in_flight = tmp_path / "test" / "checkpoints" / f"global_step_{generated_for - 1}" / "data" / "in_flight.pt"
+    assert in_flight.is_file()
+    [repair] = recovery_events(tmp_path, "rollout_repaired")
+    assert repair["phase"] == "generation ahead" and repair["lost_steps"] == 0, repair
+
+    Supervisor(run_config(tmp_path, *run, "runner.resume_dir=auto")).run()
+    assert_matches_reference(tmp_path, references["fsdp_lag1"])
+
+
 def test_a_lag_0_checkpoint_resumes_with_lag_1_and_back(references, cluster, tmp_path):
     """Resumed with another lag, a run first trains on what its checkpoint has: the lag-0 checkpoint of step 6 has no
     batch in flight, so with lag 1 step 7 is generated at its start (lag 0, the lag-0 run's step 7 exactly) and step 8
