@@ -2,7 +2,7 @@
 """In-job recovery of rlrunner's GRPO runner: how long a restart takes, and what failures cost in goodput.
 
 Everything runs on a local Ray started by this script (`ray.init(address="local", num_cpus=--num-cpus)`),
-with the default job (configs/grpo.yaml: 2 FSDP2 actor ranks, and 1 rollout worker of its 2, at 0.5 CPU each, the
+with the default job (configs/grpo.yaml, with 2 FSDP2 actor ranks and 1 rollout worker, at 0.5 CPU each, the
 embedded tiny Qwen2, checkpoints every `runner.save_interval` steps). Every run writes to a fresh temp
 folder with the progress bar and TensorBoard off. Workers are killed with SIGKILL on their process id
 (`supervisor.trainer.actor_group.hosts[r]["pid"]`: the current attempt's group) from a thread while
@@ -89,7 +89,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, beside this script
-from benchlib.common import ONE_ROLLOUT_WORKER, command_line, make_workdir, start_local_ray, stop_ray  # noqa: E402
+from benchlib.common import ONE_ROLLOUT_WORKER, TWO_ACTOR_RANKS, command_line, make_workdir, start_local_ray, stop_ray  # noqa: E402
 from benchlib.recovery_goodput import measure_goodput  # noqa: E402
 from benchlib.recovery_time import measure_recovery  # noqa: E402
 from benchlib.rollout_repair import measure_rollout_repair  # noqa: E402
@@ -201,6 +201,7 @@ def build_config(args: argparse.Namespace, output_dir: Path, steps: int, *extra:
             f"runner.save_interval={args.save_interval}",
             "runner.logger.progress_bar=false",
             ONE_ROLLOUT_WORKER,
+            TWO_ACTOR_RANKS,
             "runner.logger.backends=[]",
             "data.synthetic.val_size=0",
             f"runner.recovery.max_restarts={args.max_restarts}",

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchlib.common import ONE_ROLLOUT_WORKER, make_workdir, start_local_ray, stop_ray, timed  # noqa: E402
+from benchlib.common import ONE_ROLLOUT_WORKER, TWO_ACTOR_RANKS, make_workdir, start_local_ray, stop_ray, timed  # noqa: E402
 
 
 def metrics_without_time(path: Path) -> list[dict]:
@@ -50,6 +50,7 @@ def one_setting(reuse: bool, runs: int, steps: int, workdir: Path, num_cpus: int
                     "runner.val_interval=0",
                     "runner.logger.progress_bar=false",
                     ONE_ROLLOUT_WORKER,
+                    TWO_ACTOR_RANKS,
                     "runner.logger.backends=[]",
                     f"cluster.reuse_workers={str(reuse).lower()}",
                 ]

@@ -29,7 +29,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib and bench_step_time, beside this script
 from bench_step_time import model_overrides  # noqa: E402
 
-from benchlib.common import ONE_ROLLOUT_WORKER, command_line, machine, make_workdir, read_jsonl, runs_in_embedded_ray  # noqa: E402
+from benchlib.common import (  # noqa: E402
+    ONE_ROLLOUT_WORKER,
+    TWO_ACTOR_RANKS,
+    command_line,
+    machine,
+    make_workdir,
+    read_jsonl,
+    runs_in_embedded_ray,
+)
 
 RUNS = {"on": True, "off": False}
 TIMES = ("time/step_s", "time/weight_sync_s", "time/snapshot_s")
@@ -48,6 +56,7 @@ def run_overrides(args: argparse.Namespace, name: str, output_dir: Path) -> list
         f"runner.seed={args.seed}",
         f"runner.snapshot.enabled={str(RUNS[name]).lower()}",
         ONE_ROLLOUT_WORKER,
+        TWO_ACTOR_RANKS,
         *model_overrides(args.hidden, args.layers),
         *args.override,
     ]

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The default job against the same work done by TRL's `GRPOTrainer`, one after the other on this machine.
 
-rlrunner's run is the default job (`Supervisor(cfg).run()` on an embedded local Ray: two FSDP actor ranks, two `hf`
-rollout workers, 2 cores), `--steps` steps, no validation or periodic save, snapshots on. TRL's run
+rlrunner's run is the default job (`Supervisor(cfg).run()` on an embedded local Ray: one FSDP actor rank, one `hf`
+rollout worker, 2 cores), `--steps` steps, no validation or periodic save, snapshots on. TRL's run
 (`benchlib/trl_grpo.py`, run by `--trl-python`, the interpreter of a venv with TRL) is one process training the same
 tiny Qwen2 from the same initial weights (rlrunner's seeded init, written as an HF folder with its tokenizer) on the
 same prompts in the same order (rlrunner's loader's, written out), with the same reward, loss and optimizer settings
@@ -19,7 +19,8 @@ Run from the repository root (TRL in a venv of its own: it pins its own transfor
 
     python3.11 -m venv /tmp/trl && /tmp/trl/bin/pip install torch==2.13.0 trl
     .venv/bin/python benchmarks/bench_vs_trl.py --trl-python /tmp/trl/bin/python          # 200 steps each
-    .venv/bin/python benchmarks/bench_vs_trl.py --trl-python /tmp/trl/bin/python --override actor.num_workers=1
+    .venv/bin/python benchmarks/bench_vs_trl.py --trl-python /tmp/trl/bin/python --override algorithm.policy_lag=1 \
+        --override algorithm.rollout_correction.tis_cap=2.0
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ def timed(action: Callable[[], Any]) -> tuple[float, Any]:
 
 
 # The layout the figures of the benchmarks that take the default job's were measured with: one rollout worker (the
-# default job has two since db3b9c9).
+# default job had two from db3b9c9 to 8c35026) and two actor ranks (the default job's until 8c35026, one since).
 ONE_ROLLOUT_WORKER = "rollout.num_workers=1"
+TWO_ACTOR_RANKS = "actor.num_workers=2"
 
 
 # -- Ray -----------------------------------------------------------------------------------------------
