@@ -36,12 +36,12 @@ def test_more_workers_than_the_cluster_can_place(ray_session, tmp_path, capsys):
     code = main(
         [
             f"runner.output_dir={tmp_path}",
+            *TEST_LAYOUT,
             "actor.num_workers=4",
             "cluster.cpus_per_actor_worker=4",
             "cluster.placement_timeout_s=2",
             "runner.logger.backends=[]",
             *TINY_MODEL,
-            *TEST_LAYOUT,
             "data.synthetic.val_size=0",
         ]
     )

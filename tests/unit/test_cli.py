@@ -25,9 +25,9 @@ def test_print_config_writes_nothing(tmp_path, monkeypatch, capsys):
         (["runner.max_steps=abc"], "bad value for config key 'runner.max_steps'"),
         (["actorr.num_workers=2"], "unknown config key 'actorr'"),
         (
-            ["data.batch_size=6", "actor.micro_batch_size=32"],
-            "(data.batch_size 6 x algorithm.group_size 16 / actor.num_workers 2 = 48) "
-            "must be a multiple of actor.micro_batch_size (32)",
+            ["data.batch_size=6", "actor.micro_batch_size=64"],
+            "(data.batch_size 6 x algorithm.group_size 16 / actor.num_workers 1 = 96) "
+            "must be a multiple of actor.micro_batch_size (64)",
         ),
         (["actor.micro_batch_tokens=0"], "actor.micro_batch_tokens must be positive, got 0"),
         (["actor.num_workers=3"], "must be divisible by actor.num_workers (3)"),
