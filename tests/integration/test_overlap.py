@@ -27,6 +27,8 @@ from conftest import Inspect, metrics_lines, once, read_metrics, run_config, wit
 pytestmark = [pytest.mark.slow, pytest.mark.multinode]
 
 LAG = "rollout/policy_lag"
+# lag 1 with a save at the last step only: every update after the first may be asked for ahead of its step
+SAVED_AT_THE_END = [*RUN, *LAG1, "runner.save_interval=100"]
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +98,7 @@ def test_updates_asked_ahead_of_their_step_survive_a_lost_sync_a_lost_rank_and_a
     after step 4: the repair pushes the copy that sync kept, not the live weights, which the update asked for ahead
     has changed by then. Actor rank 1 dies in an update after step 6, possibly one asked for ahead. A stop after
     step 8 still runs the update already asked for. Resumed, the run is the reference's, bit for bit, no step lost."""
-    run = [*RUN, *LAG1, "runner.save_interval=100"]
+    run = SAVED_AT_THE_END
     runner = Supervisor(run_config(tmp_path, *run))
     asked_ahead: list[int] = []  # the updates asked for before the step before them completed
 
@@ -140,7 +142,7 @@ def test_a_stop_during_the_repair_of_a_generation_ahead_ends_after_its_step(refe
     does not abandon the repair: the step completes, its emergency checkpoint holds the repaired generation's batch,
     and the resumed run is the reference's. Abandoned, the step would be undone while the actor kept its update, and
     the emergency checkpoint of the step before would hold the weights after it."""
-    run = [*RUN, *LAG1, "runner.save_interval=100"]
+    run = SAVED_AT_THE_END
     runner = Supervisor(run_config(tmp_path, *run))
     repaired: list[int] = []
 
