@@ -47,10 +47,10 @@ def configure_logging() -> None:
 def check_inputs(cfg) -> None:
     """Fail before any worker starts on inputs that cannot work (each check raises a one-line ConfigError)."""
     from rlrunner.backends.registry import check_model_path
-    from rlrunner.rewards.function import RewardLoadError
     from rlrunner.rewards.scorer import check_reward_function
     from rlrunner.runner.context import reward_settings
     from rlrunner.trackers.registry import check_backends
+    from rlrunner.utils.user_code import CodeLoadError
 
     if cfg.model.path is not None:
         check_model_path(cfg.model.path)
@@ -58,7 +58,7 @@ def check_inputs(cfg) -> None:
     if cfg.reward.function is not None:
         try:
             check_reward_function(reward_settings(cfg))
-        except RewardLoadError as exc:
+        except CodeLoadError as exc:
             raise ConfigError(str(exc)) from None
 
 

@@ -1,53 +1,30 @@
 """Which function scores, and what its result means: `reward.function` parsed, loaded and its results read.
 
     spec = parse_spec("my_reward.py:compute_score", base_dir=os.getcwd())   # in the driver: paths made absolute
-    fn = load_function(spec)                                             # in a scoring process
+    fn = load_object(spec)                                               # in a scoring process (utils.user_code)
     score, extras = read_result(fn(data_source, solution_str, ground_truth, extra_info))
 
 A spec is "path/to/file.py[:name]" or "package.module[:name]" (name: `compute_score` when left out, as in verl). The
-function is imported where rewards are scored, never pickled from the driver: a spec is plain strings.
+function is imported where rewards are scored, never pickled from the driver: a spec is plain strings
+(`rlrunner.utils.user_code`, which a tools file or an environment is named with too).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import os
-import sys
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from rlrunner.errors import ConfigError, first_line
+from rlrunner.utils.user_code import CodeSpec, parse_code_spec
 
 DEFAULT_NAME = "compute_score"
+KEY = "reward.function"
 
 
-class RewardLoadError(Exception):
-    """The reward function cannot be loaded (its file is missing, does not import, lacks the name); one line."""
-
-
-@dataclass(frozen=True)
-class RewardFunctionSpec:
-    text: str  # as the user wrote it: what messages name
-    name: str  # the function's name in its file or module
-    path: str | None = None  # an absolute .py file, or
-    module: str | None = None  # a module imported by name
-    search_path: str | None = None  # a folder put on sys.path first (the driver's working directory, for modules)
-
-
-def parse_spec(text: str, base_dir: str) -> RewardFunctionSpec:
+def parse_spec(text: str, base_dir: str) -> CodeSpec:
     """`text` ("file.py[:name]" or "package.module[:name]") with a relative file made absolute against `base_dir`."""
-    target, _, name = text.rpartition(":") if ":" in text else (text, "", DEFAULT_NAME)
-    target, name = target.strip(), name.strip()
-    if not target or not name.isidentifier():
-        raise ConfigError(f"reward.function must be 'path/to/file.py:name' or 'package.module:name', got '{text}'")
-    if target.endswith(".py") or os.sep in target or "/" in target:
-        path = os.path.abspath(os.path.join(base_dir, os.path.expanduser(target)))
-        return RewardFunctionSpec(text, name, path=path)
-    if not all(part.isidentifier() for part in target.split(".")):
-        raise ConfigError(f"reward.function must be 'path/to/file.py:name' or 'package.module:name', got '{text}'")
-    return RewardFunctionSpec(text, name, module=target, search_path=os.path.abspath(base_dir))
+    return parse_code_spec(text, KEY, base_dir, default_name=DEFAULT_NAME)
 
 
 def check_reward_config(reward: Any) -> None:
@@ -69,43 +46,10 @@ def check_reward_config(reward: Any) -> None:
         raise ConfigError(f"reward.on_error must be 'raise' or 'zero', got '{reward.on_error}'")
 
 
-def builtin_spec(entry: str, label: str) -> RewardFunctionSpec:
+def builtin_spec(entry: str, label: str) -> CodeSpec:
     """A built-in verifier's "module:function" entry as a spec (named `label` in messages)."""
     module, _, name = entry.partition(":")
-    return RewardFunctionSpec(label, name, module=module)
-
-
-def load_function(spec: RewardFunctionSpec) -> Callable[..., Any]:
-    """The function `spec` names, imported now; RewardLoadError (one line naming it) when it cannot be."""
-    if spec.path is not None:
-        if not os.path.isfile(spec.path):
-            raise RewardLoadError(f"reward.function: file not found: {spec.path}")
-        module_name = f"rlrunner_user_reward_{abs(hash(spec.path))}"
-        where = spec.path
-        try:
-            # the file's folder first, so that it can import its own helper modules beside it
-            sys.path.insert(0, os.path.dirname(spec.path))
-            module_spec = importlib.util.spec_from_file_location(module_name, spec.path)
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[module_name] = module  # dataclasses and pickling look a module up by name
-            module_spec.loader.exec_module(module)
-        except BaseException as exc:  # noqa: BLE001 - anything the user's file raises (SystemExit included) is reported
-            sys.modules.pop(module_name, None)
-            raise RewardLoadError(f"reward.function: {where} does not import: {_describe(exc)}") from None
-    else:
-        where = f"module {spec.module}"
-        try:
-            if spec.search_path and spec.search_path not in sys.path:
-                sys.path.append(spec.search_path)
-            module = importlib.import_module(spec.module)
-        except BaseException as exc:  # noqa: BLE001
-            raise RewardLoadError(f"reward.function: {where} does not import: {_describe(exc)}") from None
-    function = getattr(module, spec.name, None)
-    if function is None:
-        raise RewardLoadError(f"reward.function: {where} has no '{spec.name}'")
-    if not callable(function):
-        raise RewardLoadError(f"reward.function: '{spec.name}' in {where} is not callable")
-    return function
+    return CodeSpec("reward.verifier", label, name, module=module)
 
 
 def read_result(value: Any) -> tuple[float, dict[str, float]]:
@@ -134,8 +78,3 @@ def _is_number(value: Any) -> bool:
         return True
     # numpy and torch scalars (a reward written with either) convert with float()
     return hasattr(value, "__float__") and getattr(value, "ndim", 0) == 0 and not isinstance(value, (str, bytes))
-
-
-def _describe(exc: BaseException) -> str:
-    line = first_line(exc)
-    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__

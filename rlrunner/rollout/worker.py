@@ -16,11 +16,11 @@ from rlrunner.cluster.node import node_ip
 from rlrunner.cluster.worker import Worker
 from rlrunner.errors import ConfigError, RewardFunctionError
 from rlrunner.models.loading import build_tokenizer, token_ids
-from rlrunner.rewards.function import RewardLoadError
 from rlrunner.rewards.scorer import RewardSettings, ScoreRequest
 from rlrunner.rollout.base import SampleRequest, Sampling
 from rlrunner.rollout.registry import get_engine
 from rlrunner.utils.seeding import derive_seed
+from rlrunner.utils.user_code import CodeLoadError
 from rlrunner.weight_sync.channels import connect_store
 from rlrunner.weight_sync.transport import WeightReceiver
 
@@ -116,7 +116,7 @@ class RolloutWorker(Worker):
                 if stop_at_error and scores and scores[-1].error is not None:
                     self.scorer.discard(batches)
                     break
-        except RewardLoadError as exc:
+        except CodeLoadError as exc:
             raise ConfigError(str(exc)) from None
         return scores
 

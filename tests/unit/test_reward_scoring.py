@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from rlrunner.errors import ConfigError
-from rlrunner.rewards.function import RewardLoadError, load_function, parse_spec, read_result
+from rlrunner.rewards.function import parse_spec, read_result
 from rlrunner.rewards.scorer import RewardScorer, RewardSettings, ScoreRequest, check_reward_function
+from rlrunner.utils.user_code import CodeLoadError, load_object
 
 REWARD = """
 import os, time
@@ -64,8 +65,8 @@ def test_a_malformed_spec_is_a_config_error(text: str) -> None:
 
 def test_load_errors_name_the_file_and_the_problem(tmp_path: Path, reward_file: Path) -> None:
     def error(text: str) -> str:
-        with pytest.raises(RewardLoadError) as info:
-            load_function(parse_spec(text, str(tmp_path)))
+        with pytest.raises(CodeLoadError) as info:
+            load_object(parse_spec(text, str(tmp_path)))
         return str(info.value)
 
     assert error("missing.py") == f"reward.function: file not found: {tmp_path / 'missing.py'}"
@@ -88,7 +89,7 @@ def test_a_file_imports_its_own_helpers_beside_it(tmp_path: Path) -> None:
         "from helpers import exact\n\ndef f(data_source, solution_str, ground_truth, "
         "extra_info):\n    return exact(solution_str, ground_truth)\n"
     )
-    function = load_function(parse_spec(str(tmp_path / "score.py:f"), "/"))
+    function = load_object(parse_spec(str(tmp_path / "score.py:f"), "/"))
     assert function("s", "4", "4", {}) == 1.0
 
 
@@ -182,15 +183,15 @@ def test_slow_calls_run_in_parallel(tmp_path: Path) -> None:
 
 
 def test_a_function_that_cannot_load_is_refused_in_one_line(tmp_path: Path, reward_file: Path) -> None:
-    with pytest.raises(RewardLoadError, match=r"^reward.function: .*missing.py$"):
+    with pytest.raises(CodeLoadError, match=r"^reward.function: .*missing.py$"):
         check_reward_function(RewardSettings(parse_spec("missing.py", str(tmp_path))))
     (tmp_path / "exits.py").write_text("raise SystemExit(3)\n")
-    with pytest.raises(RewardLoadError, match=r"exits.py does not import: SystemExit: 3$"):
+    with pytest.raises(CodeLoadError, match=r"exits.py does not import: SystemExit: 3$"):
         check_reward_function(RewardSettings(parse_spec("exits.py", str(tmp_path))))
     check_reward_function(RewardSettings(parse_spec(str(reward_file), "/")))  # loads: no error
     scorer = RewardScorer(parse_spec("missing.py", str(tmp_path)), {}, 2, timeout_s=5)
     try:
-        with pytest.raises(RewardLoadError, match="file not found"):
+        with pytest.raises(CodeLoadError, match="file not found"):
             scorer.score(requests("4"))  # a waiting caller is told too, not left waiting
     finally:
         scorer.close()
