@@ -84,10 +84,12 @@ def validate_config(cfg: DictConfig) -> None:
         )
     if set(cfg.data.synthetic.operations) - set("+-*") or not cfg.data.synthetic.operations:
         raise ConfigError(f"data.synthetic.operations must be made of + - *, got '{cfg.data.synthetic.operations}'")
+    from rlrunner.agents.settings import check_multi_turn_config
     from rlrunner.algorithms.registry import check_algorithm
     from rlrunner.rewards.function import check_reward_config
 
     check_reward_config(cfg.reward)
+    check_multi_turn_config(cfg)
     check_algorithm(cfg.algorithm)
     _validate_validation(cfg)
     if cfg.data.synthetic.max_operand < 1:

@@ -246,6 +246,24 @@ class ValidationRolloutConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    # tools the model may call between its turns: a Python file or module whose public functions with type hints and a
+    # docstring are the tools (docs/agents.md); null: none
+    tools: Optional[str] = None
+    # or an environment that answers each turn: "path/to/file.py:Class" with reset(record) and step(text); null: none
+    env: Optional[str] = None
+    parser: str = "hermes"  # how tool calls are read from a turn's text: hermes | "path/to/file.py:function"
+    max_turns: int = 4  # assistant turns per trajectory
+    # all of a trajectory's tokens after its prompt (its turns and what answered them); null: max_turns x
+    # (rollout.max_new_tokens + max_tool_output_tokens). rollout.max_new_tokens bounds each turn
+    max_response_tokens: Optional[int] = None
+    max_tool_output_tokens: int = 256  # a tool's output is cut to this many tokens (the message says so)
+    tool_timeout_s: float = 30.0  # bound on one tool call or environment step; a call past it is a tool error
+    on_tool_error: str = "feedback"  # feedback: the error is the tool's answer | terminate: the trajectory ends
+    num_workers: int = 2  # tool processes per rollout worker
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "hf"  # the rollout engine (rlrunner/rollout/registry.py): hf (HF model, our sampler) | vllm
     # one: with one actor rank, generation and training each have a core of the default job's 2 to themselves, which
@@ -257,6 +275,7 @@ class RolloutConfig:
     generation_batch_size: int = 8  # prompts generated together (padded); fixed chunks of the step's batch
     val: ValidationRolloutConfig = field(default_factory=ValidationRolloutConfig)  # sampling of the validation set
     vllm: VLLMConfig = field(default_factory=VLLMConfig)  # rollout.engine=vllm only
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # tools or an environment between turns
 
 
 @dataclass

@@ -139,11 +139,18 @@ def load_prompt_files(
 class PromptDataset:
     """Tokenized prompts. Item i is {"index": i, "prompt_ids": [...], "answer", "data_source", "extra_info"}."""
 
-    def __init__(self, records: Sequence[Record], tokenizer, max_prompt_length: int, apply_chat_template: bool):
+    def __init__(
+        self,
+        records: Sequence[Record],
+        tokenizer,
+        max_prompt_length: int,
+        apply_chat_template: bool,
+        tools: Sequence[dict] | None = None,
+    ):
         self.items: list[Record] = []
         too_long = empty = 0
         for record in records:
-            ids = encode_prompt(record["prompt"], tokenizer, apply_chat_template)
+            ids = encode_prompt(record["prompt"], tokenizer, apply_chat_template, tools)
             if not ids:
                 empty += 1
             elif len(ids) > max_prompt_length:
@@ -177,8 +184,11 @@ class PromptDataset:
         return self.items[index]
 
 
-def encode_prompt(prompt: str | list, tokenizer, apply_chat_template: bool) -> list[int]:
-    """Token ids of a prompt; chat-message lists (and plain text, when asked) go through the chat template."""
+def encode_prompt(
+    prompt: str | list, tokenizer, apply_chat_template: bool, tools: Sequence[dict] | None = None
+) -> list[int]:
+    """Token ids of a prompt; chat-message lists (and plain text, when asked) go through the chat template, which
+    renders `tools` (their JSON schemas: a multi-turn run's) as it does."""
     has_template = getattr(tokenizer, "chat_template", None) is not None
     if isinstance(prompt, list):
         if not has_template:
@@ -188,12 +198,14 @@ def encode_prompt(prompt: str | list, tokenizer, apply_chat_template: bool) -> l
         messages = [{"role": "user", "content": prompt}]
     else:
         return list(tokenizer(str(prompt), add_special_tokens=False)["input_ids"])
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    options = {"tools": list(tools)} if tools else {}
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **options)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def build_dataset(data_cfg, tokenizer, seed: int) -> PromptDataset:
-    """The run's dataset from `data.*`: prompt files when `data.train_files` is set, else the synthetic task."""
+def build_dataset(data_cfg, tokenizer, seed: int, tools: Sequence[dict] | None = None) -> PromptDataset:
+    """The run's dataset from `data.*`: prompt files when `data.train_files` is set, else the synthetic task; `tools`:
+    the JSON schemas its prompts are rendered with."""
     if data_cfg.train_files:
         records = load_prompt_files(
             data_cfg.train_files, data_cfg.prompt_key, data_cfg.answer_key, data_cfg.data_source_key
@@ -201,13 +213,13 @@ def build_dataset(data_cfg, tokenizer, seed: int) -> PromptDataset:
     else:
         synthetic = data_cfg.synthetic
         records = synthetic_arithmetic(synthetic.num_problems, synthetic.max_operand, synthetic.operations, seed)
-    dataset = PromptDataset(records, tokenizer, data_cfg.max_prompt_length, data_cfg.apply_chat_template)
+    dataset = PromptDataset(records, tokenizer, data_cfg.max_prompt_length, data_cfg.apply_chat_template, tools)
     if len(dataset) < data_cfg.batch_size:
         raise ConfigError(f"the dataset has {len(dataset)} prompts, fewer than data.batch_size={data_cfg.batch_size}")
     return dataset
 
 
-def build_val_dataset(data_cfg, tokenizer, seed: int) -> PromptDataset | None:
+def build_val_dataset(data_cfg, tokenizer, seed: int, tools: Sequence[dict] | None = None) -> PromptDataset | None:
     """The validation set: `data.val_files`; else, on the synthetic task, `data.synthetic.val_size` problems drawn
     apart from the training ones; None when there is none."""
     if data_cfg.val_files:
@@ -221,4 +233,4 @@ def build_val_dataset(data_cfg, tokenizer, seed: int) -> PromptDataset | None:
         )
     else:
         return None
-    return PromptDataset(records, tokenizer, data_cfg.max_prompt_length, data_cfg.apply_chat_template)
+    return PromptDataset(records, tokenizer, data_cfg.max_prompt_length, data_cfg.apply_chat_template, tools)

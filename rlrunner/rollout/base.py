@@ -33,10 +33,21 @@ class Completion:
 
 @dataclass(frozen=True)
 class SampleRequest:
-    """One sample to generate: its prompt's token ids and the seed of its own random stream."""
+    """One sample to generate: its prompt's token ids and the seed of its own random stream; `max_new_tokens`, when
+    set, bounds it below the call's `Sampling.max_new_tokens` (a multi-turn trajectory's turn, what is left of its
+    token budget)."""
 
     prompt_ids: Sequence[int]
     seed: int
+    max_new_tokens: int | None = None
+
+    def limit(self, sampling: "Sampling") -> int:
+        """The most tokens this request may get under `sampling`."""
+        return (
+            sampling.max_new_tokens
+            if self.max_new_tokens is None
+            else min(self.max_new_tokens, sampling.max_new_tokens)
+        )
 
 
 @dataclass(frozen=True)
@@ -58,8 +69,15 @@ class Sampling:
 
 
 def longest_response(rollout_cfg: Mapping[str, Any]) -> int:
-    """The most tokens any generation call may add (training or validation): what an engine sizes its sequences by."""
-    return max(Sampling.training(rollout_cfg).max_new_tokens, Sampling.validation(rollout_cfg).max_new_tokens)
+    """The most tokens a sequence may have after its prompt (training or validation): what an engine sizes its
+    sequences by. A multi-turn trajectory's whole response (`rollout.multi_turn.max_response_tokens`) is the context
+    its later turns are generated after."""
+    from rlrunner.agents.settings import is_multi_turn, max_response_tokens
+
+    longest = max(Sampling.training(rollout_cfg).max_new_tokens, Sampling.validation(rollout_cfg).max_new_tokens)
+    if "multi_turn" in rollout_cfg and is_multi_turn(rollout_cfg):
+        longest = max(longest, max_response_tokens(rollout_cfg))
+    return longest
 
 
 class RolloutEngine(ABC):

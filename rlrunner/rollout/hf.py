@@ -64,15 +64,18 @@ class HFEngine(RolloutEngine):
         self, chunks: Sequence[Sequence[SampleRequest]], sampling: Sampling
     ) -> Iterator[list[Completion]]:
         for chunk in chunks:
+            limited = any(request.max_new_tokens is not None for request in chunk)
+            longest = max(request.limit(sampling) for request in chunk) if limited else sampling.max_new_tokens
             yield generate(
                 self.model,
                 prompts=[request.prompt_ids for request in chunk],
                 seeds=[request.seed for request in chunk],
-                max_new_tokens=sampling.max_new_tokens,
+                max_new_tokens=longest,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 pad_id=self.token_ids.pad,
                 eos_ids=self.token_ids.eos,
+                row_limits=[request.limit(sampling) for request in chunk] if limited else None,
             )
 
     def weight_sink(self) -> WeightSink:

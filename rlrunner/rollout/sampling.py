@@ -56,11 +56,12 @@ def generate(
     top_p: float,
     pad_id: int,
     eos_ids: Sequence[int],
+    row_limits: Sequence[int] | None = None,
 ) -> list[Completion]:
     """Sample one response per row; row r continues `prompts[r]` using a generator seeded with `seeds[r]`.
 
     Prompts are left-padded into one batch. A response ends with its first eos token (kept, so the
-    policy learns to stop) or after `max_new_tokens` tokens.
+    policy learns to stop) or after `max_new_tokens` tokens (`row_limits[r]`, at most that, where given).
     """
     from transformers import DynamicCache
 
@@ -92,6 +93,7 @@ def generate(
     responses: list[list[int]] = [[] for _ in range(rows)]
     logprobs: list[list[float]] = [[] for _ in range(rows)]
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    limits = None if row_limits is None else torch.tensor(list(row_limits), dtype=torch.long, device=device)
     step_ids, step_positions = input_ids, position_ids
     for token in range(max_new_tokens):
         out = model(
@@ -118,6 +120,8 @@ def generate(
             responses[r].append(ids_now[r])
             logprobs[r].append(logprobs_now[r])
         finished |= torch.isin(next_ids, stop)
+        if limits is not None:
+            finished |= limits <= token + 1
         if bool(finished.all()):
             break
         cache = getattr(out, cache_name)

@@ -214,7 +214,7 @@ class VLLMEngine(RolloutEngine):
                 n=1,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
-                max_tokens=sampling.max_new_tokens,
+                max_tokens=request.limit(sampling),
                 seed=request.seed,
                 stop_token_ids=list(self.token_ids.eos),
                 logprobs=0,  # the sampled token's own log-probability (vLLM's raw, unscaled logprobs)

@@ -49,7 +49,8 @@ def build_actor_batch(
     """Right-padded prompt+response rows with a mask over the response's target positions.
 
     input_ids [N, L]; loss_mask [N, L-1] is 1.0 where the token predicted at that position
-    (input_ids[:, t+1]) belongs to the response; lengths [N] and prompt_lengths [N] (the update packs rows that share a
+    (input_ids[:, t+1]) belongs to the response, and is the model's own (`response_mask`, a multi-turn trajectory's:
+    0 on what answered its turns); lengths [N] and prompt_lengths [N] (the update packs rows that share a
     prompt: rlrunner.backends.prompt_packing); advantages [N]; rollout_logprobs [N, L-1],
     the rollout engine's log-probability of each response token at its target position (0 elsewhere).
     """
@@ -59,7 +60,8 @@ def build_actor_batch(
     width = max(lengths)
     # Padded Python rows, each made a tensor once: a copy per row into preallocated tensors cost the driver about
     # 10 ms per step of the default job (256 rows), between the generation and the update.
-    id_rows, logprob_rows = [], []
+    id_rows, logprob_rows, mask_rows = [], [], []
+    masked = any("response_mask" in s for s in samples)
     for sample, total in zip(samples, lengths):
         prompt, response = list(sample["prompt_ids"]), list(sample["response_ids"])
         logprobs = sample["logprobs"]
@@ -68,11 +70,19 @@ def build_actor_batch(
             raise ValueError(f"a sample has {len(response)} response tokens but {len(logprobs)} log-probabilities")
         id_rows.append(prompt + response + [pad_id] * (width - total))
         logprob_rows.append([0.0] * (len(prompt) - 1) + logprobs + [0.0] * (width - total))
+        if masked:
+            mask = [float(m) for m in sample.get("response_mask", [1] * len(response))]
+            if len(mask) != len(response):
+                raise ValueError(f"a sample has {len(response)} response tokens but a mask of {len(mask)}")
+            mask_rows.append([0.0] * (len(prompt) - 1) + mask + [0.0] * (width - total))
     input_ids = torch.tensor(id_rows, dtype=torch.long)
     rollout_logprobs = torch.tensor(logprob_rows, dtype=torch.float32).view(len(samples), width - 1)
     starts = torch.tensor([len(s["prompt_ids"]) - 1 for s in samples]).unsqueeze(1)
     position = torch.arange(width - 1).unsqueeze(0)
-    loss_mask = ((position >= starts) & (position < torch.tensor(lengths).unsqueeze(1) - 1)).to(torch.float32)
+    if masked:
+        loss_mask = torch.tensor(mask_rows, dtype=torch.float32).view(len(samples), width - 1)
+    else:
+        loss_mask = ((position >= starts) & (position < torch.tensor(lengths).unsqueeze(1) - 1)).to(torch.float32)
     return {
         "input_ids": input_ids,
         "loss_mask": loss_mask,

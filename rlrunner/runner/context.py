@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlrunner.agents.settings import described, multi_turn_settings
 from rlrunner.algorithms.objective import PolicyObjective
 from rlrunner.algorithms.registry import get_adv_estimator
 from rlrunner.backends.registry import checkpoint_weights_reader, get_backend
@@ -34,6 +35,7 @@ from rlrunner.runner.metrics import MetricsLogger
 from rlrunner.runner.recovery import RecoveryLog
 from rlrunner.runner.snapshots import SnapshotStore
 from rlrunner.runner.stopping import StopRequest
+from rlrunner.runner.tool_records import JOURNAL_FILE, ToolRecords
 from rlrunner.storage import open_storage
 
 # HF config keys that do not shape the weights (or are bookkeeping) and may differ between saves.
@@ -76,8 +78,14 @@ class RunContext:
         self.recovery_log = RecoveryLog(self.log_path)
         self.tokenizer = build_tokenizer(cfg.model)
         self.token_ids = token_ids(cfg.model, self.tokenizer)
-        self.dataset = build_dataset(cfg.data, self.tokenizer, cfg.runner.seed)
-        self.val_dataset = build_val_dataset(cfg.data, self.tokenizer, cfg.runner.seed)
+        # tools or an environment between the model's turns: its code loaded once here (a one-line error if it cannot
+        # be), the tools' schemas rendered into the prompts
+        self.multi_turn = multi_turn_settings(cfg, os.getcwd())
+        if self.multi_turn is not None:
+            self.multi_turn = described(self.multi_turn)
+        tools = self.multi_turn.schemas if self.multi_turn is not None else None
+        self.dataset = build_dataset(cfg.data, self.tokenizer, cfg.runner.seed, tools)
+        self.val_dataset = build_val_dataset(cfg.data, self.tokenizer, cfg.runner.seed, tools)
         self.reward = reward_settings(cfg)
         self.advantages = get_adv_estimator(cfg.algorithm.adv_estimator)  # the driver's part of the algorithm
         self.objective = PolicyObjective(OmegaConf.to_container(cfg.algorithm, resolve=True))  # its metrics
@@ -110,6 +118,14 @@ class RunContext:
         # in-memory snapshots of the actor, held across attempts (their holders start with the first snapshot)
         self.snapshots = SnapshotStore(cfg.runner.snapshot, reuse=cfg.cluster.reuse_workers)
         self.spare_pools: dict[str, Any] | None = None  # warm spares by group (rlrunner.runner.placement.spare_pools)
+        # a multi-turn run's record of every tool call, kept across attempts (a relaunched driver reads its journal)
+        self.tool_records = None
+        if self.multi_turn is not None:
+            self.tool_records = ToolRecords(
+                os.path.join(self.log_path, JOURNAL_FILE),
+                keep=cfg.runner.resume_dir is not None,
+                settle_timeout_s=self.multi_turn.tool_timeout_s + 5.0,
+            )
         self.metrics: MetricsLogger | None = None  # metrics.jsonl and the trackers, once the run's start is known
 
     def open_metrics(self, continue_runs: bool) -> MetricsLogger:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rlrunner.algorithms.objective import PolicyObjective
     from rlrunner.trackers.session import Trackers
+from rlrunner.agents.metrics import agent_metrics
 from rlrunner.storage import is_url
 from rlrunner.storage.local import local_path
 
@@ -158,6 +159,7 @@ def rollout_metrics(samples: list[dict[str, Any]], count_errors: bool = False) -
         "rollout/response_length_mean": lengths.mean().item(),
         "rollout/eos_frac": sum(s["finished"] for s in samples) / len(samples),
         **reward_extras(samples, "reward/"),
+        **agent_metrics(samples),
     }
     if count_errors:
         metrics["reward/errors"] = float(sum(s["reward_error"] for s in samples))
@@ -199,6 +201,7 @@ def validation_metrics(samples: list[dict[str, Any]]) -> dict[str, float]:
     for name, group in sorted(sources.items()):
         metrics.update(summary(group, f"val/{name}/"))
     metrics.update(reward_extras(samples, "val/reward/"))
+    metrics.update(agent_metrics(samples, prefix="val/agent/"))
     metrics["val/response_length_mean"] = sum(len(s["response_ids"]) for s in samples) / len(samples)
     return metrics
 

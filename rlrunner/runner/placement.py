@@ -67,6 +67,7 @@ def group_specs(ctx: RunContext, placement_timeout_s: float, abandon: Callable[[
             "seed": cfg.runner.seed,
             "max_prompt_length": cfg.data.max_prompt_length,
             **common,
+            **({"multi_turn": ctx.multi_turn} if ctx.multi_turn is not None else {}),
         },
         "cpus_per_worker": cluster.cpus_per_rollout_worker,
         **placement,

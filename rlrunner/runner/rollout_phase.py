@@ -5,7 +5,7 @@ policy lag the copy the actor ranks kept of the last sync's) and the generation 
 the same samples).
 
 `Trainer` (`trainer.py`) is a `RolloutPhase`: these methods use its `ctx`, `cfg`, `actor_group`, `rollout_group`,
-`rollout_repairs`, `spares_due`, `generations_ahead`, `generations_kept` and `_stop_requested`.
+`rollout_repairs`, `spares_due`, `generations_ahead`, `generations_kept`, `tool_events_due` and `_stop_requested`.
 """
 
 from __future__ import annotations
@@ -94,8 +94,10 @@ class RolloutPhase:
         per_prompt, chunk_prompts = generation_chunking(self.cfg, validation)
         assignment = split_evenly(chunk(prompts, chunk_prompts), self.rollout_group.num_workers)
         starts = first_samples(assignment, per_prompt)
+        records = self.ctx.tool_records
+        ledger = () if records is None else (records.handle,)  # a multi-turn run's: where tool calls are recorded
         refs = self.rollout_group.call_each_async(
-            "generate", [(step, part, first, validation) for part, first in zip(assignment, starts)]
+            "generate", [(step, part, first, validation, *ledger) for part, first in zip(assignment, starts)]
         )
         return Generation(step, prompts, validation, refs, self.rollout_group, during)
 
@@ -164,6 +166,9 @@ class RolloutPhase:
             self.rollout_repairs += 1
             started = time.monotonic()
             logger.error("step %d, %s: %s; replacing the rollout group alone (no step is lost)", step, phase, cause)
+            if self.ctx.tool_records is not None:  # its live workers' tool calls under way finish and are recorded
+                self.ctx.tool_records.settle(self.rollout_group)
+                self.tool_events_due = True
             self.rollout_group.shutdown()
             try:
                 _, rollout = group_specs(self.ctx, recovery.wait_timeout_s, stop_requested)

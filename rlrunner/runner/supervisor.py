@@ -77,6 +77,8 @@ class Supervisor:
                 if self.ctx.metrics is not None:
                     self.ctx.metrics.close(status)
                 self.ctx.snapshots.close()
+                if self.ctx.tool_records is not None:
+                    self.ctx.tool_records.close()
                 self.ctx.close_spares()
                 self.ctx.logs.upload()
 
@@ -141,6 +143,8 @@ class Supervisor:
                     logger.error("%s: restarting the embedded Ray", lost_cluster)
                     restart_embedded()
                     ctx.snapshots.forget()  # the holders and spares went with it
+                    if ctx.tool_records is not None:
+                        ctx.tool_records.forget()
                     ctx.close_spares(lost=True)
                     if connect is not None:
                         connect()  # signal handlers again (ray.init installs its own)

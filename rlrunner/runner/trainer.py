@@ -22,6 +22,7 @@ from typing import Any
 import ray
 import torch
 
+from rlrunner.agents.metrics import model_tokens
 from rlrunner.checkpoint.handler import PendingSave
 from rlrunner.checkpoint.resume import Checkpoint
 from rlrunner.cluster.shared_storage import check_shared_folder
@@ -67,6 +68,7 @@ class Trainer(AttemptState, RolloutPhase):
         self.generations_ahead: list[Generation] = []  # started beside the update in flight, not yet collected
         self.generations_kept = 0  # generations ahead kept running through an actor rank's repair
         self.update_ahead: SubmittedUpdate | None = None  # the next step's update, asked for behind this step's sync
+        self.tool_events_due = False  # generations may have been redone: the call ledger's events to log
 
     # -- the attempt's groups --------------------------------------------------------------------
 
@@ -85,6 +87,9 @@ class Trainer(AttemptState, RolloutPhase):
         elif checkpoint is not None:
             self._raise_if_stopping()
             self.restore(checkpoint)
+        if self.ctx.tool_records is not None:
+            self.ctx.tool_records.start(self.global_step)
+            self.tool_events_due = True
         self._raise_if_stopping()
         self.sync_weights()
         waited = sum(g.placement_wait_s for g in self.groups())
@@ -195,7 +200,10 @@ class Trainer(AttemptState, RolloutPhase):
 
     def close(self, close_timeout_s: float = 0.0) -> None:
         """The groups go: on a graceful end (`close_timeout_s` > 0) their workers close first, waiting at most that,
-        and are kept for the driver's next run with `cluster.reuse_workers` (`WorkerGroup.finish`)."""
+        and are kept for the driver's next run with `cluster.reuse_workers` (`WorkerGroup.finish`). A multi-turn run's
+        tool calls under way finish first, recorded (a stop in the middle of a generation repeats none of them)."""
+        if self.ctx.tool_records is not None:
+            self.ctx.tool_records.settle(self.rollout_group)
         for group in self.groups():
             if close_timeout_s > 0:
                 group.finish(close_timeout_s)
@@ -289,7 +297,7 @@ class Trainer(AttemptState, RolloutPhase):
         """Ask the actor ranks for step `step`'s update on `samples` (advantages, the batch, each rank's shard)."""
         cfg, ctx = self.cfg, self.ctx
         rewards = torch.tensor([s["reward"] for s in samples], dtype=torch.float32)
-        lengths = torch.tensor([len(s["response_ids"]) for s in samples], dtype=torch.long)
+        lengths = torch.tensor([model_tokens(s) for s in samples], dtype=torch.long)  # the tokens the model sampled
         advantages = ctx.advantages(rewards, cfg.algorithm.group_size, lengths, cfg.algorithm.norm_adv_by_std)
         actor_batch = build_actor_batch(samples, advantages, ctx.token_ids.pad)
         shards = shard_actor_batch(
@@ -389,6 +397,10 @@ class Trainer(AttemptState, RolloutPhase):
                     progress.update(step, last)
                 if self.last_saved_step != committed_before:
                     ctx.logs.upload()  # the logs on the store reach at least the newest checkpoint
+                    if ctx.tool_records is not None:  # no attempt redoes a step up to it: its tool records go
+                        ctx.tool_records.committed(self.last_saved_step)
+                if self.tool_events_due:
+                    self._log_tool_events(step)
                 if self.restart_to_report is not None:
                     ctx.recovery_log.write("first_step", restart=self.restart_to_report, step=step)
                     self.restart_to_report = None
@@ -408,6 +420,24 @@ class Trainer(AttemptState, RolloutPhase):
                 "resume with runner.resume_dir=auto"
             )
         return last
+
+    def _log_tool_events(self, step: int) -> None:
+        """The call ledger's events since the generations were redone (calls made again, records that no longer
+        matched) into recovery.jsonl."""
+        self.tool_events_due = False
+        for event in self.ctx.tool_records.events():
+            mode, key_step, position, turn, call = event["key"]
+            kind = event.pop("event")
+            self.ctx.recovery_log.write(
+                kind,
+                step=step,
+                mode=mode,
+                key_step=key_step,
+                position=position,
+                turn=turn,
+                call=call,
+                **{k: v for k, v in event.items() if k != "key"},
+            )
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
         """The actor's full weights (HF key names), gathered from the ranks."""

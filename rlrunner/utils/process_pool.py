@@ -351,6 +351,7 @@ class ProcessPool:
             self._processes.remove(process)
             return
         slot = self._processes.index(process)
+        self.generations[slot] += 1  # before any answer: a caller woken by one must see the slot's state gone
         lost = list(self._pinned[slot])  # waiting for the state that goes with this process
         self._pinned[slot].clear()
         if process.work:
@@ -363,7 +364,6 @@ class ProcessPool:
         for work in lost:
             self._answer(work, Result(None, f"lost: {why}, before its turn", lost=True), answered)
         self._processes[slot] = self._start()
-        self.generations[slot] += 1
         logger.warning("%s: %s; a new %s replaces it", self.labels.key, why, self.labels.process)
 
 
