@@ -47,6 +47,11 @@ class ChatDeltas:
             )
         return full[len(base_text) :]
 
+    def check(self) -> None:
+        """ValueError (one line) unless the template can be extended token by token: the driver's check at start."""
+        self.after_turn([{"role": "tool", "name": "check", "content": "X"}], None)
+        self.extend_prompt([], [{"role": "user", "content": "X"}])
+
     def after_turn(self, messages: list[dict], last_token: int | None) -> list[int]:
         """The tokens that follow a model turn ending with `last_token` (None: it was cut, no eos): the rest of the
         turn's end as the template writes it, `messages`, and the next turn's generation prompt."""

@@ -24,6 +24,7 @@ def agent_metrics(samples: list[dict[str, Any]], prefix: str = "agent/") -> dict
     metrics = {
         f"{prefix}turns_mean": sum(run["turns"] for run in runs) / count,
         f"{prefix}turns_max": float(max(run["turns"] for run in runs)),
+        f"{prefix}model_tokens_mean": sum(run["model_tokens"] for run in runs) / count,
         f"{prefix}tool_calls_mean": sum(run["tool_calls"] for run in runs) / count,
         f"{prefix}tool_errors": float(sum(run["tool_errors"] for run in runs)),
         f"{prefix}tool_timeouts": float(sum(run["tool_timeouts"] for run in runs)),

@@ -140,6 +140,21 @@ def described(settings: MultiTurnSettings) -> MultiTurnSettings:
     return dataclasses.replace(settings, tool_names=names, schemas=schemas)
 
 
+def check_chat_template(tokenizer: Any, schemas: tuple[dict, ...]) -> None:
+    """ConfigError (one line) unless the tokenizer's chat template can carry multi-turn trajectories token by token."""
+    from rlrunner.agents.chat import ChatDeltas
+
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ConfigError(
+            f"{KEY} needs a tokenizer with a chat template (the turns are its messages); this one has none"
+        )
+    try:
+        ChatDeltas(tokenizer, schemas).check()
+    except Exception as exc:  # a template's own error (jinja's, its raise_exception) or the append check's
+        line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{KEY}: the chat template cannot carry the turns: {line}") from None
+
+
 def _modified(spec: Any) -> float | None:
     """A spec's file's modification time (so that a changed file is described again)."""
     if isinstance(spec, CodeSpec) and spec.path is not None and os.path.isfile(spec.path):

@@ -62,6 +62,7 @@ class Trajectory:
         """What the driver's metrics read of it (`rlrunner.agents.metrics`)."""
         return {
             "turns": self.turns,
+            "model_tokens": sum(self.mask),
             "tool_calls": sum(1 for call in self.calls if call.get("made", True)),
             "tool_errors": self.errors,
             "tool_timeouts": self.timeouts,

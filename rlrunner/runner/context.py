@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlrunner.agents.settings import described, multi_turn_settings
+from rlrunner.agents.settings import check_chat_template, described, multi_turn_settings
 from rlrunner.algorithms.objective import PolicyObjective
 from rlrunner.algorithms.registry import get_adv_estimator
 from rlrunner.backends.registry import checkpoint_weights_reader, get_backend
@@ -83,6 +83,7 @@ class RunContext:
         self.multi_turn = multi_turn_settings(cfg, os.getcwd())
         if self.multi_turn is not None:
             self.multi_turn = described(self.multi_turn)
+            check_chat_template(self.tokenizer, self.multi_turn.schemas)
         tools = self.multi_turn.schemas if self.multi_turn is not None else None
         self.dataset = build_dataset(cfg.data, self.tokenizer, cfg.runner.seed, tools)
         self.val_dataset = build_val_dataset(cfg.data, self.tokenizer, cfg.runner.seed, tools)

@@ -71,7 +71,7 @@ class Result:
 class Batch:
     """Items submitted together; complete once every one has a Result, settled already once the first error in
     order is known (every item before it answered). `on_result(index, result)` is called for each item as its
-    result arrives (from the feeding thread)."""
+    result arrives (from the feeding thread), before anyone waiting for it is woken."""
 
     def __init__(self, size: int, on_result: Callable[[int, Result], None] | None = None):
         self.results: list[Result | None] = [None] * size
@@ -86,11 +86,16 @@ class Batch:
             self.settled.set()
 
     def put(self, index: int, result: Result) -> bool:
-        """Record `result`; whether it was new (a late answer to an item already answered is dropped)."""
+        """Record `result`; whether it was new (a late answer to an item already answered is dropped). The waiters are
+        woken by `wake`, once its callback has run."""
         if self.results[index] is not None:
             return False
         self.results[index] = result
         self.left -= 1
+        return True
+
+    def wake(self) -> None:
+        """Wake whoever waits for what the results so far complete."""
         while self.in_order < len(self.results) and self.results[self.in_order] is not None:
             if self.results[self.in_order].error is not None:  # type: ignore[union-attr]
                 self.settled.set()
@@ -98,7 +103,6 @@ class Batch:
         if self.left == 0:
             self.done.set()
             self.settled.set()
-        return True
 
     def until_first_error(self) -> list[Result]:
         """The leading results up to the first error, that error included (all of them when none failed)."""
@@ -281,6 +285,8 @@ class ProcessPool:
                             batch.on_result(index, result)
                         except Exception:  # noqa: BLE001 - the caller's callback; its failure must not stop the pool
                             logger.exception("a %s result's callback failed", self.labels.process)
+                for batch in {id(batch): batch for batch, _, _ in answered}.values():  # after its callbacks
+                    batch.wake()
         except Exception as exc:  # a bug here must not leave callers waiting forever
             logger.exception("the %s pool's feeding thread failed", self.labels.process)
             self._broken = f"{self.labels.key}: its {self.labels.process}es failed: {type(exc).__name__}: {exc}"

@@ -16,7 +16,9 @@ from rlrunner.agents.chat import ChatDeltas
 from rlrunner.agents.ledger import CallLedger, OwnerRetired
 from rlrunner.agents.metrics import agent_metrics, model_tokens
 from rlrunner.agents.parsers import ToolCall, calls_of, parse_hermes
+from rlrunner.agents.settings import check_chat_template
 from rlrunner.agents.tools import output_text, tool_functions, tool_schemas
+from rlrunner.errors import ConfigError
 from rlrunner.models.tokenizer import build_char_tokenizer
 from rlrunner.runner.batching import build_actor_batch
 from rlrunner.utils.user_code import CodeLoadError
@@ -146,12 +148,15 @@ def test_the_deltas_after_the_models_turns_add_up_to_the_templates_conversation(
     assert tokenizer.decode(observed) == doubled
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused() -> None:
+def test_a_template_that_rewrites_earlier_turns_is_refused_in_one_line() -> None:
     tokenizer = build_chat_tokenizer()
+    check_chat_template(tokenizer, ())  # the hermes layout appends
     tokenizer.chat_template = "{% for m in messages %}{{ m.content if loop.last else 'X' }}{% endfor %}"
-    chat = ChatDeltas(tokenizer)
-    with pytest.raises(ValueError, match="renders the earlier turns differently"):
-        chat.after_turn([{"role": "tool", "content": "12"}], tokenizer.eos_token_id)
+    with pytest.raises(ConfigError, match=r"^rollout.multi_turn: the chat template cannot carry the turns: the chat"):
+        check_chat_template(tokenizer, ())
+    tokenizer.chat_template = None
+    with pytest.raises(ConfigError, match="needs a tokenizer with a chat template"):
+        check_chat_template(tokenizer, ())
 
 
 # --- the call ledger ----------------------------------------------------------------------------------------------
@@ -227,13 +232,14 @@ def test_the_loss_mask_covers_exactly_the_models_tokens() -> None:
 
 def test_the_agent_metrics_of_a_step() -> None:
     def run(turns, calls, errors, timeouts, ended, reward=None):
-        return {"agent": {"turns": turns, "tool_calls": calls, "tool_errors": errors, "tool_timeouts": timeouts,
-                          "ended": ended, "tool_s": 0.5, "env_reward": reward}}  # fmt: skip
+        return {"agent": {"turns": turns, "model_tokens": 3 * turns, "tool_calls": calls, "tool_errors": errors,
+                          "tool_timeouts": timeouts, "ended": ended, "tool_s": 0.5, "env_reward": reward}}  # fmt: skip
 
     samples = [run(2, 1, 0, 0, "done", 1.0), run(4, 3, 1, 1, "max_turns"), run(1, 0, 0, 0, "max_response_tokens")]
     assert agent_metrics(samples) == {
         "agent/turns_mean": 7 / 3,
         "agent/turns_max": 4.0,
+        "agent/model_tokens_mean": 7.0,
         "agent/tool_calls_mean": 4 / 3,
         "agent/tool_errors": 1.0,
         "agent/tool_timeouts": 1.0,
