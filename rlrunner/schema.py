@@ -141,6 +141,7 @@ class AlgorithmConfig:
 class SyntheticDataConfig:
     num_problems: int = 4096
     max_operand: int = 4
+    min_operand: int = 0  # operands are drawn from min_operand..max_operand
     operations: str = "+"  # any of + - *
     val_size: int = 64  # validation problems when data.val_files is null, drawn apart from the training ones (0: none)
 

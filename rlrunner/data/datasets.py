@@ -26,14 +26,14 @@ SYNTHETIC_SOURCE = "arithmetic"  # the synthetic task's data_source
 
 
 def synthetic_arithmetic(
-    num_problems: int, max_operand: int, operations: str, seed: int, stream: str = "arithmetic"
+    num_problems: int, max_operand: int, operations: str, seed: int, stream: str = "arithmetic", min_operand: int = 0
 ) -> list[Record]:
-    """`num_problems` problems like {"prompt": "7+5=", "answer": "12"}; problem i depends only on (seed, stream, i)
-    (the validation problems are another stream)."""
+    """`num_problems` problems like {"prompt": "7+5=", "answer": "12"}, operands in min_operand..max_operand; problem i
+    depends only on (seed, stream, i) (the validation problems are another stream)."""
     records = []
     for i in range(num_problems):
         rng = random.Random(derive_seed(seed, stream, i))
-        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        a, b = rng.randint(min_operand, max_operand), rng.randint(min_operand, max_operand)
         op = operations[rng.randrange(len(operations))]
         result = a + b if op == "+" else a - b if op == "-" else a * b
         prompt, answer = f"{a}{op}{b}=", str(result)
@@ -212,7 +212,9 @@ def build_dataset(data_cfg, tokenizer, seed: int, tools: Sequence[dict] | None =
         )
     else:
         synthetic = data_cfg.synthetic
-        records = synthetic_arithmetic(synthetic.num_problems, synthetic.max_operand, synthetic.operations, seed)
+        records = synthetic_arithmetic(
+            synthetic.num_problems, synthetic.max_operand, synthetic.operations, seed, min_operand=synthetic.min_operand
+        )
     dataset = PromptDataset(records, tokenizer, data_cfg.max_prompt_length, data_cfg.apply_chat_template, tools)
     if len(dataset) < data_cfg.batch_size:
         raise ConfigError(f"the dataset has {len(dataset)} prompts, fewer than data.batch_size={data_cfg.batch_size}")
@@ -229,7 +231,12 @@ def build_val_dataset(data_cfg, tokenizer, seed: int, tools: Sequence[dict] | No
     elif not data_cfg.train_files and data_cfg.synthetic.val_size > 0:
         synthetic = data_cfg.synthetic
         records = synthetic_arithmetic(
-            synthetic.val_size, synthetic.max_operand, synthetic.operations, seed, stream="arithmetic-val"
+            synthetic.val_size,
+            synthetic.max_operand,
+            synthetic.operations,
+            seed,
+            stream="arithmetic-val",
+            min_operand=synthetic.min_operand,
         )
     else:
         return None

@@ -22,6 +22,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlrunner.agents.ledger import CallLedger
+from rlrunner.cluster.ray_setup import cluster_lost
 from rlrunner.errors import describe
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,8 @@ class ToolRecords:
         """`group`'s rollout workers may begin no more calls, and those under way on its live workers are waited for
         (each ends by `rollout.multi_turn.tool_timeout_s`, recorded): so that replacing the group makes no call twice.
         A dead worker's call under way is lost with it: the trajectory's next generation makes it again."""
-        if self.actor is None or group is None:
-            return
+        if self.actor is None or group is None or cluster_lost() is not None:
+            return  # with the cluster gone, every call would block on it; the workers went with it
         try:
             owners = [worker._actor_id.hex() for worker in group.workers]
             dead = set(group.dead_ranks(timeout_s=1.0))

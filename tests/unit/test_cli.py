@@ -108,3 +108,37 @@ def test_a_reward_function_that_cannot_load_is_refused_before_ray_starts(tmp_pat
     assert main([f"reward.function={missing}", "runner.logger.backends=[]"]) == 2
     assert error_line(capsys) == f"rlrunner: error: reward.function: {missing} has no 'compute_score'"
     assert not ray.is_initialized()
+
+
+def test_a_tools_file_an_environment_or_a_parser_that_cannot_load_is_refused_before_ray_starts(tmp_path, capsys):
+    """rollout.multi_turn's code, loaded once in a tool process of the driver's: one line, exit code 2, no Ray."""
+    import ray
+
+    tools = tmp_path / "tools.py"
+    base = [f"runner.output_dir={tmp_path}", "runner.logger.backends=[]"]
+    assert main([*base, f"rollout.multi_turn.tools={tools}"]) == 2
+    assert error_line(capsys) == f"rlrunner: error: rollout.multi_turn.tools: file not found: {tools}"
+    tools.write_text("import no_such_module_here\n")
+    assert main([*base, f"rollout.multi_turn.tools={tools}"]) == 2
+    assert error_line(capsys) == (
+        f"rlrunner: error: rollout.multi_turn.tools: {tools} does not import: "
+        "ModuleNotFoundError: No module named 'no_such_module_here'"
+    )
+    tools.write_text("def helper(x):\n    return x\n")
+    assert main([*base, f"rollout.multi_turn.tools={tools}"]) == 2
+    assert "has no tools (public functions with type hints and a docstring)" in error_line(capsys)
+    assert main([*base, f"rollout.multi_turn.env={tools}:Game"]) == 2
+    assert error_line(capsys) == f"rlrunner: error: rollout.multi_turn.env: {tools} has no 'Game'"
+    assert main([*base, f"rollout.multi_turn.env={tools}:helper"]) == 2
+    assert "'helper' in" in error_line(capsys)  # not a class with reset() and step()
+    tools.write_text(
+        'def f(x: int) -> int:\n    """Double.\n\n    Args:\n        x: a number\n    """\n    return 2 * x\n'
+    )
+    parser = tmp_path / "parser.py"
+    assert main([*base, f"rollout.multi_turn.tools={tools}", f"rollout.multi_turn.parser={parser}:parse"]) == 2
+    assert error_line(capsys) == f"rlrunner: error: rollout.multi_turn.parser: file not found: {parser}"
+    assert main([*base, f"rollout.multi_turn.tools={tools}", f"rollout.multi_turn.env={tools}:X"]) == 2
+    assert "rollout.multi_turn.tools and rollout.multi_turn.env are both set" in error_line(capsys)
+    assert main([*base, f"rollout.multi_turn.tools={tools}", "rollout.multi_turn.parser=xml"]) == 2
+    assert "rollout.multi_turn.parser must be one of hermes or 'path/to/file.py:function'" in error_line(capsys)
+    assert not ray.is_initialized()

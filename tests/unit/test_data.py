@@ -51,6 +51,9 @@ def test_synthetic_answers_are_correct_and_operands_in_range() -> None:
         operands.update((a, b))
     assert ops_seen == {"+", "-", "*"}
     assert max(operands) == 12 and min(operands) == 0  # both ends of [0, max_operand] are reachable
+    two_digit = {int(n) for r in synthetic_arithmetic(300, 99, "*", seed=0, min_operand=10) for n in PROBLEM.match(
+        r["prompt"]).group(1, 3)}  # fmt: skip
+    assert min(two_digit) >= 10 and max(two_digit) <= 99
 
 
 def test_synthetic_single_operation() -> None:
@@ -346,7 +349,7 @@ def data_cfg(**changes):
         "max_prompt_length": 32,
         "shuffle": True,
         "apply_chat_template": True,
-        "synthetic": {"num_problems": 10, "max_operand": 9, "operations": "+", "val_size": 0},
+        "synthetic": {"num_problems": 10, "min_operand": 0, "max_operand": 9, "operations": "+", "val_size": 0},
     }
     synthetic = changes.pop("synthetic", {})
     cfg.update(changes)
