@@ -46,19 +46,21 @@ TOOLS = '''
 import time
 
 
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers.
+def multiply(numbers: list[int]) -> int:
+    """Multiply integers together.
 
     Args:
-        a: the first factor
-        b: the second factor
+        numbers: the factors
     """
     time.sleep({seconds})
-    return a * b
+    product = 1
+    for number in numbers:
+        product *= number
+    return product
 
 
 def every_turn_calls(text):
-    return [{{"name": "multiply", "arguments": {{"a": len(text), "b": 7}}}}]
+    return [{{"name": "multiply", "arguments": {{"numbers": [len(text), 7, 9]}}}}]
 '''
 
 

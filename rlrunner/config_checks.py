@@ -94,6 +94,8 @@ def validate_config(cfg: DictConfig) -> None:
     _validate_validation(cfg)
     if cfg.data.synthetic.max_operand < 1:
         raise ConfigError(f"data.synthetic.max_operand must be >= 1, got {cfg.data.synthetic.max_operand}")
+    if cfg.data.synthetic.num_operands < 2:
+        raise ConfigError(f"data.synthetic.num_operands must be >= 2, got {cfg.data.synthetic.num_operands}")
     if not 0 <= cfg.data.synthetic.min_operand <= cfg.data.synthetic.max_operand:
         raise ConfigError(
             f"data.synthetic.min_operand must be in 0..data.synthetic.max_operand ({cfg.data.synthetic.max_operand}), "

@@ -25,9 +25,9 @@ EXIT_CODES = (
     ExitCode("0", "finished", "the run finished"),
     ExitCode(
         "1",
-        "failed in a way a relaunch may mend: the cluster cannot place the workers, the head node of a joined cluster "
-        "is gone, in-job restarts used up on varied errors, a save failed for another reason than space or permission. "
-        "The launch script relaunches it",
+        "failed in a way a relaunch may mend: Ray did not start or the cluster to join does not answer, the cluster "
+        "cannot place the workers, the head node of a joined cluster is gone, in-job restarts used up on varied "
+        "errors, a save failed for another reason than space or permission. The launch script relaunches it",
         None,
     ),
     ExitCode(
@@ -109,6 +109,12 @@ class ConfigError(RLRunnerError):
 
 class ResourceError(RLRunnerError):
     """The cluster cannot place the requested workers within the allowed wait."""
+
+    exit_code = FAILED
+
+
+class RayStartError(RLRunnerError):
+    """Ray did not start, or the cluster to join does not answer: a relaunch (or the cluster coming up) may mend it."""
 
     exit_code = FAILED
 

@@ -142,6 +142,7 @@ class SyntheticDataConfig:
     num_problems: int = 4096
     max_operand: int = 4
     min_operand: int = 0  # operands are drawn from min_operand..max_operand
+    num_operands: int = 2  # operands per problem (`*` is taken before `+` and `-`)
     operations: str = "+"  # any of + - *
     val_size: int = 64  # validation problems when data.val_files is null, drawn apart from the training ones (0: none)
 

@@ -1,22 +1,22 @@
-"""The tiny model's tool-call format: a turn of two digits `ab` calls multiply(a, b).
+"""The tiny model's tool-call format: a turn holding three digits or more calls multiply with its first three.
 
 A real model writes hermes calls (`rollout.multi_turn.parser=hermes`, the default). The embedded character-level model
-starts from random weights, and a call it can stumble on is one it can learn: a two-digit turn is what it writes
-anyway (most answers have two digits), and copying the question's two operands into it is what pays
-(examples/calculator_tool/reward.py). Any other turn is an answer, and so is the last turn, whatever it holds
-(`rollout.multi_turn.max_turns`: no call is made after it).
+starts from random weights, and a call it can stumble on is one it can learn: its first random turns hold three digits
+now and then, and copying the question's three factors into them is what pays (examples/calculator_tool/reward.py).
+A turn with fewer digits is an answer; so is the last turn, whatever it holds (`rollout.multi_turn.max_turns`: no
+call is made after it).
 """
 
 from __future__ import annotations
 
 import re
 
-_CALL = re.compile(r"\s*(\d)(\d)\s*")
+_DIGIT = re.compile(r"\d")
 
 
 def parse_call(text: str) -> list[dict]:
-    """[{"name": "multiply", "arguments": {"a": ..., "b": ...}}] for a turn of two digits, else [] (an answer)."""
-    match = _CALL.fullmatch(text)
-    if match is None:
+    """[{"name": "multiply", "arguments": {"numbers": [...]}}] with the turn's first three digits, or [] (an answer)."""
+    digits = _DIGIT.findall(text)
+    if len(digits) < 3:
         return []
-    return [{"name": "multiply", "arguments": {"a": int(match.group(1)), "b": int(match.group(2))}}]
+    return [{"name": "multiply", "arguments": {"numbers": [int(digit) for digit in digits[:3]]}}]

@@ -1,29 +1,46 @@
-"""The calculator job's reward (verl's signature): the arithmetic verifier's credit for the final answer, or, when
-higher, credit for a call to the tool with the question's operands (the trajectory is in `extra_info`).
+"""The calculator job's reward (verl's signature): 1.0 for the exact product; otherwise partial credit, at most 0.85.
 
-The answer gets 1.0 when exact, partial credit for a well-formed integer with some digits in place (at most 0.9). A
-call earns up to 0.5 for its arguments, 0.25 for each of the question's operands it holds: what lets a model find out
-that calling the tool with the question's operands pays, before it has learned to copy the tool's answer (an exact
-answer is worth twice as much).
+The partial credit gives a model that starts from random weights a gradient before it ever gets an answer right:
+for the answer's digits in their places in the product, from the left (up to 0.35), and 0.05 more when it has as many
+digits (a third digit that is wrong is closer to a right one than a stop); for each of the question's factors a call
+to the tool holds in its place (0.05 each), and for the answer's digits in their places in what the tool said (up to
+0.3): what lets it find out that calling the tool with the factors and answering with its result pay, before the two
+together make an exact answer. Its parts add up below 1 (no cap that would make partial answers all alike), so every
+digit more counts and none competes with an exact answer. The same function scores the job without the tool (no
+calls: the answer's credit alone). The trajectory is in `extra_info`.
 """
 
 from __future__ import annotations
 
 import re
 
-from rlrunner.rewards.arithmetic import arithmetic_reward
+ANSWER_CREDIT = 0.35  # an answer's digits that match the product's, from the left
+LENGTH_CREDIT = 0.05  # an answer of as many digits as the product
+FACTOR_CREDIT = 0.05  # each of the question's factors a call holds in its place
+COPY_CREDIT = 0.3  # an answer's digits that match the tool's last answer, from the left
 
-OPERAND_CREDIT = 0.25  # each of the question's operands a call holds
+
+def digits_in_place(got: str, wanted: str) -> float:
+    """The share of `wanted`'s digits that `got` (all digits, or nothing counts) has in the same place, from the left;
+    a longer `got` counts its extra digits against it."""
+    if not got.isdigit() or not wanted:
+        return 0.0
+    return sum(a == b for a, b in zip(got, wanted)) / max(len(got), len(wanted))
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> dict:
-    answer = arithmetic_reward(solution_str, str(ground_truth))
-    call = 0.0
-    operands = re.fullmatch(r"(\d+)\*(\d+)=", extra_info.get("prompt", ""))
+    answer, truth = solution_str.strip(), str(ground_truth)
+    if answer == truth:
+        return {"score": 1.0, "answer_credit": 1.0, "call_credit": 0.0, "copy_credit": 0.0}
+    partial = ANSWER_CREDIT * digits_in_place(answer, truth) + LENGTH_CREDIT * (
+        answer.isdigit() and len(answer) == len(truth)
+    )
+    factors = [int(n) for n in re.findall(r"\d+", extra_info.get("prompt", ""))]
+    call = copy = 0.0
     for made in extra_info.get("trajectory", {}).get("tool_calls", []):
-        arguments = made.get("arguments") or {}
-        if operands is None or set(arguments) != {"a", "b"} or made.get("error"):
+        numbers = (made.get("arguments") or {}).get("numbers")
+        if not made.get("made", True) or made.get("error") or not isinstance(numbers, list):
             continue
-        right = (arguments["a"] == int(operands.group(1))) + (arguments["b"] == int(operands.group(2)))
-        call = max(call, OPERAND_CREDIT * right)
-    return {"score": max(answer, call), "answer_credit": answer, "call_credit": call}
+        call = max(call, FACTOR_CREDIT * sum(got == wanted for got, wanted in zip(numbers, factors)))
+        copy = COPY_CREDIT * digits_in_place(answer, made["output"])
+    return {"score": partial + call + copy, "answer_credit": partial, "call_credit": call, "copy_credit": copy}

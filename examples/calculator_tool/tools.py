@@ -1,11 +1,13 @@
 """The calculator job's tool: every public function with type hints and a docstring in this file is a tool."""
 
 
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers.
+def multiply(numbers: list[int]) -> int:
+    """Multiply integers together.
 
     Args:
-        a: the first factor
-        b: the second factor
+        numbers: the factors
     """
-    return a * b
+    product = 1
+    for number in numbers:
+        product *= number
+    return product

@@ -107,6 +107,8 @@ class Pending:
 
 
 class Environments(ABC):
+    holds_instances = False  # whether it keeps state per trajectory in the tool processes (its turns need a record)
+
     def __init__(self, pool: ProcessPool, settings: MultiTurnSettings):
         self.pool, self.settings = pool, settings
 
@@ -221,6 +223,8 @@ class ToolEnvironments(Environments):
 
 class UserEnvironments(Environments):
     """A user's environment class, one instance per trajectory in the tool process its position pins it to."""
+
+    holds_instances = True
 
     def __init__(self, pool: ProcessPool, settings: MultiTurnSettings):
         super().__init__(pool, settings)

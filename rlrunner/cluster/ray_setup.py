@@ -21,6 +21,8 @@ import time
 
 import ray
 
+from rlrunner.errors import RayStartError, describe
+
 logger = logging.getLogger(__name__)
 
 EMBEDDED, CONNECTED, EXISTING = "embedded", "connected", "existing"
@@ -59,7 +61,14 @@ def init_ray(ray_address: str | None, num_cpus: int | None) -> str:
     quiet = {"logging_level": logging.WARNING, "log_to_driver": True}
     address = ray_address or os.environ.get("RAY_ADDRESS")
     if address and address != "local":
-        ray.init(address=address, **quiet)
+        join = "start it (`ray start --head` on its head node) or set cluster.ray_address / RAY_ADDRESS to its address"
+        refused = _unreachable(address) if _is_host_port(address) else None
+        if refused is not None:  # Ray itself would retry its GCS for minutes before saying so
+            raise RayStartError(f"cannot join the Ray cluster at {address}: nothing answers there ({refused}); {join}")
+        try:
+            ray.init(address=address, **quiet)
+        except Exception as exc:  # Ray's own errors (ConnectionError, its RuntimeErrors, a timeout): one line
+            raise RayStartError(f"cannot join the Ray cluster at {address}: {describe(exc)}; {join}") from None
         logger.info("connected to the Ray cluster at %s", address)
         return _remember(CONNECTED, num_cpus)
     if address is None and _ray_start_cluster_answers():
@@ -96,11 +105,24 @@ def _ray_start_cluster_answers() -> bool:
 
 
 def start_embedded(num_cpus: int | None) -> str:
+    """Start a Ray of this driver's own; RayStartError (one line) when it does not come up."""
     # address="local": a new instance even while another one's GCS still runs here (a lost embedded Ray takes
     # seconds to exit); `ray.init()` with no address would join RAY_ADDRESS's or `ray start`'s cluster instead.
-    ray.init(
-        address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True
-    )
+    try:
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            log_to_driver=True,
+        )
+    except Exception as exc:  # "The current node timed out during startup" on a loaded machine, a full /tmp, ...
+        if ray.is_initialized():
+            ray.shutdown()
+        raise RayStartError(
+            f"the embedded Ray did not start: {describe(exc)}; the machine may be short of CPU time, memory or space "
+            "in its temporary folder: a relaunch may mend it (or start one with `ray start --head` and run again)"
+        ) from None
     logger.info("started an embedded local Ray (%s CPUs)", ray.cluster_resources().get("CPU", 0))
     return _remember(EMBEDDED, num_cpus)
 
@@ -178,14 +200,24 @@ def _embedded_process_exited() -> str | None:
 
 
 def _gcs_unreachable(address: str | None, timeout_s: float = 2.0) -> str | None:
-    if not address:
-        return None
+    reason = _unreachable(address, timeout_s) if address else None
+    return None if reason is None else f"the Ray cluster's head node (GCS at {address}) is gone: {reason}"
+
+
+def _is_host_port(address: str) -> bool:
+    """Whether `address` is a GCS's host:port (not `auto`, nor a Ray Client `ray://` URL)."""
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and "://" not in address
+
+
+def _unreachable(address: str, timeout_s: float = 2.0) -> str | None:
+    """Why nothing accepts a TCP connection at `address` (host:port), or None when something does."""
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=timeout_s):
             return None
     except OSError as exc:
-        return f"the Ray cluster's head node (GCS at {address}) is gone: {exc.strerror or type(exc).__name__}"
+        return exc.strerror or type(exc).__name__
 
 
 def restart_embedded() -> None:

@@ -26,17 +26,24 @@ SYNTHETIC_SOURCE = "arithmetic"  # the synthetic task's data_source
 
 
 def synthetic_arithmetic(
-    num_problems: int, max_operand: int, operations: str, seed: int, stream: str = "arithmetic", min_operand: int = 0
+    num_problems: int,
+    max_operand: int,
+    operations: str,
+    seed: int,
+    stream: str = "arithmetic",
+    min_operand: int = 0,
+    num_operands: int = 2,
 ) -> list[Record]:
-    """`num_problems` problems like {"prompt": "7+5=", "answer": "12"}, operands in min_operand..max_operand; problem i
-    depends only on (seed, stream, i) (the validation problems are another stream)."""
+    """`num_problems` problems like {"prompt": "7+5=", "answer": "12"}: `num_operands` operands in
+    min_operand..max_operand, each operator drawn from `operations` (`*` before `+` and `-`); problem i depends only on
+    (seed, stream, i) (the validation problems are another stream)."""
     records = []
     for i in range(num_problems):
         rng = random.Random(derive_seed(seed, stream, i))
-        a, b = rng.randint(min_operand, max_operand), rng.randint(min_operand, max_operand)
-        op = operations[rng.randrange(len(operations))]
-        result = a + b if op == "+" else a - b if op == "-" else a * b
-        prompt, answer = f"{a}{op}{b}=", str(result)
+        values = [rng.randint(min_operand, max_operand) for _ in range(num_operands)]
+        ops = [operations[rng.randrange(len(operations))] for _ in range(num_operands - 1)]
+        prompt = "".join(f"{value}{op}" for value, op in zip(values, ops)) + f"{values[-1]}="
+        answer = str(evaluate(values, ops))
         records.append(
             {
                 "prompt": prompt,
@@ -46,6 +53,21 @@ def synthetic_arithmetic(
             }
         )
     return records
+
+
+def evaluate(values: Sequence[int], ops: Sequence[str]) -> int:
+    """`values[0] ops[0] values[1] ...` with `*` taken before `+` and `-`, left to right."""
+    terms, signs = [values[0]], []
+    for op, value in zip(ops, values[1:]):
+        if op == "*":
+            terms[-1] *= value
+        else:
+            terms.append(value)
+            signs.append(op)
+    result = terms[0]
+    for sign, term in zip(signs, terms[1:]):
+        result = result + term if sign == "+" else result - term
+    return result
 
 
 def _field(record: Record, dotted_key: str) -> Any:
@@ -213,7 +235,12 @@ def build_dataset(data_cfg, tokenizer, seed: int, tools: Sequence[dict] | None =
     else:
         synthetic = data_cfg.synthetic
         records = synthetic_arithmetic(
-            synthetic.num_problems, synthetic.max_operand, synthetic.operations, seed, min_operand=synthetic.min_operand
+            synthetic.num_problems,
+            synthetic.max_operand,
+            synthetic.operations,
+            seed,
+            min_operand=synthetic.min_operand,
+            num_operands=synthetic.num_operands,
         )
     dataset = PromptDataset(records, tokenizer, data_cfg.max_prompt_length, data_cfg.apply_chat_template, tools)
     if len(dataset) < data_cfg.batch_size:
@@ -237,6 +264,7 @@ def build_val_dataset(data_cfg, tokenizer, seed: int, tools: Sequence[dict] | No
             seed,
             stream="arithmetic-val",
             min_operand=synthetic.min_operand,
+            num_operands=synthetic.num_operands,
         )
     else:
         return None

@@ -19,7 +19,6 @@ end of a turn follows it, not the model's).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -105,7 +104,6 @@ class MultiTurnRollout:
         self.engine, self.tokenizer, self.token_ids = engine, tokenizer, token_ids
         self.settings, self.environments, self.seed = settings, environments, seed
         self.chat = ChatDeltas(tokenizer, settings.schemas)
-        self.tool_wait_s = 0.0  # the last run's time spent waiting for answers, the engine idle
 
     def run(
         self,
@@ -120,7 +118,6 @@ class MultiTurnRollout:
         """Every trajectory of `chunks` (each a list of (prompt record, sample j)), in order; `chunk_done` is called
         with each chunk's trajectories as soon as all of them have ended (to score them while the others go on)."""
         seed_name = "val_sample" if mode == "val" else "sample"
-        self.tool_wait_s = 0.0
         runs, position = [], first_sample
         for rows in chunks:
             trajectories = []
@@ -140,9 +137,7 @@ class MultiTurnRollout:
                 if run.over:
                     continue
                 if run.pending is not None:
-                    waited = time.perf_counter()
                     answers = self.environments.answers(recorder, run.pending)
-                    self.tool_wait_s += time.perf_counter() - waited
                     for trajectory, answer in zip(run.asked, answers):
                         self._take(trajectory, answer)
                     run.pending = None
@@ -161,16 +156,17 @@ class MultiTurnRollout:
         return everyone
 
     def _turn(self, mode: str, step: int, trajectory: Trajectory, seed_name: str) -> Turn:
-        record = trajectory.record
-        env_record = {
-            "prompt": self.tokenizer.decode(record["prompt_ids"]),
-            "answer": record["answer"],
-            "data_source": record["data_source"],
-            "extra_info": record["extra_info"],
-            "index": record["index"],
-            "sample": trajectory.sample,
-            "seed": derive_seed(self.seed, f"{seed_name}_env", step, record["index"], trajectory.sample),
-        }
+        record, env_record = trajectory.record, {}
+        if self.environments.holds_instances:  # what a user's environment's reset gets
+            env_record = {
+                "prompt": self.tokenizer.decode(record["prompt_ids"]),
+                "answer": record["answer"],
+                "data_source": record["data_source"],
+                "extra_info": record["extra_info"],
+                "index": record["index"],
+                "sample": trajectory.sample,
+                "seed": derive_seed(self.seed, f"{seed_name}_env", step, record["index"], trajectory.sample),
+            }
         return Turn(mode, step, trajectory.position, env_record, trajectory.context, list(trajectory.texts))
 
     def _generate(self, going: list[Trajectory], step: int, turn: int, seed_name: str, sampling: Sampling) -> None:

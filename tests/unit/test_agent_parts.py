@@ -249,3 +249,28 @@ def test_the_agent_metrics_of_a_step() -> None:
         "time/tools_s": 1.5,
     }
     assert agent_metrics([{"response_ids": [1]}]) == {}
+
+
+def test_the_calculator_example_loads_and_scores_as_its_page_says(tmp_path, monkeypatch) -> None:
+    """configs/calculator_tool.yaml from the repository root: its tools file described, its parser and reward."""
+    from rlrunner.config import load_config
+    from rlrunner.runner.context import RunContext
+    from rlrunner.utils.user_code import load_object
+
+    from conftest import REPO
+
+    monkeypatch.chdir(REPO)
+    cfg = load_config([f"runner.output_dir={tmp_path}"], config_name="calculator_tool")
+    ctx = RunContext(cfg)
+    assert ctx.multi_turn.tool_names == ("multiply",) and ctx.dataset[0]["answer"].isdigit()
+    parse = ctx.multi_turn.load_parser()
+    assert calls_of(parse, "678") == [ToolCall("multiply", {"numbers": [6, 7, 8]})] and calls_of(parse, "57") == []
+    score = load_object(ctx.reward.spec)
+    call = {"name": "multiply", "arguments": {"numbers": [6, 7, 8]}, "output": "336", "error": None}
+    info = {"prompt": "6*7*8=", "trajectory": {"tool_calls": [call]}}
+    assert score("arithmetic", "336", "336", info)["score"] == 1.0
+    scored = score("arithmetic", "335", "336", info)  # the right call, the tool's answer nearly repeated
+    assert scored["call_credit"] == pytest.approx(0.15) and scored["copy_credit"] == pytest.approx(0.2)
+    assert scored["answer_credit"] == pytest.approx(0.8 / 3) and scored["score"] == pytest.approx(0.35 + 0.8 / 3)
+    assert score("arithmetic", "36", "336", info)["score"] == pytest.approx(0.15)  # two digits where three are due
+    assert score("arithmetic", "335", "336", {"prompt": "6*7*8="})["score"] == pytest.approx(0.8 / 3)  # no tool

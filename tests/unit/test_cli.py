@@ -142,3 +142,38 @@ def test_a_tools_file_an_environment_or_a_parser_that_cannot_load_is_refused_bef
     assert main([*base, f"rollout.multi_turn.tools={tools}", "rollout.multi_turn.parser=xml"]) == 2
     assert "rollout.multi_turn.parser must be one of hermes or 'path/to/file.py:function'" in error_line(capsys)
     assert not ray.is_initialized()
+
+
+def test_a_cluster_that_does_not_answer_is_one_line_and_exit_code_1(tmp_path, capsys):
+    """cluster.ray_address where nothing listens: said at once (Ray would retry its GCS for minutes), no traceback."""
+    import socket
+
+    import ray
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    assert main([f"cluster.ray_address={address}", f"runner.output_dir={tmp_path}", "runner.logger.backends=[]"]) == 1
+    assert error_line(capsys) == (
+        f"rlrunner: error: cannot join the Ray cluster at {address}: nothing answers there (Connection refused); start "
+        "it (`ray start --head` on its head node) or set cluster.ray_address / RAY_ADDRESS to its address"
+    )
+    assert not ray.is_initialized()
+
+
+def test_an_embedded_ray_that_does_not_start_is_one_line_and_exit_code_1(tmp_path, subprocess_env):
+    """Its temporary folder a file: Ray's own error, in one line, exit code 1 (the launch script relaunches it)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "not_a_folder").write_text("")
+    env = {**subprocess_env, "TMPDIR": str(tmp_path / "not_a_folder")}
+    command = [sys.executable, "-m", "rlrunner.main_grpo", f"runner.output_dir={tmp_path}", "runner.logger.backends=[]"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("rlrunner: error:")]
+    assert line.startswith("rlrunner: error: the embedded Ray did not start: NotADirectoryError: ") and line.endswith(
+        "a relaunch may mend it (or start one with `ray start --head` and run again)"
+    )

@@ -54,6 +54,8 @@ def test_synthetic_answers_are_correct_and_operands_in_range() -> None:
     two_digit = {int(n) for r in synthetic_arithmetic(300, 99, "*", seed=0, min_operand=10) for n in PROBLEM.match(
         r["prompt"]).group(1, 3)}  # fmt: skip
     assert min(two_digit) >= 10 and max(two_digit) <= 99
+    for record in synthetic_arithmetic(200, 9, "+-*", seed=1, num_operands=3):  # `*` first, then left to right
+        assert int(record["answer"]) == eval(record["prompt"][:-1]), record  # noqa: S307 - our own digits and + - *
 
 
 def test_synthetic_single_operation() -> None:
@@ -349,7 +351,14 @@ def data_cfg(**changes):
         "max_prompt_length": 32,
         "shuffle": True,
         "apply_chat_template": True,
-        "synthetic": {"num_problems": 10, "min_operand": 0, "max_operand": 9, "operations": "+", "val_size": 0},
+        "synthetic": {
+            "num_problems": 10,
+            "min_operand": 0,
+            "max_operand": 9,
+            "operations": "+",
+            "num_operands": 2,
+            "val_size": 0,
+        },
     }
     synthetic = changes.pop("synthetic", {})
     cfg.update(changes)
