@@ -5,14 +5,15 @@ without it.
 
 Step time (the default): the calculator job (`configs/calculator_tool.yaml`: the embedded tiny Qwen2, 16 prompts x 16
 samples a step, one rollout worker) from its random initial weights, with a parser that makes every first turn a call,
-so that every trajectory has two turns and one tool call in between (the most a two-turn job pays), against a
-single-turn job on the same prompts that generates and trains on the same number of the model's tokens
-(`rollout.max_new_tokens` = the two turns' together, measured in the multi-turn run). Then the same multi-turn job with
-a tool that sleeps `--sleep-ms` (50 ms) per call, in 1 and in 4 tool processes: the share of its step spent waiting on
-the tool is its step time less the instant tool's, over its step time. One embedded local Ray, one run after the
+so that every trajectory has two turns and one tool call in between (the most a two-turn job pays), against a single-
+turn job on the same prompts that generates and trains on as many tokens as the multi-turn job's sequences hold
+(`rollout.max_new_tokens` = its tokens after the prompt, model's and tool's, measured in the multi-turn run; the ratio
+of the goal), and one that generates as many as its model did (the two turns' together). Then the same multi-turn job
+with a tool that sleeps `--sleep-ms` (50 ms) per call, in 1 and in 4 tool processes: the share of its step spent waiting
+on the tool is its step time less the instant tool's, over its step time. One embedded local Ray, one run after the
 other, `--warmup` + `--steps` steps each, no periodic save; medians of `time/step_s` over the measured steps, ratios
-against a run of the same invocation. The runs with a slow tool must log the same metrics whatever their number of
-tool processes, and so must the instant tool's (the tool's time changes no bit).
+against a run of the same invocation. The runs with a slow tool must log the same metrics whatever their number of tool
+processes, and so must the instant tool's (the tool's time changes no bit).
 
 `--learning`: the calculator job itself, `--learning-steps` (800) steps with the tool, then with
 `rollout.multi_turn.tools=null`; the reward and the exact-answer share over the last 50 steps of each, and the run's
@@ -110,8 +111,9 @@ def step_time(args: argparse.Namespace, work: Path) -> bool:
     measured: dict[str, list[dict[str, Any]]] = {}
 
     def runs(name: str) -> None:
-        if name == "single-turn":  # the multi-turn run's model tokens, in one turn
-            tokens = round(statistics.mean(s["agent/model_tokens_mean"] for s in measured["multi-turn"]))
+        if name.startswith("single-turn"):  # as many tokens as the multi-turn run's model made, or its sequences hold
+            key = "agent/model_tokens_mean" if name == "single-turn" else "rollout/response_length_mean"
+            tokens = round(statistics.mean(s[key] for s in measured["multi-turn"]))
             overrides = ["rollout.multi_turn.tools=null", f"rollout.max_new_tokens={tokens}"]
         else:
             label, processes = ("instant", 2) if name == "multi-turn" else ("slow", int(name.split("-")[-1]))
@@ -122,13 +124,13 @@ def step_time(args: argparse.Namespace, work: Path) -> bool:
             ]
         measured[name] = run(args, name, overrides, work)
 
-    names = ["multi-turn", "single-turn", *[f"slow-tool-{p}" for p in args.tool_workers]]
+    names = ["multi-turn", "single-turn", "single-turn-long", *[f"slow-tool-{p}" for p in args.tool_workers]]
     runs_in_embedded_ray(4, work, names, runs)
-    t_single = median(measured["single-turn"], "time/step_s", first)
+    t_single = median(measured["single-turn-long"], "time/step_s", first)
     print()
     print("| run | model tokens a trajectory | tokens after the prompt | step (s) | rollout (s) | update (s) | ratio |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for name in ("single-turn", "multi-turn"):
+    for name in ("single-turn-long", "single-turn", "multi-turn"):
         steps = measured[name]
         model = statistics.mean(s.get("agent/model_tokens_mean", s["rollout/response_length_mean"]) for s in steps)
         length = statistics.mean(s["rollout/response_length_mean"] for s in steps)
@@ -136,7 +138,9 @@ def step_time(args: argparse.Namespace, work: Path) -> bool:
         print(f"| {name} | {model:.1f} | {length:.1f} | {times[0]:.3f} | {times[1]:.3f} | {times[2]:.3f} | "
               f"{times[0] / t_single:.2f} |")  # fmt: skip
     t_multi = median(measured["multi-turn"], "time/step_s", first)
-    print(f"\nmulti-turn / single-turn step time: {t_multi / t_single:.2f}x (goal: at most 1.3x)")
+    t_short = median(measured["single-turn"], "time/step_s", first)
+    print(f"\nmulti-turn / single-turn step time, the same tokens trained: {t_multi / t_single:.2f}x (goal: at most "
+          f"1.3x); the same tokens generated: {t_multi / t_short:.2f}x")  # fmt: skip
     calls = 16 * 16 * statistics.mean(s["agent/tool_calls_mean"] for s in measured["multi-turn"])
     print(f"\na tool of {args.sleep_ms:g} ms a call, {calls:.0f} calls a step ({calls * args.sleep_ms / 1000:.1f} s of "
           "calls in one process):")  # fmt: skip

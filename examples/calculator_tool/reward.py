@@ -1,22 +1,21 @@
-"""The calculator job's reward (verl's signature): 1.0 for the exact product; otherwise partial credit, at most 0.85.
+"""The calculator job's reward (verl's signature): 1.0 for the exact product; otherwise partial credit, under 0.8.
 
-The partial credit gives a model that starts from random weights a gradient before it ever gets an answer right:
-for the answer's digits in their places in the product, from the left (up to 0.35), and 0.05 more when it has as many
-digits (a third digit that is wrong is closer to a right one than a stop); for each of the question's factors a call
-to the tool holds in its place (0.05 each), and for the answer's digits in their places in what the tool said (up to
-0.3): what lets it find out that calling the tool with the factors and answering with its result pay, before the two
-together make an exact answer. Its parts add up below 1 (no cap that would make partial answers all alike), so every
-digit more counts and none competes with an exact answer. The same function scores the job without the tool (no
-calls: the answer's credit alone). The trajectory is in `extra_info`.
+The partial credit gives a model that starts from random weights a gradient before it ever gets an answer right: for
+each of the question's factors a call to the tool holds in its place (0.1 each), for the answer's digits in their
+places in what the tool said (up to 0.3), for the answer's digits in their places in the product (up to 0.1), and
+0.05 when it has as many digits. The call and the copy weigh most: they are what makes an exact answer with the tool.
+The same function scores the job without the tool (no calls: the answer's credit alone), so the two jobs' rewards
+differ by the credits for calling and copying as well as by exact answers: compare their `rollout/accuracy` too
+(docs/agents.md). The trajectory is in `extra_info`.
 """
 
 from __future__ import annotations
 
 import re
 
-ANSWER_CREDIT = 0.35  # an answer's digits that match the product's, from the left
+ANSWER_CREDIT = 0.1  # an answer's digits that match the product's, from the left
 LENGTH_CREDIT = 0.05  # an answer of as many digits as the product
-FACTOR_CREDIT = 0.05  # each of the question's factors a call holds in its place
+FACTOR_CREDIT = 0.1  # each of the question's factors a call holds in its place
 COPY_CREDIT = 0.3  # an answer's digits that match the tool's last answer, from the left
 
 

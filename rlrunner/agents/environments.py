@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
+from rlrunner.agents.chat import encode_text
 from rlrunner.agents.parsers import ToolCall, calls_of
 from rlrunner.agents.settings import MultiTurnSettings
 from rlrunner.agents.tools import cut_note
@@ -215,7 +216,7 @@ class ToolEnvironments(Environments):
             return f"Error: {record['error']}"
         text, total = record["value"]
         limit = self.settings.max_tool_output_tokens
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = encode_text(self.tokenizer, text)
         if len(ids) <= limit and total <= len(text):
             return text
         return self.tokenizer.decode(ids[:limit]) + cut_note(min(limit, len(ids)), total)

@@ -24,8 +24,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlrunner.cluster import parked_groups
+from rlrunner.cluster.actor_calls import kill_quietly
 from rlrunner.cluster.ray_setup import alive_nodes, cluster_lost
-from rlrunner.cluster.worker_group import kill_quietly
 
 logger = logging.getLogger(__name__)
 

@@ -17,32 +17,25 @@ import time
 from typing import Any, Callable, Sequence
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlrunner.cluster import parked_groups
+from rlrunner.cluster.actor_calls import (
+    CallAbandoned,
+    CallTimeoutError,
+    WorkerRaised,
+    drain,
+    kill_quietly,
+    remove_placement_group_quietly,
+)
 from rlrunner.cluster.ray_setup import cluster_lost, started_here
+from rlrunner.cluster.resources import describe_missing_resources, fits_cluster, missing_resources
 from rlrunner.errors import ClusterLostError, ResourceError, describe
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.2
-
-
-class CallTimeoutError(TimeoutError):
-    """A call on a worker group did not finish within its time limit (a hung worker or collective)."""
-
-    def __init__(self, message: str, group: str | None = None):
-        super().__init__(message)
-        self.group = group  # the one group that did not answer; None when a collective of two groups timed out
-
-
-class CallAbandoned(Exception):
-    """The caller gave up waiting (e.g. a stop was requested while a rollout was in flight)."""
-
-
-class WorkerRaised(Exception):
-    """A worker's own code raised (not a lost worker): names the group and rank; the worker's error is the cause."""
 
 
 def _raise_if_cluster_lost() -> None:
@@ -380,62 +373,3 @@ class WorkerGroup:
             kill_quietly(worker)
         for group in self.placement_groups:
             remove_placement_group_quietly(group)
-
-
-def kill_quietly(actor: Any) -> None:
-    """`ray.kill` an actor that may be gone already."""
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception:  # already dead
-        pass
-
-
-def remove_placement_group_quietly(group) -> None:
-    if group is None:
-        return
-    try:
-        remove_placement_group(group)
-    except Exception:  # already removed, or its cluster is gone
-        pass
-
-
-def drain(pending) -> None:
-    """Read what other ranks already returned after one failed, so Ray does not log their errors as unhandled.
-    Never waits: a failure must reach the caller at once."""
-    pending = list(pending)
-    if not pending:
-        return
-    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
-    for ref in ready:
-        try:
-            ray.get(ref, timeout=0)
-        except Exception:
-            pass
-
-
-def fits_cluster(num_workers: int, bundle: dict[str, float]) -> bool:
-    """Whether the cluster's resources, free or not, hold `num_workers` x `bundle`."""
-    total = ray.cluster_resources()
-    return all(value * num_workers <= total.get(key, 0) + 1e-9 for key, value in bundle.items())
-
-
-def missing_resources(num_workers: int, bundle: dict[str, float]) -> str:
-    """What the group needs beyond what is free now, with the cluster's total and free amounts."""
-    total = ray.cluster_resources()
-    free = ray.available_resources()
-    wanted = {key: value * num_workers for key, value in bundle.items()}
-    short = [
-        f"{key} {wanted[key]:g} (cluster has {total.get(key, 0):g}, {free.get(key, 0):g} free)"
-        for key in wanted
-        if wanted[key] > free.get(key, 0) + 1e-9
-    ]
-    return "; ".join(short) or "resources held by other placement groups"
-
-
-def describe_missing_resources(name: str, num_workers: int, bundle: dict[str, float], waited_s: float) -> str:
-    """One line: what the group asked for and what the cluster has in total and free."""
-    per_worker = ", ".join(f"{k}={v:g}" for k, v in bundle.items())
-    return (
-        f"cannot place the {name} group ({num_workers} workers x {{{per_worker}}}) after waiting {waited_s:g}s: "
-        f"needs {missing_resources(num_workers, bundle)}"
-    )

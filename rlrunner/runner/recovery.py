@@ -10,8 +10,8 @@ from typing import Any, Sequence
 
 import ray
 
+from rlrunner.cluster.actor_calls import CallTimeoutError, WorkerRaised
 from rlrunner.cluster.ray_setup import cluster_lost
-from rlrunner.cluster.worker_group import CallTimeoutError, WorkerRaised
 from rlrunner.errors import ClusterLostError, RewardFunctionError, WorkerError, describe, exception_chain, user_error
 from rlrunner.runner.metrics import local_folder
 

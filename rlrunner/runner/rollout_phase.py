@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from rlrunner.cluster.worker_group import CallAbandoned, WorkerGroup
+from rlrunner.cluster.actor_calls import CallAbandoned
+from rlrunner.cluster.worker_group import WorkerGroup
 from rlrunner.errors import RewardFunctionError, exception_chain
 from rlrunner.runner.batching import chunk, first_samples, generation_chunking, split_evenly
 from rlrunner.runner.metrics import validation_metrics

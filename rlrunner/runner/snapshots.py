@@ -33,9 +33,9 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlrunner.cluster import parked_groups
+from rlrunner.cluster.actor_calls import drain, kill_quietly
 from rlrunner.cluster.ray_setup import alive_nodes, cluster_lost, started_here
 from rlrunner.cluster.snapshot_holder import SnapshotHolder
-from rlrunner.cluster.worker_group import drain, kill_quietly
 from rlrunner.errors import describe
 
 logger = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig
 
+from rlrunner.cluster.actor_calls import CallAbandoned
 from rlrunner.cluster.ray_setup import alive_nodes, cluster_lost, is_embedded, restart_embedded
-from rlrunner.cluster.worker_group import CallAbandoned
 from rlrunner.errors import ClusterLostError, RecoveryExhaustedError, RewardFunctionError, StoppedEarly, describe
 from rlrunner.runner.context import RunContext
 from rlrunner.runner.recovery import RestartBudget, ranks_to_replace, repairable_cause, same_failure, unrepairable

@@ -25,8 +25,9 @@ import torch
 from rlrunner.agents.metrics import model_tokens
 from rlrunner.checkpoint.handler import PendingSave
 from rlrunner.checkpoint.resume import Checkpoint
+from rlrunner.cluster.actor_calls import CallAbandoned
 from rlrunner.cluster.shared_storage import check_shared_folder
-from rlrunner.cluster.worker_group import CallAbandoned, WorkerGroup
+from rlrunner.cluster.worker_group import WorkerGroup
 from rlrunner.errors import ExperimentLockedError, RewardFunctionError, StoppedEarly
 from rlrunner.runner.attempt_state import AttemptState
 from rlrunner.runner.batching import build_actor_batch, shard_actor_batch

@@ -17,7 +17,8 @@ from typing import Any, Callable, Sequence
 
 import ray
 
-from rlrunner.cluster.worker_group import CallTimeoutError, WorkerGroup, drain
+from rlrunner.cluster.actor_calls import CallTimeoutError, drain
+from rlrunner.cluster.worker_group import WorkerGroup
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 _POLL_S = 0.2

@@ -10,8 +10,9 @@ import ray
 from ray import cloudpickle
 
 from rlrunner.cluster import parked_groups
+from rlrunner.cluster.actor_calls import CallAbandoned, CallTimeoutError, WorkerRaised
 from rlrunner.cluster.worker import Worker
-from rlrunner.cluster.worker_group import CallAbandoned, CallTimeoutError, WorkerGroup, WorkerRaised
+from rlrunner.cluster.worker_group import WorkerGroup
 from rlrunner.errors import ResourceError
 
 # Ray workers cannot import this test module by name: ship its classes by value.

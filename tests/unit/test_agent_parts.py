@@ -12,7 +12,7 @@ import pytest
 import torch
 from chat_tokenizer import build_chat_tokenizer
 
-from rlrunner.agents.chat import ChatDeltas
+from rlrunner.agents.chat import ChatDeltas, encode_text
 from rlrunner.agents.ledger import CallLedger, OwnerRetired
 from rlrunner.agents.metrics import agent_metrics, model_tokens
 from rlrunner.agents.parsers import ToolCall, calls_of, parse_hermes
@@ -146,6 +146,9 @@ def test_the_deltas_after_the_models_turns_add_up_to_the_templates_conversation(
     observed = chat.extend_prompt(tokenizer(prompt, add_special_tokens=False)["input_ids"], [messages[0]])
     doubled = tokenizer.apply_chat_template(messages * 2, tools=schemas, tokenize=False, add_generation_prompt=True)
     assert tokenizer.decode(observed) == doubled
+    # the deltas' encoder (a fast tokenizer's own) gives the tokenizer's ids, special tokens and all
+    for text in (expected, "<eos>\n336", "x" * 300):
+        assert encode_text(tokenizer, text) == tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused_in_one_line() -> None:
@@ -255,7 +258,7 @@ def test_the_calculator_example_loads_and_scores_as_its_page_says(tmp_path, monk
     """configs/calculator_tool.yaml from the repository root: its tools file described, its parser and reward."""
     from rlrunner.config import load_config
     from rlrunner.runner.context import RunContext
-    from rlrunner.utils.user_code import load_object
+    from rlrunner.utils.user_code import load_module, load_object
 
     from conftest import REPO
 
@@ -266,11 +269,23 @@ def test_the_calculator_example_loads_and_scores_as_its_page_says(tmp_path, monk
     parse = ctx.multi_turn.load_parser()
     assert calls_of(parse, "678") == [ToolCall("multiply", {"numbers": [6, 7, 8]})] and calls_of(parse, "57") == []
     score = load_object(ctx.reward.spec)
+    credits = vars(load_module(ctx.reward.spec))  # its weights, whatever they are tuned to
+    answer, length, factor, copy = (
+        credits[k] for k in ("ANSWER_CREDIT", "LENGTH_CREDIT", "FACTOR_CREDIT", "COPY_CREDIT")
+    )
     call = {"name": "multiply", "arguments": {"numbers": [6, 7, 8]}, "output": "336", "error": None}
     info = {"prompt": "6*7*8=", "trajectory": {"tool_calls": [call]}}
     assert score("arithmetic", "336", "336", info)["score"] == 1.0
     scored = score("arithmetic", "335", "336", info)  # the right call, the tool's answer nearly repeated
-    assert scored["call_credit"] == pytest.approx(0.15) and scored["copy_credit"] == pytest.approx(0.2)
-    assert scored["answer_credit"] == pytest.approx(0.8 / 3) and scored["score"] == pytest.approx(0.35 + 0.8 / 3)
-    assert score("arithmetic", "36", "336", info)["score"] == pytest.approx(0.15)  # two digits where three are due
-    assert score("arithmetic", "335", "336", {"prompt": "6*7*8="})["score"] == pytest.approx(0.8 / 3)  # no tool
+    assert scored["call_credit"] == pytest.approx(3 * factor) and scored["copy_credit"] == pytest.approx(copy * 2 / 3)
+    assert scored["answer_credit"] == pytest.approx(answer * 2 / 3 + length)
+    assert 1.0 > scored["score"] == pytest.approx(3 * factor + copy * 2 / 3 + answer * 2 / 3 + length)
+    wrong_call = {**call, "arguments": {"numbers": [6, 1, 8]}, "output": "048"}  # a factor out of place
+    scored = score("arithmetic", "048", "336", {**info, "trajectory": {"tool_calls": [wrong_call]}})
+    assert (scored["call_credit"], scored["copy_credit"], scored["answer_credit"]) == pytest.approx(
+        (2 * factor, copy, length)
+    )
+    assert score("arithmetic", "36", "336", info)["score"] == pytest.approx(3 * factor + (copy + answer) / 3)  # short
+    not_a_number = score("arithmetic", "33x", "336", info)["score"]  # no digit of it counts
+    no_tool = score("arithmetic", "335", "336", {"prompt": "6*7*8="})["score"]
+    assert not_a_number == pytest.approx(3 * factor) and no_tool == pytest.approx(answer * 2 / 3 + length)

@@ -8,7 +8,7 @@ import time
 
 import ray
 
-from rlrunner.cluster.worker_group import CallTimeoutError
+from rlrunner.cluster.actor_calls import CallTimeoutError
 from rlrunner.errors import (
     CheckpointSaveError,
     RecoveryExhaustedError,

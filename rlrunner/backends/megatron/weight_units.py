@@ -10,15 +10,12 @@ whole weights (a save, a weight sync).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from rlrunner.backends.megatron.flat_space import FlatSpace, bind_to_buffer
-
-if TYPE_CHECKING:
-    from rlrunner.backends.megatron.distrib_optim import DistributedAdamW
 
 
 class WeightUnits:
@@ -78,14 +75,15 @@ class WeightUnits:
 
 
 class UnitCursor:
-    """Visits every weight unit of `optimizer` once, in order, gathered one at a time: what a pass over the whole
-    weights (a save, a weight sync) does with sharded weights. Every DP rank must make the same visits, so a rank that
+    """Visits every weight unit of a `DistributedAdamW` (its `units`, None without `shard_weights`, and its `space`)
+    once, in order, gathered one at a time: what a pass over the whole weights (a save, a weight sync) does with
+    sharded weights. Every DP rank must make the same visits, so a rank that
     reads nothing still walks them (`finish`), and a rank that stops early (an error) walks the rest in `finish` too,
     instead of leaving its peers waiting in a gather. Without `shard_weights` it gathers nothing."""
 
-    def __init__(self, optimizer: DistributedAdamW):
-        self.units = optimizer.units  # None: the weights are whole
-        self.space = optimizer.space
+    def __init__(self, units: WeightUnits | None, space: FlatSpace):
+        self.units = units  # None: the weights are whole
+        self.space = space
         self.current = -1  # the unit gathered now (-1: none yet)
 
     def tensor(self, name: str) -> torch.Tensor:

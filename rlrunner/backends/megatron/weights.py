@@ -62,10 +62,10 @@ class MegatronWeightSource(WeightSource):
             rows = worker.model.embedding.word_embeddings.weight.shape[0]
             self.rank_blocks = rank_blocks(DecoderDims.from_config(worker.hf_config), worker.tp, worker.tp_rank, rows)
         if self.cursor is None:  # the first block of this sync
-            self.cursor = UnitCursor(worker.optimizer)
+            self.cursor = UnitCursor(worker.optimizer.units, worker.optimizer.space)
         hf_block = self.rank_blocks[index]
         return hf_block.take(self.cursor.tensor(hf_block.key).detach())
 
     def end_of_sync(self) -> None:
-        cursor, self.cursor = self.cursor or UnitCursor(self.worker.optimizer), None
+        cursor, self.cursor = self.cursor or UnitCursor(self.worker.optimizer.units, self.worker.optimizer.space), None
         cursor.finish()
