@@ -1,9 +1,9 @@
-"""The calculator job's reward (verl's signature): 1.0 for the exact product; otherwise partial credit, under 0.8.
+"""The calculator job's reward (verl's signature): 1.0 for the exact product; otherwise partial credit, under 0.85.
 
 The partial credit gives a model that starts from random weights a gradient before it ever gets an answer right: for
-each of the question's factors a call to the tool holds in its place (0.1 each), for the answer's digits in their
-places in what the tool said (up to 0.3), for the answer's digits in their places in the product (up to 0.1), and
-0.05 when it has as many digits. The call and the copy weigh most: they are what makes an exact answer with the tool.
+a call to the tool (0.05) and each of the question's factors it holds in its place (0.1 each), for the answer's digits
+in their places in what the tool said (up to 0.3), for the answer's digits in their places in the product (up to 0.1),
+and 0.05 when it has as many digits. The call and the copy weigh most: they are what makes an exact answer with the tool.
 The same function scores the job without the tool (no calls: the answer's credit alone), so the two jobs' rewards
 differ by the credits for calling and copying as well as by exact answers: compare their `rollout/accuracy` too
 (docs/agents.md). The trajectory is in `extra_info`.
@@ -15,6 +15,7 @@ import re
 
 ANSWER_CREDIT = 0.1  # an answer's digits that match the product's, from the left
 LENGTH_CREDIT = 0.05  # an answer of as many digits as the product
+CALL_CREDIT = 0.05  # a call made, whatever its factors
 FACTOR_CREDIT = 0.1  # each of the question's factors a call holds in its place
 COPY_CREDIT = 0.3  # an answer's digits that match the tool's last answer, from the left
 
@@ -40,6 +41,6 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
         numbers = (made.get("arguments") or {}).get("numbers")
         if not made.get("made", True) or made.get("error") or not isinstance(numbers, list):
             continue
-        call = max(call, FACTOR_CREDIT * sum(got == wanted for got, wanted in zip(numbers, factors)))
+        call = max(call, CALL_CREDIT + FACTOR_CREDIT * sum(got == wanted for got, wanted in zip(numbers, factors)))
         copy = COPY_CREDIT * digits_in_place(answer, made["output"])
     return {"score": partial + call + copy, "answer_credit": partial, "call_credit": call, "copy_credit": copy}

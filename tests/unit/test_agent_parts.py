@@ -270,22 +270,26 @@ def test_the_calculator_example_loads_and_scores_as_its_page_says(tmp_path, monk
     assert calls_of(parse, "678") == [ToolCall("multiply", {"numbers": [6, 7, 8]})] and calls_of(parse, "57") == []
     score = load_object(ctx.reward.spec)
     credits = vars(load_module(ctx.reward.spec))  # its weights, whatever they are tuned to
-    answer, length, factor, copy = (
-        credits[k] for k in ("ANSWER_CREDIT", "LENGTH_CREDIT", "FACTOR_CREDIT", "COPY_CREDIT")
+    answer, length, made, factor, copy = (
+        credits[k] for k in ("ANSWER_CREDIT", "LENGTH_CREDIT", "CALL_CREDIT", "FACTOR_CREDIT", "COPY_CREDIT")
     )
     call = {"name": "multiply", "arguments": {"numbers": [6, 7, 8]}, "output": "336", "error": None}
     info = {"prompt": "6*7*8=", "trajectory": {"tool_calls": [call]}}
     assert score("arithmetic", "336", "336", info)["score"] == 1.0
     scored = score("arithmetic", "335", "336", info)  # the right call, the tool's answer nearly repeated
-    assert scored["call_credit"] == pytest.approx(3 * factor) and scored["copy_credit"] == pytest.approx(copy * 2 / 3)
+    assert scored["call_credit"] == pytest.approx(made + 3 * factor) and scored["copy_credit"] == pytest.approx(
+        copy * 2 / 3
+    )
     assert scored["answer_credit"] == pytest.approx(answer * 2 / 3 + length)
-    assert 1.0 > scored["score"] == pytest.approx(3 * factor + copy * 2 / 3 + answer * 2 / 3 + length)
+    assert 1.0 > scored["score"] == pytest.approx(made + 3 * factor + copy * 2 / 3 + answer * 2 / 3 + length)
     wrong_call = {**call, "arguments": {"numbers": [6, 1, 8]}, "output": "048"}  # a factor out of place
     scored = score("arithmetic", "048", "336", {**info, "trajectory": {"tool_calls": [wrong_call]}})
     assert (scored["call_credit"], scored["copy_credit"], scored["answer_credit"]) == pytest.approx(
-        (2 * factor, copy, length)
+        (made + 2 * factor, copy, length)
     )
-    assert score("arithmetic", "36", "336", info)["score"] == pytest.approx(3 * factor + (copy + answer) / 3)  # short
+    assert score("arithmetic", "36", "336", info)["score"] == pytest.approx(
+        made + 3 * factor + (copy + answer) / 3
+    )  # short
     not_a_number = score("arithmetic", "33x", "336", info)["score"]  # no digit of it counts
     no_tool = score("arithmetic", "335", "336", {"prompt": "6*7*8="})["score"]
-    assert not_a_number == pytest.approx(3 * factor) and no_tool == pytest.approx(answer * 2 / 3 + length)
+    assert not_a_number == pytest.approx(made + 3 * factor) and no_tool == pytest.approx(answer * 2 / 3 + length)
