@@ -30,8 +30,9 @@ run) ;;
     ;;
 esac
 
+py=python3
 if [ "${GPU_CHECK_ON_CPU:-0}" = 1 ]; then
-    python3() { .venv/bin/python "$@"; }
+    py=.venv/bin/python
     gpus=0
 else
     [ -f .gpu-env/setup.sh ] || { echo "gpu_check: no .gpu-env/ here: run 'bash benchmarks/gpu_check.sh pack' first and carry it" >&2; exit 2; }
@@ -59,14 +60,14 @@ if ((gpus)); then
     trap 'kill $sampler 2>/dev/null || true' EXIT
 fi
 
-common=("cluster.gpus_per_worker=$(python3 -c "print(0.5 * $gpus)")" actor.num_workers=1 rollout.num_workers=1 "runner.max_steps=$steps"
+common=("cluster.gpus_per_worker=$("$py" -c "print(0.5 * $gpus)")" actor.num_workers=1 rollout.num_workers=1 "runner.max_steps=$steps"
     runner.save_interval=20 runner.val_interval=0 runner.logger.backends=[] runner.logger.progress_bar=false)
 
 job() {  # job NAME OVERRIDES...: one run of the default job under $work/NAME; its exit code
     local name=$1; shift
     local started=$SECONDS
     set +e
-    python3 -m rlrunner.main_grpo "runner.output_dir=$work/$name" "$@" >"$work/$name.log" 2>&1
+    "$py" -m rlrunner.main_grpo "runner.output_dir=$work/$name" "$@" >"$work/$name.log" 2>&1
     local rc=$?
     set -e
     echo "gpu_check: $name exited $rc after $((SECONDS - started)) s (log: $work/$name.log)"
@@ -78,7 +79,7 @@ wait_for_step() {  # wait_for_step NAME STEP: until NAME's metrics.jsonl has STE
     local file
     for _ in $(seq 600); do
         file=$(find "$work/$1" -name metrics.jsonl 2>/dev/null | head -1)
-        if [ -n "$file" ] && python3 -c "import json,sys; sys.exit(0 if any(json.loads(l).get('step', 0) >= $2 for l in open('$file')) else 1)" 2>/dev/null; then
+        if [ -n "$file" ] && "$py" -c "import json,sys; sys.exit(0 if any(json.loads(l).get('step', 0) >= $2 for l in open('$file')) else 1)" 2>/dev/null; then
             return 0
         fi
         sleep 0.5
@@ -89,24 +90,24 @@ wait_for_step() {  # wait_for_step NAME STEP: until NAME's metrics.jsonl has STE
 status=0
 job cuda "${common[@]}" || status=1
 
-if ((gpus)) && python3 -c "import vllm" 2>/dev/null; then
+if ((gpus)) && "$py" -c "import vllm" 2>/dev/null; then
     job vllm "${common[@]}" rollout.engine=vllm || status=1
 else
     echo "gpu_check: vllm is not on this machine (no network, and its CUDA wheel is far over what a call carries): its run is left out"
 fi
 
 # stopped by SIGTERM at about half the steps (an emergency checkpoint), then resumed with auto
-python3 -m rlrunner.main_grpo "runner.output_dir=$work/resumed" "${common[@]}" >"$work/resumed.log" 2>&1 &
+"$py" -m rlrunner.main_grpo "runner.output_dir=$work/resumed" "${common[@]}" >"$work/resumed.log" 2>&1 &
 driver=$!
 if wait_for_step resumed $((steps / 2)); then kill -TERM $driver; fi
 wait $driver || true
 job resumed "${common[@]}" runner.resume_dir=auto || status=1
 
 # two actor ranks, one SIGKILLed mid-run, against the same two-rank job uninterrupted
-two=("cluster.gpus_per_worker=$(python3 -c "print(0.25 * $gpus)")" actor.num_workers=2 rollout.num_workers=1 "runner.max_steps=$steps"
+two=("cluster.gpus_per_worker=$("$py" -c "print(0.25 * $gpus)")" actor.num_workers=2 rollout.num_workers=1 "runner.max_steps=$steps"
     runner.save_interval=20 runner.val_interval=0 runner.logger.backends=[] runner.logger.progress_bar=false)
 job two_ranks "${two[@]}" || status=1
-python3 -m rlrunner.main_grpo "runner.output_dir=$work/rank_killed" "${two[@]}" >"$work/rank_killed.log" 2>&1 &
+"$py" -m rlrunner.main_grpo "runner.output_dir=$work/rank_killed" "${two[@]}" >"$work/rank_killed.log" 2>&1 &
 driver=$!
 if wait_for_step rank_killed $((steps / 2)); then
     victim=$(pgrep -f "ray::.*ActorWorker" | head -1 || true)
@@ -117,5 +118,5 @@ echo "gpu_check: rank_killed exited $rc"
 [ $rc -eq 0 ] || status=1
 
 [ -z "$sampler" ] || kill "$sampler" 2>/dev/null || true
-python3 benchmarks/gpu_check_report.py "$work" || status=1
+"$py" benchmarks/gpu_check_report.py "$work" || status=1
 exit $status

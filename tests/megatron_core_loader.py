@@ -232,7 +232,9 @@ def dist_load_worker(rank: int, world: int, port: int, folder: str, out: str) ->
         # the load then overwrites (as its fsdp_dtensor load path does)
         distributed._init_optimizer_states_with_dummy_values()
         model_sd = model.sharded_state_dict()
-        metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+        # the optimizer state's layout as Megatron-LM's load_checkpoint learns it: from the checkpoint's own metadata
+        metadata = dist_checkpointing.load_content_metadata(folder)
+        assert metadata is not None and metadata["distrib_optim_sharding_type"] == "fully_reshardable", metadata
         optimizer_sd = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)
         rng = ShardedObject("rng_state", None, (1, tp), (0, tp_rank), replica_id=dp_rank)
         loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optimizer_sd, "rng_state": rng}, folder)

@@ -112,6 +112,7 @@ def test_torch_dist_is_saved_by_every_rank_and_loads_at_other_layouts_bit_for_bi
         common = load_file(str(folder / COMMON_FILE))  # weights_only
         assert common["iteration"] == STEP and common["args"].ckpt_format == "torch_dist"
         assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+        assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
     held = [torch.load(out / f"held_tp{r}.pt", weights_only=True) for r in range(2)]
     _megatron_core_holds_it(folders["background"], held, tmp_path / "megatron_core")
     config = _hf_config(tmp_path)

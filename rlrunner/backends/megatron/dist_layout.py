@@ -221,3 +221,14 @@ def rng_state_key(tp_rank: int, tp: int) -> str:
 def optimizer_key(state: str, key: str) -> str:
     """megatron-core's `fully_reshardable` key of a parameter's optimizer state (`param`, `exp_avg`, `exp_avg_sq`)."""
     return f"optimizer.state.{state}.{key}"
+
+
+# What Megatron-LM's `save_checkpoint` stores as the checkpoint's content metadata (`dist_checkpointing.save(...,
+# content_metadata=...)`, the `content_metadata` entry of `common.pt`) for a distributed optimizer whose state is laid
+# out per parameter: its `load_checkpoint` reads it back (`load_content_metadata`) to ask for the optimizer state in
+# the layout the checkpoint holds; without it, it assumes another layout and refuses the file
+CONTENT_METADATA = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "singleton_local_shards": False,
+    "chained_optim_avoid_prefix": True,
+}

@@ -23,7 +23,7 @@ from rlrunner.backends.megatron.dist_ckpt import (
     slice_rectangles,
     whole_rectangles,
 )
-from rlrunner.backends.megatron.dist_layout import extra_state_keys, rng_state_key, sharded_params
+from rlrunner.backends.megatron.dist_layout import CONTENT_METADATA, extra_state_keys, rng_state_key, sharded_params
 from rlrunner.backends.megatron.distrib_optim import MOMENTS
 from rlrunner.backends.megatron.files import megatron_args, rank_file, rank_state, read_tracker
 from rlrunner.backends.megatron.layout import (
@@ -108,9 +108,10 @@ class MegatronCheckpoints:
         if self.rank == 0:
             objects.update({key: None for key in extra_state_keys(dims)})
             args, optimizer, scheduler = self._training_entries(step, ckpt_format="torch_dist", use_dist_ckpt=True)
-            optimizer["param_state_sharding_type"] = "fully_reshardable"  # how the sharded optimizer state is laid out
+            optimizer["param_state_sharding_type"] = CONTENT_METADATA["distrib_optim_sharding_type"]
             common = rank_state(step, {}, args, optimizer, scheduler)
             del common["model"]  # the sharded keys hold it
+            common["content_metadata"] = dict(CONTENT_METADATA)
         group = self.dist_group
         self.saver.run(
             lambda: save_torch_dist(url, storage_options, step, pieces, own, objects, common, group), background
