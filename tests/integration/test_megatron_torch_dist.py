@@ -34,7 +34,7 @@ def _full_state(worker) -> dict:
     parameter (gathered over data-parallel ranks: a collective)."""
     from rlrunner.backends.megatron.weight_units import UnitCursor
 
-    cursor = UnitCursor(worker.optimizer)
+    cursor = UnitCursor(worker.optimizer.units, worker.optimizer.space)
     weights = {
         k: cursor.tensor(k).detach().clone() for k in worker.model.state_dict() if not k.endswith("_extra_state")
     }

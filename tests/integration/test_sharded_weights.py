@@ -56,7 +56,7 @@ def _build(config, tp_group, dp_group, shard, tp_rank: int, shard_weights: bool)
 
 
 def _whole(model, optimizer) -> dict[str, torch.Tensor]:
-    cursor = UnitCursor(optimizer)
+    cursor = UnitCursor(optimizer.units, optimizer.space)
     weights = {name: cursor.tensor(name).detach().clone() for name, _ in model.named_parameters()}
     cursor.finish()
     return weights
