@@ -90,7 +90,9 @@ wait_for_step() {  # wait_for_step NAME STEP: until NAME's metrics.jsonl has STE
 status=0
 job cuda "${common[@]}" || status=1
 
-if ((gpus)) && "$py" -c "import vllm" 2>/dev/null; then
+if ! ((gpus)); then
+    echo "gpu_check: on CPU the vllm run is left out (tests/integration/test_vllm_engine.py covers it here)"
+elif "$py" -c "import vllm" 2>/dev/null; then
     job vllm "${common[@]}" rollout.engine=vllm || status=1
 else
     echo "gpu_check: vllm is not on this machine (no network, and its CUDA wheel is far over what a call carries): its run is left out"
@@ -100,7 +102,8 @@ fi
 "$py" -m rlrunner.main_grpo "runner.output_dir=$work/resumed" "${common[@]}" >"$work/resumed.log" 2>&1 &
 driver=$!
 if wait_for_step resumed $((steps / 2)); then kill -TERM $driver; fi
-wait $driver || true
+set +e; wait $driver; rc=$?; set -e
+echo "gpu_check: resumed stopped by SIGTERM (exit $rc) after step $(find "$work/resumed" -name metrics.jsonl -exec wc -l {} + | awk '{print $1; exit}')"
 job resumed "${common[@]}" runner.resume_dir=auto || status=1
 
 # two actor ranks, one SIGKILLed mid-run, against the same two-rank job uninterrupted
