@@ -1,12 +1,11 @@
 """The calculator job's reward (verl's signature): 1.0 for the exact product; otherwise partial credit, under 0.85.
 
-The partial credit gives a model that starts from random weights a gradient before it ever gets an answer right: for
-a call to the tool (0.05) and each of the question's factors it holds in its place (0.1 each), for the answer's digits
-in their places in what the tool said (up to 0.3), for the answer's digits in their places in the product (up to 0.1),
-and 0.05 when it has as many digits. The call and the copy weigh most: they are what makes an exact answer with the tool.
-The same function scores the job without the tool (no calls: the answer's credit alone), so the two jobs' rewards
-differ by the credits for calling and copying as well as by exact answers: compare their `rollout/accuracy` too
-(docs/agents.md). The trajectory is in `extra_info`.
+The partial credit gives a model that starts from random weights a gradient before it ever gets an answer right: for a
+call to the tool (0.05) and each of the question's factors it holds in its place (0.1 each), for the answer's digits in
+their places in what the tool said (up to 0.3), for the answer's digits in their places in the product (up to 0.1), and
+0.05 when it has as many digits. The call and the copy weigh most: they are what makes an exact answer with the tool.
+The same function scores the job without the tool (no calls: the answer's credit alone); compare the two jobs'
+`rollout/accuracy` as well as their rewards (docs/agents.md). The trajectory is in `extra_info`.
 """
 
 from __future__ import annotations
