@@ -8,7 +8,6 @@ untimed metrics, bit for bit), and each GPU process's peak memory from the nvidi
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from collections import defaultdict
@@ -18,6 +17,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # rlrunner, from the repository
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, beside this script
+from benchlib.common import read_jsonl  # noqa: E402
 
 RUNS = ("cuda", "vllm", "resumed", "two_ranks", "rank_killed")
 
@@ -25,10 +26,6 @@ RUNS = ("cuda", "vllm", "resumed", "two_ranks", "rank_killed")
 def experiment(work: Path, name: str) -> Path | None:
     found = sorted(work.glob(f"{name}/*/metrics.jsonl"))
     return found[0].parent if found else None
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def steps_of(folder: Path) -> dict[int, dict[str, Any]]:
