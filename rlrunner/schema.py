@@ -222,6 +222,10 @@ class ActorConfig:
     # the rows of a micro-batch that share a prompt run as one sequence, the prompt read once (backends.prompt_packing);
     # null: where the estimated forward work drops by a tenth or more (short responses), with sdpa attention only
     pack_shared_prompts: Optional[bool] = None
+    # the same weights and metrics, bit for bit, at any power-of-two data-parallel size up to actor.num_workers (fsdp
+    # backend; docs/fault-tolerance.md#elastic): fixed logical micro-batches added in a fixed tree; null: on where the
+    # run can change size (runner.recovery.elastic, more than cluster.min_actor_ranks ranks)
+    layout_invariant: Optional[bool] = None
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)  # actor.training_backend=fsdp only
     megatron: MegatronOptions = field(default_factory=MegatronOptions)  # actor.training_backend=megatron only

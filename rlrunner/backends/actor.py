@@ -80,6 +80,9 @@ class ActorWorker(Worker, ABC):
         self.samples_per_optimizer_step = samples_per_optimizer_step  # the rows of a mini-batch, all ranks together
         self.read_weights = read_weights  # set when model.path is a training checkpoint (of any backend)
         self.objective = PolicyObjective(algorithm_cfg)
+        # the same bits at any data-parallel size (a backend that can: `begin_passes` and its reduction); the driver
+        # resolves the setting (rlrunner.runner.elastic.layout_invariant)
+        self.layout_invariant = bool(actor_cfg.get("layout_invariant"))
         self.saver = BackgroundSave()
         self.weight_sync: WeightSender | None = None
         self._kept_weights: list[torch.Tensor] | None = None  # what the last sync with `keep` sent (a policy lag)
@@ -127,6 +130,10 @@ class ActorWorker(Worker, ABC):
         """Next-token logits [rows, width, vocab] of `model` (the policy or the reference) for `input_ids`
         [rows, width]; with `position_ids` [rows, width] and a boolean `attention_mask` [rows, 1, width, width] (True:
         may attend) where given, else positions 0..width-1 and a causal mask."""
+
+    def begin_passes(self, passes: int) -> None:
+        """Before the forward/backward passes of one optimizer step (`passes` of them on this rank): a layout-invariant
+        backend's reduction counts them."""
 
     @abstractmethod
     def clip_and_step(self, max_norm: float) -> float:
@@ -261,17 +268,22 @@ class ActorWorker(Worker, ABC):
         max_norm = cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf")
 
         sums = self.objective.new_sums()
+        # layout-invariant: each pass's metric sums apart, for the driver to add in the logical micro-batches' order
+        leaf_sums: list[list[dict[str, float]]] = []  # per optimizer step, its passes in order
+        # the gradients are averaged over the data-parallel ranks, unless the backend adds them in its tree
+        loss_scale = 1 if self.layout_invariant else self.data_parallel_size
         grad_norms: list[float] = []
         skipped = 0
         for _ in range(cfg["ppo_epochs"]):
             for mb, (tokens, sequences) in enumerate(zip(token_counts, sequence_counts)):
                 rows_mb = range(mb * rows_per_minibatch, (mb + 1) * rows_per_minibatch)
                 counts = MiniBatchCounts(tokens, sequences)
+                minibatch_passes = [f for f in passes if rows_mb.start <= f.rows.start < rows_mb.stop]
+                self.begin_passes(len(minibatch_passes))
+                leaf_sums.append([])
                 # FSDP reduce-scatters each micro-batch's gradients in its backward: accumulating them unsharded
                 # over the micro-batches would hold the whole model's gradients on every rank
-                for forward in passes:
-                    if not rows_mb.start <= forward.rows.start < rows_mb.stop:
-                        continue
+                for forward in minibatch_passes:
                     index, width = forward.rows, forward.width
                     logits = self._logits(self.model, shard, forward)
                     targets = shard["input_ids"][index, 1:width].to(self.device)
@@ -290,7 +302,10 @@ class ActorWorker(Worker, ABC):
                         entropy=entropy,
                         ref_log_probs=None if ref_log_probs is None else ref_log_probs[positions].to(self.device),
                     )
-                    self.objective.micro_batch_loss(log_probs, batch, counts, self.data_parallel_size, sums).backward()
+                    pass_sums = self.objective.new_sums() if self.layout_invariant else sums
+                    self.objective.micro_batch_loss(log_probs, batch, counts, loss_scale, pass_sums).backward()
+                    if self.layout_invariant:
+                        leaf_sums[-1].append(pass_sums)
                 grad_norm = self.clip_and_step(max_norm)
                 if not math.isfinite(grad_norm):
                     skipped += 1  # a non-finite gradient would poison the weights: the step was dropped
@@ -299,6 +314,7 @@ class ActorWorker(Worker, ABC):
                 grad_norms.append(grad_norm)
         return {
             **sums,
+            **({"leaf_sums": leaf_sums} if self.layout_invariant else {}),
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "lr": self.scheduler.get_last_lr()[0],
             "skipped_steps": float(skipped),

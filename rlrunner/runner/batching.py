@@ -6,6 +6,8 @@ from typing import Any, Sequence, TypeVar
 
 import torch
 
+from rlrunner.backends.tree_sum import is_power_of_two
+
 T = TypeVar("T")
 
 
@@ -135,19 +137,66 @@ def plan_micro_batches(
     return [split_to_count(sizes, count) for sizes in greedy]
 
 
+def logical_micro_batches(
+    lengths: Sequence[int], max_rows: int | None, max_tokens: int | None, min_count: int
+) -> int:
+    """How many equal blocks of consecutive rows a layout-invariant update splits a mini-batch of rows of these
+    `lengths` into, whatever the data-parallel size: the smallest power of two, at least `min_count` (the largest
+    data-parallel size the run may have), that divides the rows and under which every block fits `max_rows` rows and
+    `max_tokens` padded tokens; the largest power of two dividing the rows when none does (a block may then pass
+    `max_tokens`: a pass can be no smaller than its block)."""
+    rows = len(lengths)
+    largest = rows & -rows  # the largest power of two dividing rows
+
+    def fits(count: int) -> bool:
+        size = rows // count
+        return (max_rows is None or size <= max_rows) and (
+            max_tokens is None or all(size * max(lengths[i : i + size]) <= max_tokens for i in range(0, rows, size))
+        )
+
+    count = 1
+    while count < min_count:
+        count *= 2
+    if count > largest:
+        raise ValueError(f"{rows} rows do not split into {count} equal logical micro-batches")
+    while count < largest and not fits(count):
+        count *= 2
+    return count
+
+
+def layout_invariant_plan(
+    lengths: Sequence[Sequence[int]], max_rows: int | None, max_tokens: int | None, min_count: int
+) -> list[list[int]]:
+    """Each rank's micro-batches (row counts) over its rows of one mini-batch (`lengths[rank]`) for a layout-invariant
+    update: the mini-batch's logical micro-batches (`logical_micro_batches`), the same whatever the number of ranks,
+    each rank running its contiguous block of them. Raises ValueError when the ranks do not divide them."""
+    ranks = len(lengths)
+    rows = [length for rank_lengths in lengths for length in rank_lengths]
+    count = logical_micro_batches(rows, max_rows, max_tokens, min_count)
+    if not is_power_of_two(ranks) or count % ranks:
+        raise ValueError(
+            f"{ranks} data-parallel ranks do not divide the mini-batch's {count} logical micro-batches "
+            "(actor.layout_invariant needs a power-of-two size up to the configured one)"
+        )
+    return [[len(rows) // count] * (count // ranks) for _ in range(ranks)]
+
+
 def shard_actor_batch(
     batch: dict[str, torch.Tensor],
     num_ranks: int,
     num_minibatches: int,
     micro_batch_rows: int | None = None,
     micro_batch_tokens: int | None = None,
+    invariant_min_count: int | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Rank r's rows: its equal slice of every mini-batch, mini-batches in order.
 
     Each shard also carries `token_counts` and `sequence_counts` [num_minibatches]: the response tokens, and the
     sequences with at least one, of each whole mini-batch on all ranks (the loss aggregation's denominators); and
     `micro_batches`: the row count of each of its micro-batches, mini-batch after mini-batch (`plan_micro_batches`
-    under `micro_batch_rows` and `micro_batch_tokens`; with neither, one per mini-batch).
+    under `micro_batch_rows` and `micro_batch_tokens`; with neither, one per mini-batch). With `invariant_min_count`
+    (a layout-invariant update, `layout_invariant_plan`) the micro-batches are the mini-batch's logical ones, the same
+    rows whatever `num_ranks`.
     """
     rows = batch["input_ids"].shape[0]
     if rows % (num_ranks * num_minibatches):
@@ -157,7 +206,13 @@ def shard_actor_batch(
     token_counts = batch["loss_mask"].view(num_minibatches, -1).sum(dim=1)
     sequence_counts = (batch["loss_mask"].sum(dim=1) > 0).float().view(num_minibatches, -1).sum(dim=1)
     lengths = batch["lengths"].view(num_minibatches, num_ranks, per_rank).tolist()
-    plans = [plan_micro_batches(minibatch, micro_batch_rows, micro_batch_tokens) for minibatch in lengths]
+    if invariant_min_count is None:
+        plans = [plan_micro_batches(minibatch, micro_batch_rows, micro_batch_tokens) for minibatch in lengths]
+    else:
+        plans = [
+            layout_invariant_plan(minibatch, micro_batch_rows, micro_batch_tokens, invariant_min_count)
+            for minibatch in lengths
+        ]
     shards = []
     for rank in range(num_ranks):
         index = torch.cat(

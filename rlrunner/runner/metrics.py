@@ -207,8 +207,19 @@ def validation_metrics(samples: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def actor_metrics(per_rank: list[dict[str, float]], objective: "PolicyObjective") -> dict[str, float]:
-    """Token means over all data-parallel ranks (sums added in rank order, so the result is reproducible)."""
-    total = {key: sum(stats[key] for stats in per_rank) for key in per_rank[0]}
+    """Token means over all data-parallel ranks (sums added in rank order, so the result is reproducible). A
+    layout-invariant update's ranks send each pass's sums (`leaf_sums`, in the order of their passes): added in the
+    order of the logical micro-batches, mini-batch after mini-batch, the same whatever the number of ranks."""
+    if "leaf_sums" in per_rank[0]:
+        total = dict.fromkeys(objective.new_sums(), 0.0)
+        for step in range(len(per_rank[0]["leaf_sums"])):  # optimizer steps; each rank's passes are its block
+            for stats in per_rank:
+                for leaf in stats["leaf_sums"][step]:
+                    for key in total:
+                        total[key] += leaf[key]
+        total["pass_tokens"] = sum(stats["pass_tokens"] for stats in per_rank)
+    else:
+        total = {key: sum(stats[key] for stats in per_rank) for key in per_rank[0]}
     return {
         **objective.metrics(total),
         "actor/grad_norm": per_rank[0]["grad_norm"],

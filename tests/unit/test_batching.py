@@ -247,3 +247,42 @@ def test_validation_chunks_hold_as_many_rows_as_training_ones_and_name_their_fir
     assert generation_chunking(cfg, validation=True) == (1000, 1)  # never an empty chunk
     # three workers' chunks of 2, 1 and 0+1 prompts, 4 samples each
     assert first_samples([[["a", "b"], ["c"]], [["d"]], [[], ["e"]]], 4) == [0, 12, 16]
+
+
+def test_logical_micro_batches_are_the_same_whatever_the_ranks() -> None:
+    from rlrunner.runner.batching import layout_invariant_plan, logical_micro_batches
+
+    lengths = [5, 9, 3, 7, 5, 5, 12, 4, 6, 6, 6, 6, 8, 3, 2, 9]
+    assert logical_micro_batches(lengths, 4, None, 1) == 4  # the row limit
+    assert logical_micro_batches(lengths, None, 24, 1) == 8  # 2 rows x 12 tokens fit, 4 x 9 do not
+    assert logical_micro_batches(lengths, None, None, 2) == 2  # at least the largest size the run may have
+    assert logical_micro_batches(lengths, None, 1, 1) == 16  # one row each: the smallest a block can be
+    for ranks in (1, 2, 4):
+        per_rank = [lengths[r * 16 // ranks : (r + 1) * 16 // ranks] for r in range(ranks)]
+        plan = layout_invariant_plan(per_rank, 4, None, 2)
+        assert plan == [[4] * (4 // ranks)] * ranks  # each rank a contiguous block of the same 4 micro-batches
+    with pytest.raises(ValueError, match="do not divide"):
+        layout_invariant_plan([lengths[:8], lengths[8:]], None, None, 1)  # 1 logical micro-batch, 2 ranks
+    with pytest.raises(ValueError, match="equal logical micro-batches"):
+        logical_micro_batches(lengths[:12], None, None, 8)
+
+
+def test_a_tree_sum_is_the_same_whatever_the_blocks_a_left_fold_is_not() -> None:
+    from rlrunner.backends.tree_sum import TreeSum, tree_combine
+
+    leaves = [torch.randn(1000, generator=torch.Generator().manual_seed(i)) * 10 ** (i % 5) for i in range(16)]
+
+    def blocked(ranks: int) -> torch.Tensor:
+        totals = []
+        for rank in range(ranks):
+            tree = TreeSum()
+            for leaf in leaves[rank * 16 // ranks : (rank + 1) * 16 // ranks]:
+                tree.push(leaf.clone())
+            totals.append(tree.total())
+        return tree_combine(totals)
+
+    whole = blocked(1)
+    for ranks in (2, 4, 8, 16):
+        assert torch.equal(blocked(ranks), whole)
+    folded = [sum(leaves[:8], torch.zeros(1000)) + sum(leaves[8:], torch.zeros(1000)), sum(leaves, torch.zeros(1000))]
+    assert not torch.equal(folded[0], folded[1])  # the order matters for a plain sum

@@ -16,6 +16,7 @@ from rlrunner.backends.fsdp.dcp_state import (
     stager_for_next_save,
     start_dcp_save,
 )
+from rlrunner.backends.fsdp.invariant_grads import LayoutInvariantGrads, clip_grads, grad_norm
 from rlrunner.backends.fsdp.weights import FSDPWeightSource, shard_rows
 from rlrunner.backends.optim import apply_schedule, build_optimizer
 from rlrunner.backends.rank_parts import local_shard
@@ -119,6 +120,7 @@ class FSDPActorWorker(ActorWorker):
             self.model.parameters(), self.actor_cfg["optim"], self.total_optimizer_steps
         )
         self.parts = fsdp_parts(self.model, self.optimizer, self.scheduler)  # kept: they reuse what they read
+        self.invariant_grads = LayoutInvariantGrads(self.model) if self.layout_invariant else None
         # Checkpoint collectives get a gloo group of their own: a save written in the background must never
         # interleave its collectives with training's (and DCP's background path needs a CPU backend on GPU too).
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=self.dist_timeout)
@@ -164,11 +166,21 @@ class FSDPActorWorker(ActorWorker):
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
         ).logits
 
+    def begin_passes(self, passes: int) -> None:
+        if self.invariant_grads is not None:
+            self.invariant_grads.begin(passes)
+
     def clip_and_step(self, max_norm: float) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        norm = float(norm)
+        if self.invariant_grads is not None:
+            params = list(self.model.parameters())
+            norm = grad_norm(params)
+            if math.isfinite(norm):
+                clip_grads(params, norm, max_norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            if hasattr(norm, "full_tensor"):
+                norm = norm.full_tensor()
+            norm = float(norm)
         if math.isfinite(norm):
             self.optimizer.step()
         return norm

@@ -1,0 +1,109 @@
+"""`actor.layout_invariant`: the FSDP backend's update gives the same weights, optimizer state and metrics, bit for bit,
+at data-parallel sizes 1, 2 and 4 (real gloo ranks of the real actor worker, no Ray), where the stock update does not;
+and a rank's state resharded from another size's snapshot parts is the state that size's own ranks hold."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from spawned_ranks import spawn_ranks
+
+from rlrunner.config import load_config
+
+from conftest import TINY_MODEL, actor_worker_kwargs, assert_bit_equal
+
+STEPS = 2
+ROWS = 16  # 4 prompts x 4 samples: one mini-batch of 4 logical micro-batches of 4 rows (actor.micro_batch_size=4)
+
+
+def _config(invariant: bool):
+    return load_config(
+        [
+            "actor.micro_batch_size=4",
+            f"actor.layout_invariant={str(invariant).lower()}",
+            "actor.grad_clip=0.05",  # every step clips: the norm's bits decide the update
+            "algorithm.entropy_coef=0.01",
+            *TINY_MODEL,
+        ]
+    )
+
+
+def _batch(step: int) -> dict[str, torch.Tensor]:
+    from rlrunner.runner.batching import build_actor_batch
+
+    gen = torch.Generator().manual_seed(step)
+    samples = []
+    for row in range(ROWS):
+        prompt = torch.randint(3, 50, (4 + row % 3,), generator=gen).tolist()
+        response = torch.randint(3, 50, (2 + row % 5,), generator=gen).tolist()
+        logprobs = (-torch.rand(len(response), generator=gen)).tolist()
+        samples.append({"prompt_ids": prompt, "response_ids": response, "logprobs": logprobs})
+    return build_actor_batch(samples, torch.randn(ROWS, generator=gen), pad_id=0)
+
+
+def _rank(rank: int, world: int, port: int, invariant: bool, out: str) -> None:
+    from rlrunner.backends.fsdp.worker import FSDPActorWorker
+    from rlrunner.runner.batching import shard_actor_batch
+    from rlrunner.utils.tensors import map_tensors
+
+    cfg = _config(invariant)
+    kwargs = actor_worker_kwargs(cfg)
+    kwargs["actor_cfg"]["layout_invariant"] = invariant
+    worker = FSDPActorWorker(rank, world, **kwargs)
+    worker.init_process_group("127.0.0.1", port, 60)
+    worker.setup()
+    results = []
+    for step in range(1, STEPS + 1):
+        shards = shard_actor_batch(_batch(step), world, 1, 4, None, invariant_min_count=4 if invariant else None)
+        results.append(worker.update(shards[rank]))
+    weights = worker.full_state_dict()
+    state = map_tensors(worker.rank_state().state_dict(), lambda t: t.to_local() if hasattr(t, "to_local") else t)
+    torch.save({"results": results, "weights": weights, "state": state}, Path(out) / f"rank{rank}.pt")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _train(world: int, invariant: bool, out: Path) -> tuple[dict, list[dict]]:
+    """The policy's weights after STEPS updates at `world` ranks, and the driver's actor metrics of each step."""
+    from rlrunner.algorithms.objective import PolicyObjective
+    from rlrunner.runner.metrics import actor_metrics
+
+    out.mkdir()
+    spawn_ranks(_rank, args=(world, _free_port(), invariant, str(out)), nprocs=world)
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    objective = PolicyObjective(_config(invariant).algorithm)
+    metrics = [actor_metrics([r["results"][step] for r in ranks], objective) for step in range(STEPS)]
+    return ranks[0]["weights"], metrics
+
+
+def _metric_bits(metrics: list[dict]) -> dict[str, torch.Tensor]:
+    return {f"{i}.{k}": torch.tensor(v, dtype=torch.float64) for i, m in enumerate(metrics) for k, v in m.items()}
+
+
+@pytest.fixture(scope="module")
+def invariant_runs(tmp_path_factory) -> dict[int, tuple[dict, list[dict]]]:
+    root = tmp_path_factory.mktemp("invariant")
+    return {world: _train(world, True, root / f"dp{world}") for world in (1, 2, 4)}
+
+
+def test_the_same_weights_and_metrics_at_every_data_parallel_size(invariant_runs):
+    weights, metrics = invariant_runs[1]
+    assert metrics[0]["actor/grad_norm"] > 0.05  # clipped: the norm's bits reached the weights
+    for world in (2, 4):
+        got_weights, got_metrics = invariant_runs[world]
+        assert_bit_equal(got_weights, weights)
+        assert_bit_equal(_metric_bits(got_metrics), _metric_bits(metrics))
+
+
+def test_the_stock_update_differs_across_sizes(tmp_path):
+    """The check above can fail: without the tree, dp 1 and dp 2 differ in the last bits."""
+    one, _ = _train(1, False, tmp_path / "dp1")
+    two, _ = _train(2, False, tmp_path / "dp2")
+    assert any(not torch.equal(one[name], two[name]) for name in one)
