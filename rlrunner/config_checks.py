@@ -69,6 +69,7 @@ def validate_config(cfg: DictConfig) -> None:
         if value not in _DTYPES:
             raise ConfigError(f"{key} must be one of {', '.join(_DTYPES)}, got '{value}'")
     _validate_parallel_sizes(cfg)
+    _validate_elastic(cfg)
     if cfg.actor.fsdp.unit not in FSDP_UNITS:
         raise ConfigError(f"actor.fsdp.unit must be one of {', '.join(FSDP_UNITS)}, got '{cfg.actor.fsdp.unit}'")
     if cfg.actor.optim.lr_schedule not in ("constant", "cosine"):
@@ -121,6 +122,43 @@ def _validate_validation(cfg: DictConfig) -> None:
     mode = cfg.runner.logger.wandb.mode
     if mode is not None and mode not in ("online", "offline", "disabled"):
         raise ConfigError(f"runner.logger.wandb.mode must be online, offline, disabled or null, got '{mode}'")
+
+
+def _validate_elastic(cfg: DictConfig) -> None:
+    """The smallest groups an elastic run may train on, and where the update can be layout-invariant."""
+    actor, cluster = cfg.actor, cfg.cluster
+    tp = actor.tensor_model_parallel_size
+    minimum = cluster.min_actor_ranks
+    if minimum is not None and not (tp <= minimum <= actor.num_workers and minimum % tp == 0):
+        raise ConfigError(
+            f"cluster.min_actor_ranks ({minimum}) must be a multiple of actor.tensor_model_parallel_size ({tp}) "
+            f"from {tp} to actor.num_workers ({actor.num_workers})"
+        )
+    if not 1 <= cluster.min_rollout_workers <= cfg.rollout.num_workers:
+        raise ConfigError(
+            f"cluster.min_rollout_workers ({cluster.min_rollout_workers}) must be from 1 to rollout.num_workers "
+            f"({cfg.rollout.num_workers})"
+        )
+    if cfg.runner.recovery.shrink_after_s < 0:
+        raise ConfigError(f"runner.recovery.shrink_after_s must be >= 0, got {cfg.runner.recovery.shrink_after_s}")
+    if not actor.layout_invariant:
+        return
+    backend = get_backend(actor.training_backend)
+    if not backend.layout_invariant:
+        raise ConfigError(
+            f"actor.layout_invariant=true needs actor.training_backend=fsdp ({actor.training_backend} adds its "
+            "gradients in an order that depends on its data-parallel size)"
+        )
+    dp = actor.num_workers // tp
+    if dp & (dp - 1):
+        raise ConfigError(
+            f"actor.layout_invariant=true needs a power-of-two data-parallel size, got actor.num_workers={dp}"
+        )
+    if actor.reduce_dtype not in ("float32", "bfloat16"):
+        raise ConfigError(
+            "actor.layout_invariant=true needs actor.reduce_dtype float32 or bfloat16 (FSDP scales other gradients "
+            f"by the data-parallel size), got {actor.reduce_dtype}"
+        )
 
 
 def _validate_parallel_sizes(cfg: DictConfig) -> None:

@@ -37,6 +37,9 @@ class ClusterConfig:
     # a run that ends as it should leaves its worker processes (imports done) to the next run of the same driver
     # process with groups of the same shape (a sweep, a notebook, the tests); they hold their resources until then
     reuse_workers: bool = True
+    # the smallest groups an elastic run (runner.recovery.elastic) trains on; null: one tensor-parallel group
+    min_actor_ranks: Optional[int] = None
+    min_rollout_workers: int = 1
 
 
 @dataclass
@@ -75,6 +78,11 @@ class RecoveryConfig:
     # a lost actor rank whose node is still up is replaced alone, from the in-memory snapshot: the other ranks keep
     # their processes and the rollout group is kept (false: every failure replaces both groups)
     replace_lost_ranks: bool = True
+    # lost workers that cannot be placed again within shrink_after_s: train on with the groups the cluster fits (down
+    # to cluster.min_actor_ranks / min_rollout_workers), grow back at a step boundary once it fits more
+    # (docs/fault-tolerance.md#elastic); false: wait for the configured sizes (wait_timeout_s)
+    elastic: bool = True
+    shrink_after_s: float = 60.0
 
 
 @dataclass

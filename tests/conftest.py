@@ -297,8 +297,13 @@ def once(condition, action, timeout_s: float = 120) -> threading.Thread:
     return thread
 
 
+# what a step's layout is, not what it computed: a run at other sizes logs other values
+LAYOUT_METRICS = {"actor/dp_size", "rollout/num_workers", "actor/micro_batches"}
+
+
 def without_time(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]
+    """The metrics that must match between runs of the same numbers: without timings and the steps' layout."""
+    return [{k: v for k, v in r.items() if not k.startswith("time/") and k not in LAYOUT_METRICS} for r in records]
 
 
 REPO = Path(__file__).resolve().parent.parent

@@ -211,6 +211,11 @@ class ActorWorker(Worker, ABC):
         state = self.rank_state()
         state.load_state_dict(placed_like(saved, state.state_dict()))
 
+    def load_resharded_snapshot(self, holders: list[Any], step: int) -> None:
+        """Put back this rank's state from `step`'s snapshot taken by `len(holders)` ranks (`holders[r]` keeps old rank
+        r's part): a backend whose snapshots reshard (`TrainingBackend.reshards_snapshots`) overrides it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load a snapshot taken at another size")
+
     # -- the update ----------------------------------------------------------------------------
 
     def _passes(self, shard: dict[str, torch.Tensor]) -> list[Pass]:

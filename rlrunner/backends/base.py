@@ -57,6 +57,10 @@ class RankMap:
 class TrainingBackend(ABC):
     name: str  # the value of actor.training_backend
     checkpoint_format: str  # the manifest's "backend": a checkpoint is only resumed by the backend that wrote it
+    # its update can be the same, bit for bit, at any power-of-two data-parallel size (actor.layout_invariant)
+    layout_invariant = False
+    # its ranks load an in-memory snapshot taken at another data-parallel size (`load_resharded_snapshot`)
+    reshards_snapshots = False
 
     @property
     @abstractmethod

@@ -137,9 +137,7 @@ def plan_micro_batches(
     return [split_to_count(sizes, count) for sizes in greedy]
 
 
-def logical_micro_batches(
-    lengths: Sequence[int], max_rows: int | None, max_tokens: int | None, min_count: int
-) -> int:
+def logical_micro_batches(lengths: Sequence[int], max_rows: int | None, max_tokens: int | None, min_count: int) -> int:
     """How many equal blocks of consecutive rows a layout-invariant update splits a mini-batch of rows of these
     `lengths` into, whatever the data-parallel size: the smallest power of two, at least `min_count` (the largest
     data-parallel size the run may have), that divides the rows and under which every block fits `max_rows` rows and

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlrunner.agents.settings import check_chat_template, described, multi_turn_settings
 from rlrunner.algorithms.objective import PolicyObjective
 from rlrunner.algorithms.registry import get_adv_estimator
+from rlrunner.backends.base import RankMap
 from rlrunner.backends.registry import checkpoint_weights_reader, get_backend
 from rlrunner.checkpoint import layout
 from rlrunner.checkpoint.handler import CheckpointHandler
@@ -30,6 +31,7 @@ from rlrunner.models.loading import build_hf_config, build_tokenizer, token_ids
 from rlrunner.rewards.function import parse_spec
 from rlrunner.rewards.scorer import RewardSettings
 from rlrunner.rollout.registry import get_engine
+from rlrunner.runner.elastic import ElasticSizes, Layout, layout_invariant
 from rlrunner.runner.experiment_logs import ExperimentLogs
 from rlrunner.runner.metrics import MetricsLogger
 from rlrunner.runner.recovery import RecoveryLog
@@ -95,7 +97,10 @@ class RunContext:
         self.optimizer_steps = self.total_steps * self.num_minibatches * cfg.actor.ppo_epochs
         self.samples_per_optimizer_step = mini_batch_prompts(cfg) * cfg.algorithm.group_size  # a mini-batch's rows
         self.backend = get_backend(cfg.actor.training_backend)
-        self.rank_map = self.backend.rank_map(cfg.actor)
+        # the groups' sizes: configured, and those an elastic run may shrink to; the current attempt's (`use_layout`)
+        self.layout_invariant = layout_invariant(cfg, self.backend.layout_invariant)
+        self.sizes = ElasticSizes.of(cfg, self.samples_per_optimizer_step, self.layout_invariant)
+        self.use_layout(self.sizes.configured)
         self.hf_config = build_hf_config(cfg.model, self.tokenizer)
         self.backend.check_model(self.hf_config, cfg.actor)
         get_engine(cfg.rollout.engine).check(cfg, self.hf_config)
@@ -154,6 +159,17 @@ class RunContext:
         """Kill the warm spares (the run is over), or only forget them (`lost`: the embedded Ray went with them)."""
         for pool in (self.spare_pools or {}).values():
             pool.forget() if lost else pool.close()
+
+    def use_layout(self, layout: Layout) -> None:
+        """The next attempt's group sizes (and its actor ranks' data- x tensor-parallel map)."""
+        self.layout = layout
+        tp = self.cfg.actor.tensor_model_parallel_size
+        self.rank_map = RankMap(dp=layout.actor_ranks // tp, tp=tp)
+
+    @property
+    def invariant_min_count(self) -> int | None:
+        """A layout-invariant update's least number of logical micro-batches: the configured data-parallel size."""
+        return self.sizes.configured.actor_ranks // self.rank_map.tp if self.layout_invariant else None
 
     def new_loader(self) -> PromptLoader:
         return PromptLoader(self.dataset, self.cfg.data.batch_size, self.cfg.runner.seed, self.cfg.data.shuffle)

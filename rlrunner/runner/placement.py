@@ -6,9 +6,12 @@ from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
+from rlrunner.cluster import parked_groups
+from rlrunner.cluster.resources import fits_cluster, free_covers, placeable
 from rlrunner.cluster.spares import SparePool
 from rlrunner.rollout.worker import RolloutWorker
 from rlrunner.runner.context import RunContext
+from rlrunner.runner.elastic import Layout
 from rlrunner.utils.seeding import derive_seed
 
 START_TIMEOUT_S = 300.0  # bound on starting workers (imports, model build), whatever the step timeout
@@ -39,10 +42,10 @@ def group_specs(ctx: RunContext, placement_timeout_s: float, abandon: Callable[[
     actor = {
         "name": "actor",
         "worker_cls": ctx.backend.worker_class,
-        "num_workers": cfg.actor.num_workers,
+        "num_workers": ctx.layout.actor_ranks,
         "worker_kwargs": {
             "model_cfg": _plain(cfg.model),
-            "actor_cfg": _plain(cfg.actor),
+            "actor_cfg": {**_plain(cfg.actor), "layout_invariant": ctx.layout_invariant},
             "algorithm_cfg": _plain(cfg.algorithm),
             "init_seed": derive_seed(cfg.runner.seed, "model_init"),
             "total_optimizer_steps": ctx.optimizer_steps,
@@ -58,7 +61,7 @@ def group_specs(ctx: RunContext, placement_timeout_s: float, abandon: Callable[[
     rollout = {
         "name": "rollout",
         "worker_cls": RolloutWorker,
-        "num_workers": cfg.rollout.num_workers,
+        "num_workers": ctx.layout.rollout_workers,
         "worker_kwargs": {
             "model_cfg": _plain(cfg.model),
             "rollout_cfg": _plain(cfg.rollout),
@@ -92,3 +95,28 @@ def spare_pools(ctx: RunContext) -> dict[str, SparePool]:
             for spec in (actor, rollout)
         }
     return ctx.spare_pools
+
+
+def _requests(ctx: RunContext, actor_ranks: int, rollout_workers: int) -> list[tuple[int, dict[str, float], str]]:
+    """What placing `actor_ranks` actor ranks and `rollout_workers` rollout workers asks of the cluster, as
+    `placeable` takes it: a tensor-parallel group is one bundle."""
+    cluster, tp = ctx.cfg.cluster, ctx.rank_map.tp
+    gpus = {"GPU": cluster.gpus_per_worker} if cluster.gpus_per_worker > 0 else {}
+    actor = {"CPU": cluster.cpus_per_actor_worker * tp, **{k: v * tp for k, v in gpus.items()}}
+    rollout = {"CPU": cluster.cpus_per_rollout_worker, **gpus}
+    strategy = cluster.placement_strategy
+    return [(actor_ranks // tp, actor, strategy), (rollout_workers, rollout, strategy)]
+
+
+def cluster_fits(ctx: RunContext, layout: Layout, beside: Layout | None = None) -> bool:
+    """Whether the cluster places groups of `layout` now (with `beside`, the groups of that layout are up: whether it
+    places the workers `layout` has beyond them). The groups finished runs left parked give way, as they do to a
+    group being placed, unless the layout can never fit the cluster."""
+    actor, rollout = layout.actor_ranks, layout.rollout_workers
+    if beside is not None:
+        actor, rollout = actor - beside.actor_ranks, rollout - beside.rollout_workers
+    requests = _requests(ctx, actor, rollout)
+    if free_covers(requests) and placeable(requests):
+        return True
+    totals = all(fits_cluster(n, bundle) for n, bundle, _ in requests)
+    return totals and parked_groups.evict() and placeable(requests)

@@ -3,7 +3,7 @@
     store = SnapshotStore(cfg.runner.snapshot, reuse)  # once per run (its holders outlive the attempts)
     store.take(step, actor_group)                    # right after the step's update: returns at once
     store.finish(actor_group, driver_state, timeout_s)  # after the step's weight sync: the parts are held
-    snapshot = store.newest(world_size, min_step, max_step)  # after a failure: the newest complete one, or None
+    snapshot = store.newest(min_step, max_step)      # after a failure: the newest complete one, or None
     driver_state = store.load(snapshot, actor_group)
 
 Each rank streams its state straight off the live tensors to a `SnapshotHolder` on another node than its own
@@ -60,10 +60,15 @@ def holder_nodes(rank_nodes: Sequence[str], nodes: Sequence[str]) -> list[str]:
 
 
 def newest_complete(
-    held: Mapping[str, Mapping[int, Sequence[int]]], world_size: int, min_step: int = 0, max_step: int | None = None
+    held: Mapping[str, Mapping[int, Sequence[int]]],
+    world_size: int | Mapping[int, int],
+    min_step: int = 0,
+    max_step: int | None = None,
 ) -> tuple[int, dict[int, str]] | None:
     """The newest step from `min_step` to `max_step` whose every rank's part is held, with the node holding each rank's
-    part; `held` is {node: {step: ranks}} of the live holders. None when no step is complete."""
+    part; `held` is {node: {step: ranks}} of the live holders, `world_size` the ranks of every step or of each step
+    ({step: ranks}: a step not in it is not complete). None when no step is complete."""
+    sizes = world_size if isinstance(world_size, Mapping) else None
     where: dict[int, dict[int, str]] = {}
     for node in sorted(held):
         for step, ranks in held[node].items():
@@ -72,12 +77,15 @@ def newest_complete(
     complete = [
         step
         for step, ranks in where.items()
-        if min_step <= step <= (step if max_step is None else max_step) and set(ranks) >= set(range(world_size))
+        if min_step <= step <= (step if max_step is None else max_step)
+        and (sizes is None or step in sizes)
+        and set(ranks) >= set(range(sizes[step] if sizes is not None else world_size))
     ]
     if not complete:
         return None
     step = max(complete)
-    return step, {rank: where[step][rank] for rank in range(world_size)}
+    size = sizes[step] if sizes is not None else world_size
+    return step, {rank: where[step][rank] for rank in range(size)}
 
 
 @dataclass
@@ -98,6 +106,11 @@ class _Taken:
 class Snapshot:
     step: int
     holders: dict[int, Any]  # rank -> the holder (a Ray actor) keeping its part; rank 0's also has the driver's state
+
+    @property
+    def world_size(self) -> int:
+        """The actor ranks it was taken from (a group of another size loads it resharded)."""
+        return len(self.holders)
 
 
 class _KeptHolder:
@@ -129,6 +142,7 @@ class SnapshotStore:
         self.addresses: dict[str, tuple[Any, tuple[str, int, str]]] = {}  # node id -> (its holder, where it listens)
         self.in_flight: _Taken | None = None  # the snapshot started in this step
         self.complete_step: int | None = None  # the newest step known complete
+        self.world_sizes: dict[int, int] = {}  # step -> the actor ranks its parts come from (an elastic run's vary)
         self._warned: str | None = None
         self._said_own_node = False
         # ((the actor group's id, the node of each rank), the node holding each rank's part)
@@ -153,6 +167,7 @@ class SnapshotStore:
             self._forget_dead_holders(nodes)
             self._warn("incomplete", f"the in-memory snapshot of step {step} is skipped: {describe(exc)}")
             return
+        self.world_sizes[step] = actor_group.num_workers
         starts = actor_group.call_each_async("start_snapshot", [(step, address) for address in addresses])
         self.in_flight = _Taken(step, nodes, starts, len(starts))
 
@@ -188,6 +203,7 @@ class SnapshotStore:
             )
             return
         self.complete_step = step
+        self.world_sizes = {s: n for s, n in self.world_sizes.items() if s >= step}
         self._warned = None
         for holder in self.holders.values():
             holder.drop_before.remote(step)
@@ -264,7 +280,7 @@ class SnapshotStore:
 
     # -- using -----------------------------------------------------------------------------------
 
-    def newest(self, world_size: int, min_step: int = 0, max_step: int | None = None) -> Snapshot | None:
+    def newest(self, min_step: int = 0, max_step: int | None = None) -> Snapshot | None:
         """The newest complete snapshot from `min_step` to `max_step` (the last step the driver completed: a step's
         snapshot is taken before its weight sync, which may still fail), asked of the live holders; None if none."""
         self.in_flight = None  # judged by what the holders have: the attempt they belonged to failed
@@ -279,21 +295,27 @@ class SnapshotStore:
             except Exception:  # lost with its node, or not answering: its parts do not count
                 self.holders.pop(node, None)
                 self._placed = None
-        found = newest_complete(held, world_size, min_step, max_step)
+        found = newest_complete(held, self.world_sizes, min_step, max_step)
         if found is None:
             return None
         step, where = found
         return Snapshot(step, {rank: self.holders[node] for rank, node in where.items()})
 
     def load(self, snapshot: Snapshot, actor_group: Any, timeout_s: float) -> dict[str, Any]:
-        """Every rank loads its part of `snapshot` straight from its holder; the driver's state of that step."""
-        parts = [(snapshot.holders[rank], snapshot.step) for rank in range(actor_group.num_workers)]
-        actor_group.call_each("load_snapshot", parts, timeout_s=timeout_s)
+        """Every rank loads its part of `snapshot` straight from its holder (taken at another size: each rank reads
+        the rows it now holds from every part, `load_resharded_snapshot`); the driver's state of that step."""
+        if snapshot.world_size == actor_group.num_workers:
+            parts = [(snapshot.holders[rank], snapshot.step) for rank in range(actor_group.num_workers)]
+            actor_group.call_each("load_snapshot", parts, timeout_s=timeout_s)
+        else:
+            holders = [snapshot.holders[rank] for rank in range(snapshot.world_size)]
+            actor_group.call_all("load_resharded_snapshot", holders, snapshot.step, timeout_s=timeout_s)
         return ray.get(snapshot.holders[0].get_driver_state.remote(snapshot.step), timeout=timeout_s)
 
     def forget(self) -> None:
         """Drop every holder (after the embedded Ray was restarted, they went with it)."""
         self.holders, self.addresses, self.in_flight, self.complete_step, self._placed = {}, {}, None, None, None
+        self.world_sizes = {}
 
     def close(self) -> None:
         """The run is over: the holders, emptied, are kept for the driver's next run (`reuse` on a Ray this process

@@ -28,6 +28,8 @@ from rlrunner.cluster.actor_calls import CallAbandoned
 from rlrunner.cluster.ray_setup import alive_nodes, cluster_lost, is_embedded, restart_embedded
 from rlrunner.errors import ClusterLostError, RecoveryExhaustedError, RewardFunctionError, StoppedEarly, describe
 from rlrunner.runner.context import RunContext
+from rlrunner.runner.elastic import GrowBack, Layout, choose_layout
+from rlrunner.runner.placement import cluster_fits
 from rlrunner.runner.recovery import RestartBudget, ranks_to_replace, repairable_cause, same_failure, unrepairable
 from rlrunner.runner.snapshots import Snapshot
 from rlrunner.runner.stopping import StopRequest
@@ -55,6 +57,7 @@ class Supervisor:
         self.callbacks = list(callbacks)
         self.trainer: Trainer | None = None  # the current attempt (the last one once `run` returns)
         self.furthest_step = 0  # the furthest step any attempt completed
+        self._resumed_logged = 0  # the restart whose attempt was last logged as resumed (a grow-back is none)
 
     def run(self, connect: Callable[[], None] | None = None) -> dict[str, Any]:
         """Train to the end, repairing the worker groups in-job after worker, node or collective failures; returns
@@ -99,10 +102,13 @@ class Supervisor:
         snapshot = None
         trainer: Trainer | None = None
         replace: list[int] = []  # the lost actor ranks the next attempt replaces alone, keeping the rest of `trainer`
+        layout_event: dict[str, Any] | None = None  # the groups' sizes changed: logged at the next first step
         while True:
             if not replace:
                 trainer = self.trainer = Trainer(ctx)
+                trainer.layout_event, layout_event = layout_event, None
             error: Exception | None = None
+            grown: GrowBack | None = None
             graceful = False  # the attempt ended as it should (finished or stopped): its workers may close first
             try:
                 if replace:
@@ -121,6 +127,8 @@ class Supervisor:
             except (StoppedEarly, RewardFunctionError):  # ended on purpose: the user's function failed, no worker did
                 graceful = True
                 raise
+            except GrowBack as exc:  # the cluster fits larger groups again: replaced after a step, none lost
+                grown = error = exc
             except CallAbandoned:  # stopped while the workers were starting: nothing new to save
                 raise StoppedEarly(
                     f"{self.stop.reason} while starting the workers; {self._newest_checkpoint_note()}; "
@@ -132,6 +140,16 @@ class Supervisor:
             finally:
                 if error is None:
                     trainer.close(CLOSE_TIMEOUT_S if graceful else 0.0)
+            if grown is not None:
+                trainer.close()
+                checkpoint = handler.find_resume("auto") or initial
+                snapshot = self._snapshot_for(grown.layout, checkpoint, trainer.global_step)
+                layout_event = self._layout_event("grow", "the cluster fits larger groups again", grown.layout)
+                layout_event["lost_steps"] = trainer.global_step - (snapshot or checkpoint).step
+                logger.info("growing back to %s after step %d", grown.layout.describe(), trainer.global_step)
+                ctx.use_layout(grown.layout)
+                placement_timeout_s, replace = recovery.wait_timeout_s, []
+                continue
             replace, snapshot = self._lost_ranks_to_replace(trainer)
             teardown_s = 0.0
             if not replace:
@@ -150,10 +168,13 @@ class Supervisor:
                         connect()  # signal handlers again (ray.init installs its own)
                 handler.remove_leftovers()
                 checkpoint = handler.find_resume("auto") or initial
+                layout = self._next_layout()
+                if layout != ctx.layout:
+                    kind = "grow" if layout > ctx.layout else "shrink"
+                    layout_event = self._layout_event(kind, failure["cause"], layout)
+                    ctx.use_layout(layout)
                 # the newest in-memory snapshot of a completed step, unless the newest checkpoint is newer
-                snapshot = ctx.snapshots.newest(
-                    ctx.rank_map.world_size, min_step=checkpoint.step if checkpoint else 0, max_step=trainer.global_step
-                )
+                snapshot = self._snapshot_for(layout, checkpoint, trainer.global_step)
             restart_step = snapshot.step if snapshot else checkpoint.step if checkpoint else 0
             failure.update(
                 lost_steps=failure["step"] - restart_step,
@@ -170,7 +191,10 @@ class Supervisor:
                 restart_step,
                 failure["lost_steps"],
             )
+            detected = failure.pop("detected_monotonic")
             ctx.recovery_log.write("failure", restart=budget.total, **failure, teardown_s=teardown_s)
+            if layout_event is not None:  # its time to the next step counts from the failure's detection
+                layout_event.update(lost_steps=failure["lost_steps"], since_monotonic=detected)
             placement_timeout_s = recovery.wait_timeout_s
 
     def _lost_ranks_to_replace(self, trainer: Trainer) -> tuple[list[int], Snapshot | None]:
@@ -196,10 +220,52 @@ class Supervisor:
             return [], None
         if not ranks:
             return [], None
-        snapshot = ctx.snapshots.newest(
-            ctx.rank_map.world_size, min_step=trainer.last_saved_step or 0, max_step=trainer.global_step
+        snapshot = ctx.snapshots.newest(min_step=trainer.last_saved_step or 0, max_step=trainer.global_step)
+        if snapshot is None or snapshot.world_size != ctx.layout.actor_ranks:
+            return [], None
+        return ranks, snapshot
+
+    def _snapshot_for(self, layout: Layout, checkpoint: Any, last_step: int) -> Snapshot | None:
+        """The newest complete in-memory snapshot up to `last_step` and newer than `checkpoint`, if groups of `layout`
+        can load it (a backend that does not reshard snapshots loads the checkpoint at another size)."""
+        ctx = self.ctx
+        snapshot = ctx.snapshots.newest(min_step=checkpoint.step if checkpoint else 0, max_step=last_step)
+        if snapshot is not None and snapshot.world_size != layout.actor_ranks and not ctx.backend.reshards_snapshots:
+            return None
+        return snapshot
+
+    def _next_layout(self) -> Layout:
+        """The sizes of the next attempt's groups: the configured ones once the cluster fits them; an elastic run not
+        fitting them within runner.recovery.shrink_after_s trains on with the largest that fit; with none (below the
+        minimums) it waits for the configured ones, as one that is not elastic does."""
+        ctx = self.ctx
+        if len(ctx.sizes.candidates()) == 1:
+            return ctx.sizes.configured
+        chosen = choose_layout(
+            ctx.sizes,
+            lambda layout: cluster_fits(ctx, layout),
+            self.cfg.runner.recovery.shrink_after_s,
+            lambda: self.stop.requested,
         )
-        return (ranks, snapshot) if snapshot is not None else ([], None)
+        if chosen is None:
+            logger.warning(
+                "the cluster fits no groups down to cluster.min_actor_ranks / min_rollout_workers: waiting for %s",
+                ctx.sizes.configured.describe(),
+            )
+        return chosen or ctx.sizes.configured
+
+    def _layout_event(self, kind: str, cause: str, layout: Layout) -> dict[str, Any]:
+        """recovery.jsonl's record of a shrink or grow (its step and time to it added at the next completed step)."""
+        old = self.ctx.layout
+        return {
+            "event": kind,
+            "cause": cause,
+            "old_actor_ranks": old.actor_ranks,
+            "new_actor_ranks": layout.actor_ranks,
+            "old_rollout_workers": old.rollout_workers,
+            "new_rollout_workers": layout.rollout_workers,
+            "since_monotonic": time.monotonic(),
+        }
 
     def _attempt(
         self, trainer: Trainer, budget: RestartBudget, snapshot: Snapshot | None, start: Callable[[], None]
@@ -207,7 +273,8 @@ class Supervisor:
         """One attempt: `start` (the groups up and the state restored: the in-memory `snapshot` if any, else a
         checkpoint), then train to the end; the last step's metrics."""
         start()
-        if budget.total:
+        if budget.total > self._resumed_logged:
+            self._resumed_logged = budget.total
             self.ctx.recovery_log.write(
                 "resumed",
                 restart=budget.total,
@@ -254,7 +321,12 @@ class Supervisor:
                 same_error=same,
             ) from exc
         logger.error("step %d: %s", trainer.global_step + 1, cause)
-        return {"cause": cause, "step": trainer.global_step, "failed_at_unix": failed_at}
+        return {
+            "cause": cause,
+            "step": trainer.global_step,
+            "failed_at_unix": failed_at,
+            "detected_monotonic": time.monotonic(),
+        }
 
     def _newest_checkpoint_note(self) -> str:
         newest = self.ctx.handler.newest_complete()

@@ -33,9 +33,10 @@ from rlrunner.runner.attempt_state import AttemptState
 from rlrunner.runner.batching import build_actor_batch, shard_actor_batch
 from rlrunner.runner.context import RunContext
 from rlrunner.runner.driver_state import DriverState
+from rlrunner.runner.elastic import GROW_CHECK_S, GrowBack, Layout
 from rlrunner.runner.in_flight import GeneratedBatch, SubmittedUpdate, steps_ahead
 from rlrunner.runner.metrics import Progress, actor_metrics, rollout_metrics
-from rlrunner.runner.placement import START_TIMEOUT_S, group_specs, spare_pools
+from rlrunner.runner.placement import START_TIMEOUT_S, cluster_fits, group_specs, spare_pools
 from rlrunner.runner.rollout_phase import Generation, RolloutPhase
 from rlrunner.runner.snapshots import Snapshot
 from rlrunner.weight_sync.driver import connect_weight_sync
@@ -70,6 +71,9 @@ class Trainer(AttemptState, RolloutPhase):
         self.generations_kept = 0  # generations ahead kept running through an actor rank's repair
         self.update_ahead: SubmittedUpdate | None = None  # the next step's update, asked for behind this step's sync
         self.tool_events_due = False  # generations may have been redone: the call ledger's events to log
+        self.layout_event: dict[str, Any] | None = None  # a shrink or grow to log with the attempt's first step
+        self._grow_checked = (0, time.monotonic())  # (step, when) the cluster was last asked whether it fits more
+        self._grow_to: tuple[int, Layout | None] = (0, None)  # (step, the larger layout the cluster fits after it)
 
     # -- the attempt's groups --------------------------------------------------------------------
 
@@ -282,6 +286,8 @@ class Trainer(AttemptState, RolloutPhase):
             **rollout_metrics(samples, count_errors=cfg.reward.on_error == "zero"),
             **actor_metrics(actor_stats, ctx.objective),
             "actor/micro_batches": update.micro_batches,
+            "actor/dp_size": ctx.rank_map.dp,  # the step's layout (an elastic run's changes)
+            "rollout/num_workers": self.rollout_group.num_workers,
             "time/rollout_s": rollout_done - started,
             "time/update_s": update_done - rollout_done,
             "time/weight_sync_s": sync_done - sync_started,
@@ -307,6 +313,7 @@ class Trainer(AttemptState, RolloutPhase):
             ctx.num_minibatches,
             cfg.actor.micro_batch_size,
             cfg.actor.micro_batch_tokens,
+            ctx.invariant_min_count,
         )
         refs = self.actor_group.call_each_async("update", [(shard,) for shard in ctx.rank_map.scatter(shards)])
         return SubmittedUpdate(step, refs, len(shards[0]["micro_batches"]))
@@ -330,6 +337,7 @@ class Trainer(AttemptState, RolloutPhase):
         ctx = self.ctx
         return not (
             step >= ctx.total_steps
+            or self.grow_layout(step) is not None  # the groups are replaced after this step
             or ctx.stop.requested
             or self.reward_failure is not None
             or self.pending_save is not None
@@ -405,6 +413,19 @@ class Trainer(AttemptState, RolloutPhase):
                 if self.restart_to_report is not None:
                     ctx.recovery_log.write("first_step", restart=self.restart_to_report, step=step)
                     self.restart_to_report = None
+                if self.layout_event is not None:
+                    event, self.layout_event = self.layout_event, None
+                    since = event.pop("since_monotonic")
+                    ctx.recovery_log.write(
+                        event.pop("event"), step=step, time_to_step_s=time.monotonic() - since, **event
+                    )
+                grow = self.grow_layout(step)
+                if grow is not None and step < ctx.total_steps and not ctx.stop.requested:
+                    if self.pending_save is not None and self.pending_save.step == step:
+                        self.commit_pending_save(wait=True)
+                    if ctx.snapshots.complete_step == step or self.last_saved_step == step:
+                        self.commit_pending_save(wait=True)  # nothing in flight when the groups go
+                        raise GrowBack(grow, step)
         finally:
             progress.close()
             metrics_log.end_attempt()
@@ -421,6 +442,23 @@ class Trainer(AttemptState, RolloutPhase):
                 "resume with runner.resume_dir=auto"
             )
         return last
+
+    def grow_layout(self, step: int) -> Layout | None:
+        """After `step`: a layout larger than the groups' that the cluster fits now, or None. Asked at most every
+        GROW_CHECK_S, only below the configured sizes, and only at a step whose state is kept (its snapshot or
+        checkpoint due), so that replacing the groups after it loses no step."""
+        ctx = self.ctx
+        if self._grow_to[0] == step:
+            return self._grow_to[1]
+        found = None
+        checked_step, checked_at = self._grow_checked
+        kept = ctx.snapshots.due(step) or ctx.handler.should_save(step, ctx.total_steps)
+        due = checked_step != step and time.monotonic() - checked_at >= GROW_CHECK_S
+        if ctx.layout != ctx.sizes.configured and kept and due:
+            self._grow_checked = (step, time.monotonic())
+            found = ctx.sizes.grow_target(ctx.layout, lambda layout: cluster_fits(ctx, layout, beside=ctx.layout))
+        self._grow_to = (step, found)
+        return found
 
     def _log_tool_events(self, step: int) -> None:
         """The call ledger's events since the generations were redone (calls made again, records that no longer

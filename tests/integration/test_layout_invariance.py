@@ -1,5 +1,5 @@
 """`actor.layout_invariant`: the FSDP backend's update gives the same weights, optimizer state and metrics, bit for bit,
-at data-parallel sizes 1, 2 and 4 (real gloo ranks of the real actor worker, no Ray), where the stock update does not;
+at data-parallel sizes 1, 2 and 4 (real gloo ranks of the real actor worker, no Ray);
 and a rank's state resharded from another size's snapshot parts is the state that size's own ranks hold."""
 
 from __future__ import annotations
@@ -44,7 +44,19 @@ def _batch(step: int) -> dict[str, torch.Tensor]:
     return build_actor_batch(samples, torch.randn(ROWS, generator=gen), pad_id=0)
 
 
-def _rank(rank: int, world: int, port: int, invariant: bool, out: str) -> None:
+def _flat(state, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of a nested state by path (the RNG part left out: a rank's own, not the training's)."""
+    if isinstance(state, dict):
+        return {k: v for key in state if key != "rng" for k, v in _flat(state[key], f"{prefix}{key}.").items()}
+    if isinstance(state, (list, tuple)):
+        return {k: v for i, value in enumerate(state) for k, v in _flat(value, f"{prefix}{i}.").items()}
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    return {prefix: torch.tensor(float(state))} if isinstance(state, (int, float)) else {}
+
+
+def _rank(rank: int, world: int, port: int, invariant: bool, out: str, reshard_from: str | None = None) -> None:
+    from rlrunner.backends.fsdp.snapshot_reshard import resharded_state
     from rlrunner.backends.fsdp.worker import FSDPActorWorker
     from rlrunner.runner.batching import shard_actor_batch
     from rlrunner.utils.tensors import map_tensors
@@ -61,7 +73,14 @@ def _rank(rank: int, world: int, port: int, invariant: bool, out: str) -> None:
         results.append(worker.update(shards[rank]))
     weights = worker.full_state_dict()
     state = map_tensors(worker.rank_state().state_dict(), lambda t: t.to_local() if hasattr(t, "to_local") else t)
-    torch.save({"results": results, "weights": weights, "state": state}, Path(out) / f"rank{rank}.pt")
+    resharded = None
+    if reshard_from is not None:  # the other size's parts, as a snapshot holds them, loaded at this size
+        old = sorted(Path(reshard_from).glob("rank*.pt"))
+        parts = ((q, torch.load(path, weights_only=True)["state"]) for q, path in enumerate(old))
+        resharded = resharded_state(worker.rank_state().state_dict(), parts, len(old), rank, world)
+    torch.save(
+        {"results": results, "weights": weights, "state": state, "resharded": resharded}, Path(out) / f"rank{rank}.pt"
+    )
 
 
 def _free_port() -> int:
@@ -70,14 +89,18 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _train(world: int, invariant: bool, out: Path) -> tuple[dict, list[dict]]:
-    """The policy's weights after STEPS updates at `world` ranks, and the driver's actor metrics of each step."""
+def _train(world: int, invariant: bool, out: Path, reshard_from: Path | None = None) -> tuple[dict, list[dict]]:
+    """The policy's weights after STEPS updates at `world` ranks, and the driver's actor metrics of each step; with
+    `reshard_from` (a run at another size), each rank's state resharded from that run's parts equals its own."""
     from rlrunner.algorithms.objective import PolicyObjective
     from rlrunner.runner.metrics import actor_metrics
 
     out.mkdir()
-    spawn_ranks(_rank, args=(world, _free_port(), invariant, str(out)), nprocs=world)
+    other = None if reshard_from is None else str(reshard_from)
+    spawn_ranks(_rank, args=(world, _free_port(), invariant, str(out), other), nprocs=world)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    for rank in ranks if reshard_from is not None else []:
+        assert_bit_equal(_flat(rank["resharded"]), _flat(rank["state"]))
     objective = PolicyObjective(_config(invariant).algorithm)
     metrics = [actor_metrics([r["results"][step] for r in ranks], objective) for step in range(STEPS)]
     return ranks[0]["weights"], metrics
@@ -90,7 +113,11 @@ def _metric_bits(metrics: list[dict]) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def invariant_runs(tmp_path_factory) -> dict[int, tuple[dict, list[dict]]]:
     root = tmp_path_factory.mktemp("invariant")
-    return {world: _train(world, True, root / f"dp{world}") for world in (1, 2, 4)}
+    # 4, then 1 from 4's snapshot parts (shrunk), then 2 from 1's (grown)
+    runs = {4: _train(4, True, root / "dp4")}
+    runs[1] = _train(1, True, root / "dp1", reshard_from=root / "dp4")
+    runs[2] = _train(2, True, root / "dp2", reshard_from=root / "dp1")
+    return runs
 
 
 def test_the_same_weights_and_metrics_at_every_data_parallel_size(invariant_runs):
@@ -100,10 +127,3 @@ def test_the_same_weights_and_metrics_at_every_data_parallel_size(invariant_runs
         got_weights, got_metrics = invariant_runs[world]
         assert_bit_equal(got_weights, weights)
         assert_bit_equal(_metric_bits(got_metrics), _metric_bits(metrics))
-
-
-def test_the_stock_update_differs_across_sizes(tmp_path):
-    """The check above can fail: without the tree, dp 1 and dp 2 differ in the last bits."""
-    one, _ = _train(1, False, tmp_path / "dp1")
-    two, _ = _train(2, False, tmp_path / "dp2")
-    assert any(not torch.equal(one[name], two[name]) for name in one)

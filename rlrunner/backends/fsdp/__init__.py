@@ -24,6 +24,9 @@ class FSDPBackend(TrainingBackend):
 
         return FSDPActorWorker
 
+    layout_invariant = True
+    reshards_snapshots = True
+
     def check_config(self, cfg: Any) -> None:
         tp = cfg.actor.tensor_model_parallel_size
         if tp > 1:

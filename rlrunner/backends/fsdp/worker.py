@@ -17,9 +17,11 @@ from rlrunner.backends.fsdp.dcp_state import (
     start_dcp_save,
 )
 from rlrunner.backends.fsdp.invariant_grads import LayoutInvariantGrads, clip_grads, grad_norm
+from rlrunner.backends.fsdp.snapshot_reshard import resharded_state
 from rlrunner.backends.fsdp.weights import FSDPWeightSource, shard_rows
 from rlrunner.backends.optim import apply_schedule, build_optimizer
-from rlrunner.backends.rank_parts import local_shard
+from rlrunner.backends.rank_parts import local_shard, placed_like
+from rlrunner.backends.snapshot_stream import fetch_part
 from rlrunner.models.hf_tensors import BLOCK_ELEMENTS, HFTensors
 from rlrunner.models.loading import (
     SMALL_MODEL_BYTES,
@@ -198,6 +200,13 @@ class FSDPActorWorker(ActorWorker):
         restored_rng = load_fsdp_state(url, self.rank_state(), self.world_size, storage_options)
         apply_schedule(self.optimizer, self.scheduler)  # this run's schedule, not the saved run's
         return restored_rng
+
+    def load_resharded_snapshot(self, holders: list[Any], step: int) -> None:
+        state = self.rank_state()
+        template = state.state_dict()
+        parts = ((old_rank, fetch_part(holder, step, old_rank)) for old_rank, holder in enumerate(holders))
+        local = resharded_state(template, parts, len(holders), self.rank, self.world_size)
+        state.load_state_dict(placed_like(local, template))
 
     # -- state -------------------------------------------------------------------------------------
 
