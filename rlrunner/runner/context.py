@@ -17,7 +17,6 @@ from omegaconf import DictConfig, OmegaConf
 from rlrunner.agents.settings import check_chat_template, described, multi_turn_settings
 from rlrunner.algorithms.objective import PolicyObjective
 from rlrunner.algorithms.registry import get_adv_estimator
-from rlrunner.backends.base import RankMap
 from rlrunner.backends.registry import checkpoint_weights_reader, get_backend
 from rlrunner.checkpoint import layout
 from rlrunner.checkpoint.handler import CheckpointHandler
@@ -164,7 +163,7 @@ class RunContext:
         """The next attempt's group sizes (and its actor ranks' data- x tensor-parallel map)."""
         self.layout = layout
         tp = self.cfg.actor.tensor_model_parallel_size
-        self.rank_map = RankMap(dp=layout.actor_ranks // tp, tp=tp)
+        self.rank_map = self.backend.rank_map({"num_workers": layout.actor_ranks, "tensor_model_parallel_size": tp})
 
     @property
     def invariant_min_count(self) -> int | None:

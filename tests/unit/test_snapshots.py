@@ -311,3 +311,12 @@ def test_a_rank_whose_update_failed_sends_no_part(tmp_path):
     with pytest.raises(RuntimeError, match=r"^actor rank 0: no snapshot part of step 3: its update failed$"):
         worker.start_snapshot(3, holder.address())
     assert holder.held() == {}
+
+
+def test_an_elastic_runs_snapshots_are_complete_at_the_size_each_was_taken():
+    # step 4 taken by 4 ranks, step 5 by 2 (the group shrank): 5 is complete with its 2 parts
+    held = {"a": {4: [0, 1, 2, 3], 5: [0, 1]}}
+    assert newest_complete(held, world_size={4: 4, 5: 2}) == (5, {0: "a", 1: "a"})
+    # step 5 taken by 4 ranks, 2 parts held: incomplete; a step of unknown size is never complete
+    assert newest_complete(held, world_size={4: 4, 5: 4}) == (4, {0: "a", 1: "a", 2: "a", 3: "a"})
+    assert newest_complete(held, world_size={5: 4}) is None
