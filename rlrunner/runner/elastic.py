@@ -101,7 +101,7 @@ def choose_layout(
     fits: Callable[[Layout], bool],
     shrink_after_s: float,
     abandon: Callable[[], bool],
-    poll_s: float = 1.0,
+    poll_s: float = 0.25,
 ) -> Layout | None:
     """The layout of the next attempt: the configured one as soon as the cluster fits it; after `shrink_after_s`
     without, the largest smaller one that fits; None when none does (the attempt then waits for the configured one,

@@ -115,6 +115,10 @@ def cluster_fits(ctx: RunContext, layout: Layout, beside: Layout | None = None) 
     actor, rollout = layout.actor_ranks, layout.rollout_workers
     if beside is not None:
         actor, rollout = actor - beside.actor_ranks, rollout - beside.rollout_workers
+    elif ctx.spare_pools is not None:  # warm spares hold their resources and become ranks of the new groups
+        tp = ctx.rank_map.tp
+        actor -= min(actor, len(ctx.spare_pools["actor"].spares) // tp * tp)
+        rollout -= min(rollout, len(ctx.spare_pools["rollout"].spares))
     requests = _requests(ctx, actor, rollout)
     if free_covers(requests) and placeable(requests):
         return True

@@ -58,6 +58,7 @@ class Supervisor:
         self.trainer: Trainer | None = None  # the current attempt (the last one once `run` returns)
         self.furthest_step = 0  # the furthest step any attempt completed
         self._resumed_logged = 0  # the restart whose attempt was last logged as resumed (a grow-back is none)
+        self._layout_wait_s = 0.0  # how long the next attempt waited for the cluster before its groups were placed
 
     def run(self, connect: Callable[[], None] | None = None) -> dict[str, Any]:
         """Train to the end, repairing the worker groups in-job after worker, node or collective failures; returns
@@ -145,7 +146,10 @@ class Supervisor:
                 checkpoint = handler.find_resume("auto") or initial
                 snapshot = self._snapshot_for(grown.layout, checkpoint, trainer.global_step)
                 layout_event = self._layout_event("grow", "the cluster fits larger groups again", grown.layout)
-                layout_event["lost_steps"] = trainer.global_step - (snapshot or checkpoint).step
+                layout_event.update(
+                    lost_steps=trainer.global_step - (snapshot or checkpoint).step,
+                    restore_from="snapshot" if snapshot else "checkpoint",
+                )
                 logger.info("growing back to %s after step %d", grown.layout.describe(), trainer.global_step)
                 ctx.use_layout(grown.layout)
                 placement_timeout_s, replace = recovery.wait_timeout_s, []
@@ -168,13 +172,8 @@ class Supervisor:
                         connect()  # signal handlers again (ray.init installs its own)
                 handler.remove_leftovers()
                 checkpoint = handler.find_resume("auto") or initial
-                layout = self._next_layout()
-                if layout != ctx.layout:
-                    kind = "grow" if layout > ctx.layout else "shrink"
-                    layout_event = self._layout_event(kind, failure["cause"], layout)
-                    ctx.use_layout(layout)
                 # the newest in-memory snapshot of a completed step, unless the newest checkpoint is newer
-                snapshot = self._snapshot_for(layout, checkpoint, trainer.global_step)
+                snapshot = self._snapshot_for(ctx.layout, checkpoint, trainer.global_step)
             restart_step = snapshot.step if snapshot else checkpoint.step if checkpoint else 0
             failure.update(
                 lost_steps=failure["step"] - restart_step,
@@ -193,8 +192,22 @@ class Supervisor:
             )
             detected = failure.pop("detected_monotonic")
             ctx.recovery_log.write("failure", restart=budget.total, **failure, teardown_s=teardown_s)
-            if layout_event is not None:  # its time to the next step counts from the failure's detection
-                layout_event.update(lost_steps=failure["lost_steps"], since_monotonic=detected)
+            if not replace:  # the groups' sizes: the configured ones, or (elastic) those the cluster fits
+                waited_from = time.monotonic()
+                layout = self._next_layout()
+                self._layout_wait_s = time.monotonic() - waited_from
+                if layout != ctx.layout:
+                    snapshot = self._snapshot_for(layout, checkpoint, trainer.global_step)
+                    layout_event = self._layout_event(
+                        "grow" if layout > ctx.layout else "shrink", failure["cause"], layout
+                    )
+                    restart_step = snapshot.step if snapshot else checkpoint.step if checkpoint else 0
+                    layout_event.update(
+                        lost_steps=failure["step"] - restart_step,
+                        restore_from="snapshot" if snapshot else "checkpoint" if checkpoint else "none",
+                        since_monotonic=detected,  # its time to the next step counts from the failure's detection
+                    )
+                    ctx.use_layout(layout)
             placement_timeout_s = recovery.wait_timeout_s
 
     def _lost_ranks_to_replace(self, trainer: Trainer) -> tuple[list[int], Snapshot | None]:
@@ -275,14 +288,17 @@ class Supervisor:
         start()
         if budget.total > self._resumed_logged:
             self._resumed_logged = budget.total
+            timings = dict(trainer.start_timings)
+            timings["wait_s"] = timings.get("wait_s", 0.0) + self._layout_wait_s  # before the groups, and theirs
             self.ctx.recovery_log.write(
                 "resumed",
                 restart=budget.total,
                 step=trainer.global_step,
                 source="snapshot" if snapshot else "checkpoint" if trainer.global_step else "none",
-                **trainer.start_timings,
+                **timings,
             )
             trainer.restart_to_report = budget.total
+        self._layout_wait_s = 0.0
         for callback in self.callbacks:
             callback.on_train_start(trainer)
         last = trainer.train()
