@@ -23,6 +23,9 @@ Figures per run, against the uninterrupted run (its wall time W from its first t
   grow -> step    recovery.jsonl's grow events: from the decision to grow back to the first step at the larger size
   same weights    the final checkpoint's weights equal the uninterrupted run's, bit for bit
   sizes           the data-parallel sizes the run's steps took (metrics.jsonl's actor/dp_size)
+  ended           finished, or stopped at `--max-run-factor` x the uninterrupted run's wall time (an emergency
+                  checkpoint, runner.max_wall_time_s), or gave up after runner.recovery.max_restarts restarts without
+                  progress
 """
 
 from __future__ import annotations
@@ -65,8 +68,9 @@ def wait_nodes(count: int, timeout_s: float = 120) -> None:
         time.sleep(0.2)
 
 
-def overrides(output: Path, args: argparse.Namespace, elastic: bool) -> list[str]:
+def overrides(output: Path, args: argparse.Namespace, elastic: bool, max_wall_s: float | None) -> list[str]:
     return [
+        *([f"runner.max_wall_time_s={max_wall_s:.0f}"] if max_wall_s else []),
         f"runner.output_dir={output}",
         "runner.experiment_name=trace",
         f"runner.max_steps={args.steps}",
@@ -125,17 +129,32 @@ class Trace:
         return False
 
 
-def run(cluster: Any, work: Path, name: str, args: argparse.Namespace, elastic: bool, trace: Trace | None) -> dict:
+def run(
+    cluster: Any,
+    work: Path,
+    name: str,
+    args: argparse.Namespace,
+    elastic: bool,
+    trace: Trace | None,
+    max_wall_s: float | None = None,
+) -> dict:
+    """One run; with `max_wall_s` it is stopped then (runner.max_wall_time_s: an emergency checkpoint) if not done."""
     from rlrunner.config import load_config
+    from rlrunner.errors import RecoveryExhaustedError, StoppedEarly
     from rlrunner.runner.supervisor import Supervisor
 
     output = work / name
-    supervisor = Supervisor(load_config(overrides(output, args, elastic)))
+    supervisor = Supervisor(load_config(overrides(output, args, elastic, max_wall_s)))
     errors: list[BaseException] = []
+    ended = ["finished"]
 
     def train() -> None:
         try:
             supervisor.run()
+        except StoppedEarly:
+            ended[0] = f"stopped at {max_wall_s:.0f} s"
+        except RecoveryExhaustedError:
+            ended[0] = "gave up (runner.recovery.max_restarts)"
         except BaseException as exc:  # reported below
             errors.append(exc)
 
@@ -157,8 +176,10 @@ def run(cluster: Any, work: Path, name: str, args: argparse.Namespace, elastic: 
     events = read_jsonl(recovery) if recovery.exists() else []
     from rlrunner.tools.convert import load_model_weights
 
-    weights = load_model_weights(output / "trace" / "checkpoints" / f"global_step_{args.steps}")
+    final = output / "trace" / "checkpoints" / f"global_step_{args.steps}"
+    weights = load_model_weights(final) if final.is_dir() else None
     return {
+        "ended": ended[0],
         "step_times": step_times,
         "removed_at": trace.removed_at if trace is not None else [],
         "events": events,
@@ -191,12 +212,15 @@ def row(name: str, result: dict, baseline: dict) -> str:
     shrinks = [e for e in result["events"] if e["event"] == "shrink"]
     lost = sum(e.get("lost_steps", 0) for e in result["events"] if e["event"] == "failure")
     sizes = sorted({s for s in result["sizes"] if s is not None})
+    if result["weights"] is None:
+        same = "- (not finished)"
+    else:
+        same = "yes" if same_weights(result["weights"], baseline["weights"]) else "NO"
     fmt = lambda xs: f"{statistics.median(xs):.1f} (max {max(xs):.1f})" if xs else "-"  # noqa: E731
     return (
         f"| {name} | {at_w} / {len(baseline['step_times'])} ({at_w / len(baseline['step_times']):.2f}x) | "
         f"{fmt(to_step)} | {fmt(grows)} | {len(shrinks)} / {len(grows)} | {lost} | "
-        f"{'yes' if same_weights(result['weights'], baseline['weights']) else 'NO'} | "
-        f"{', '.join(map(str, sizes))} | {times[-1] - first:.0f} |"
+        f"{same} | {', '.join(map(str, sizes))} | {times[-1] - first:.0f} | {result['ended']} |"
     )
 
 
@@ -209,6 +233,12 @@ def main() -> None:
     parser.add_argument("--outage", type=float, default=90.0)
     parser.add_argument("--shrink-after", type=float, default=5.0)
     parser.add_argument("--traces", nargs="+", default=["return", "outage"], choices=["return", "outage"])
+    parser.add_argument(
+        "--max-run-factor",
+        type=float,
+        default=2.0,
+        help="a run with a trace is stopped after this many times the uninterrupted run's wall time, if not done",
+    )
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
     args = parser.parse_args()
     work = make_workdir(None, "bench-preemption-")
@@ -216,23 +246,24 @@ def main() -> None:
     print(f"# {command_line()}\n# {machine()}\n", flush=True)
     results: dict[str, dict] = {}
     try:
+        started = time.monotonic()
         results["uninterrupted"] = run(cluster, work, "uninterrupted", args, elastic=True, trace=None)
+        max_wall_s = args.max_run_factor * (time.monotonic() - started)
         for kind in args.traces:
             for elastic in (True, False):
                 name = f"{kind}, elastic {'on' if elastic else 'off'}"
                 print(f"running: {name}", flush=True)
-                results[name] = run(
-                    cluster, work, name.replace(", ", "-").replace(" ", "_"), args, elastic, Trace(kind, args)
-                )
+                folder = name.replace(", ", "-").replace(" ", "_")
+                results[name] = run(cluster, work, folder, args, elastic, Trace(kind, args), max_wall_s)
                 restore_cluster(cluster, args.actor_nodes)
     finally:
         ray.shutdown()
     baseline = results["uninterrupted"]
     print(
         "| run | steps at W | loss -> next step s | grow -> step s | shrinks / grows | steps lost | same weights "
-        "| dp sizes | wall s |"
+        "| dp sizes | wall s | ended |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, result in results.items():
         print(row(name, result, baseline))
     wall = baseline["step_times"][-1] - baseline["step_times"][0]

@@ -1,6 +1,7 @@
 """`actor.layout_invariant`: the FSDP backend's update gives the same weights, optimizer state and metrics, bit for bit,
 at data-parallel sizes 1, 2 and 4 (real gloo ranks of the real actor worker, no Ray);
-and a rank's state resharded from another size's snapshot parts is the state that size's own ranks hold."""
+a rank's state resharded from another size's snapshot parts is the state that size's own ranks hold; and a checkpoint
+saved at dp 2 and resumed at dp 4 gives the same next step."""
 
 from __future__ import annotations
 
@@ -55,7 +56,15 @@ def _flat(state, prefix: str = "") -> dict[str, torch.Tensor]:
     return {prefix: torch.tensor(float(state))} if isinstance(state, (int, float)) else {}
 
 
-def _rank(rank: int, world: int, port: int, invariant: bool, out: str, reshard_from: str | None = None) -> None:
+def _rank(
+    rank: int,
+    world: int,
+    port: int,
+    invariant: bool,
+    out: str,
+    reshard_from: str | None = None,
+    checkpoint: tuple[str, str] | None = None,
+) -> None:
     from rlrunner.backends.fsdp.snapshot_reshard import resharded_state
     from rlrunner.backends.fsdp.worker import FSDPActorWorker
     from rlrunner.runner.batching import shard_actor_batch
@@ -68,9 +77,16 @@ def _rank(rank: int, world: int, port: int, invariant: bool, out: str, reshard_f
     worker.init_process_group("127.0.0.1", port, 60)
     worker.setup()
     results = []
-    for step in range(1, STEPS + 1):
+    first = 1
+    if checkpoint is not None and checkpoint[0] == "load":  # the DCP checkpoint of step 1, saved at another size
+        worker.load_checkpoint(checkpoint[1], None)
+        first = 2
+    for step in range(first, STEPS + 1):
         shards = shard_actor_batch(_batch(step), world, 1, 4, None, invariant_min_count=4 if invariant else None)
         results.append(worker.update(shards[rank]))
+        if checkpoint is not None and checkpoint[0] == "save" and step == 1:
+            worker.start_checkpoint(checkpoint[1], step, False, None)
+            worker.finish_checkpoint()
     weights = worker.full_state_dict()
     state = map_tensors(worker.rank_state().state_dict(), lambda t: t.to_local() if hasattr(t, "to_local") else t)
     resharded = None
@@ -89,7 +105,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _train(world: int, invariant: bool, out: Path, reshard_from: Path | None = None) -> tuple[dict, list[dict]]:
+def _train(
+    world: int,
+    invariant: bool,
+    out: Path,
+    reshard_from: Path | None = None,
+    checkpoint: tuple[str, str] | None = None,
+) -> tuple[dict, list[dict]]:
     """The policy's weights after STEPS updates at `world` ranks, and the driver's actor metrics of each step; with
     `reshard_from` (a run at another size), each rank's state resharded from that run's parts equals its own."""
     from rlrunner.algorithms.objective import PolicyObjective
@@ -97,12 +119,13 @@ def _train(world: int, invariant: bool, out: Path, reshard_from: Path | None = N
 
     out.mkdir()
     other = None if reshard_from is None else str(reshard_from)
-    spawn_ranks(_rank, args=(world, _free_port(), invariant, str(out), other), nprocs=world)
+    spawn_ranks(_rank, args=(world, _free_port(), invariant, str(out), other, checkpoint), nprocs=world)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world)]
     for rank in ranks if reshard_from is not None else []:
         assert_bit_equal(_flat(rank["resharded"]), _flat(rank["state"]))
     objective = PolicyObjective(_config(invariant).algorithm)
-    metrics = [actor_metrics([r["results"][step] for r in ranks], objective) for step in range(STEPS)]
+    steps = len(ranks[0]["results"])
+    metrics = [actor_metrics([r["results"][step] for r in ranks], objective) for step in range(steps)]
     return ranks[0]["weights"], metrics
 
 
@@ -116,7 +139,9 @@ def invariant_runs(tmp_path_factory) -> dict[int, tuple[dict, list[dict]]]:
     # 4, then 1 from 4's snapshot parts (shrunk), then 2 from 1's (grown)
     runs = {4: _train(4, True, root / "dp4")}
     runs[1] = _train(1, True, root / "dp1", reshard_from=root / "dp4")
-    runs[2] = _train(2, True, root / "dp2", reshard_from=root / "dp1")
+    runs[2] = _train(2, True, root / "dp2", reshard_from=root / "dp1", checkpoint=("save", str(root / "ckpt")))
+    # step 1's checkpoint, written at 2 ranks, resumed at 4 (DCP reshards it) for step 2
+    runs["4 from 2"] = _train(4, True, root / "dp4-resumed", checkpoint=("load", str(root / "ckpt")))
     return runs
 
 
@@ -127,3 +152,6 @@ def test_the_same_weights_and_metrics_at_every_data_parallel_size(invariant_runs
         got_weights, got_metrics = invariant_runs[world]
         assert_bit_equal(got_weights, weights)
         assert_bit_equal(_metric_bits(got_metrics), _metric_bits(metrics))
+    resumed_weights, resumed_metrics = invariant_runs["4 from 2"]
+    assert_bit_equal(resumed_weights, weights)  # a checkpoint saved at dp 2, resumed at dp 4
+    assert_bit_equal(_metric_bits(resumed_metrics), _metric_bits(metrics[1:]))
