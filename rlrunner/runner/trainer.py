@@ -19,7 +19,6 @@ import logging
 import time
 from typing import Any
 
-import ray
 import torch
 
 from rlrunner.agents.metrics import model_tokens
@@ -29,27 +28,24 @@ from rlrunner.cluster.actor_calls import CallAbandoned
 from rlrunner.cluster.shared_storage import check_shared_folder
 from rlrunner.cluster.worker_group import WorkerGroup
 from rlrunner.errors import ExperimentLockedError, RewardFunctionError, StoppedEarly
+from rlrunner.runner.actor_repair import ActorRepair
 from rlrunner.runner.attempt_state import AttemptState
 from rlrunner.runner.batching import build_actor_batch, shard_actor_batch
 from rlrunner.runner.context import RunContext
 from rlrunner.runner.driver_state import DriverState
-from rlrunner.runner.elastic import GROW_CHECK_S, GrowBack, Layout
+from rlrunner.runner.elastic import GrowBack
+from rlrunner.runner.grow_watch import GrowWatch
 from rlrunner.runner.in_flight import GeneratedBatch, SubmittedUpdate, steps_ahead
 from rlrunner.runner.metrics import Progress, actor_metrics, rollout_metrics
-from rlrunner.runner.placement import START_TIMEOUT_S, cluster_fits, group_specs, spare_pools
+from rlrunner.runner.placement import START_TIMEOUT_S, group_specs, spare_pools
 from rlrunner.runner.rollout_phase import Generation, RolloutPhase
 from rlrunner.runner.snapshots import Snapshot
 from rlrunner.weight_sync.driver import connect_weight_sync
 
 logger = logging.getLogger(__name__)
 
-# how long a surviving actor rank may take to leave its process group before it is taken for blocked and replaced too:
-# a rank that takes the call leaves at once, unless its save in flight is still writing (it waits for that to stop);
-# replaced, such a rank costs a process start, and no step
-LEAVE_TIMEOUT_S = 10.0
 
-
-class Trainer(AttemptState, RolloutPhase):
+class Trainer(AttemptState, RolloutPhase, ActorRepair):
     def __init__(self, ctx: RunContext):
         self.ctx = ctx
         self.cfg = ctx.cfg
@@ -72,8 +68,7 @@ class Trainer(AttemptState, RolloutPhase):
         self.update_ahead: SubmittedUpdate | None = None  # the next step's update, asked for behind this step's sync
         self.tool_events_due = False  # generations may have been redone: the call ledger's events to log
         self.layout_event: dict[str, Any] | None = None  # a shrink or grow to log with the attempt's first step
-        self._grow_checked = (0, time.monotonic())  # (step, when) the cluster was last asked whether it fits more
-        self._grow_to: tuple[int, Layout | None] = (0, None)  # (step, the larger layout the cluster fits after it)
+        self.grow_watch = GrowWatch(ctx)  # below the configured sizes: when the groups grow back
 
     # -- the attempt's groups --------------------------------------------------------------------
 
@@ -105,72 +100,6 @@ class Trainer(AttemptState, RolloutPhase):
             "spares_used": self.spares_used,
         }
         self.started = True
-
-    def replace_actor_ranks(self, ranks: list[int], snapshot: Snapshot, placement_timeout_s: float) -> None:
-        """Replace the lost actor `ranks` alone and go on from `snapshot` (of the last completed step, or one before):
-        the other ranks leave their process group, the group is formed again with the replacements (warm spares when
-        the pool has them), every rank is set up again and loads its part of the snapshot, and the rollout group,
-        kept, joins new weight-sync channels and gets the weights. The save in flight (it had the lost ranks) is
-        dropped, never committed."""
-        self.started = False
-        self.update_ahead = None  # asked of the ranks that go: the step is redone from the snapshot
-        started = time.monotonic()
-        recovery, group = self.cfg.runner.recovery, self.actor_group
-        survivors = [rank for rank in range(group.num_workers) if rank not in ranks]
-        ranks = sorted([*ranks, *self._survivors_leave(group, survivors)])
-        self.pending_save = None
-        self.ctx.handler.remove_leftovers()  # what the dropped save wrote
-        self._raise_if_stopping()
-        left = time.monotonic()
-        pool = spare_pools(self.ctx)["actor"]
-        spares = pool.take(len(ranks), placing=False) if group.workers_per_bundle == 1 else []
-        self.spares_used = len(spares)
-        group.replace_ranks(ranks, spares, placement_timeout_s, self._stop_requested)
-        self.spares_due = True
-        joined = time.monotonic()
-        group.get(group.call_all_async("setup"), max(recovery.step_timeout_s, START_TIMEOUT_S), self._stop_requested)
-        built = time.monotonic()
-        check_shared_folder(self.ctx.storage, self.ctx.handler.root, [group])  # a replacement may be on a new node
-        connect_weight_sync(group, self.rollout_group, timeout_s=recovery.step_timeout_s)
-        self._raise_if_stopping()
-        self.restore_snapshot(snapshot, self.last_saved_step)
-        self.sync_weights()
-        waited = group.placement_wait_s
-        self.start_timings = {
-            "wait_s": waited,
-            "rebuild_s": built - started - waited,
-            "load_s": time.monotonic() - built,
-            "spares_used": self.spares_used,
-            "replaced_ranks": list(ranks),
-            # the rebuild's parts: survivors leaving, replacements up and the group formed, set-up
-            "leave_s": left - started,
-            "join_s": joined - left - waited,
-            "setup_s": built - joined,
-        }
-        self.started = True
-
-    def _survivors_leave(self, group: WorkerGroup, survivors: list[int]) -> list[int]:
-        """Ask the surviving actor ranks to leave their process group; returns those that did not answer within
-        LEAVE_TIMEOUT_S, to be replaced too. Such a rank is blocked in a collective whose peer left it: at data-parallel
-        x tensor-parallel sizes a rank's tensor-parallel partner leaves the update when its data-parallel collective
-        with the lost rank fails, and gloo does not free the rank waiting on the partner, whose process lives on, so
-        the call to leave waits behind the update until the collective's own timeout. Replacing it (killing its
-        process) frees the repair from that timeout; it loads its part of the snapshot like the lost rank."""
-        refs = {rank: group.workers[rank].leave_process_group.remote() for rank in survivors}
-        limit = min(LEAVE_TIMEOUT_S, self.cfg.runner.recovery.step_timeout_s)
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=limit)
-        stuck = [rank for rank, ref in refs.items() if ref not in ready]
-        group.get(
-            [refs[rank] for rank in survivors if rank not in stuck], limit
-        )  # raises what one that answered raised
-        if stuck:
-            logger.warning(
-                "actor rank(s) %s did not leave their process group within %gs (blocked in a collective with a rank "
-                "that left it): replacing them too",
-                ", ".join(map(str, stuck)),
-                limit,
-            )
-        return stuck
 
     def _start_groups(self, placement_timeout_s: float) -> None:
         self.ctx.snapshots.prepare()  # the snapshot holders start beside the groups
@@ -337,7 +266,7 @@ class Trainer(AttemptState, RolloutPhase):
         ctx = self.ctx
         return not (
             step >= ctx.total_steps
-            or self.grow_layout(step) is not None  # the groups are replaced after this step
+            or self.grow_watch.layout_after(step) is not None  # the groups are replaced after this step
             or ctx.stop.requested
             or self.reward_failure is not None
             or self.pending_save is not None
@@ -413,19 +342,7 @@ class Trainer(AttemptState, RolloutPhase):
                 if self.restart_to_report is not None:
                     ctx.recovery_log.write("first_step", restart=self.restart_to_report, step=step)
                     self.restart_to_report = None
-                if self.layout_event is not None:
-                    event, self.layout_event = self.layout_event, None
-                    since = event.pop("since_monotonic")
-                    ctx.recovery_log.write(
-                        event.pop("event"), step=step, time_to_step_s=time.monotonic() - since, **event
-                    )
-                grow = self.grow_layout(step)
-                if grow is not None and step < ctx.total_steps and not ctx.stop.requested:
-                    if self.pending_save is not None and self.pending_save.step == step:
-                        self.commit_pending_save(wait=True)
-                    if ctx.snapshots.complete_step == step or self.last_saved_step == step:
-                        self.commit_pending_save(wait=True)  # nothing in flight when the groups go
-                        raise GrowBack(grow, step)
+                self._after_step_layout(step)
         finally:
             progress.close()
             metrics_log.end_attempt()
@@ -443,22 +360,22 @@ class Trainer(AttemptState, RolloutPhase):
             )
         return last
 
-    def grow_layout(self, step: int) -> Layout | None:
-        """After `step`: a layout larger than the groups' that the cluster fits now, or None. Asked at most every
-        GROW_CHECK_S, only below the configured sizes, and only at a step whose state is kept (its snapshot or
-        checkpoint due), so that replacing the groups after it loses no step."""
+    def _after_step_layout(self, step: int) -> None:
+        """The shrink or grow that made this attempt's groups, logged at its first step; then, below the configured
+        sizes, GrowBack when the cluster fits larger groups after this step (its state kept, nothing in flight)."""
         ctx = self.ctx
-        if self._grow_to[0] == step:
-            return self._grow_to[1]
-        found = None
-        checked_step, checked_at = self._grow_checked
-        kept = ctx.snapshots.due(step) or ctx.handler.should_save(step, ctx.total_steps)
-        due = checked_step != step and time.monotonic() - checked_at >= GROW_CHECK_S
-        if ctx.layout != ctx.sizes.configured and kept and due:
-            self._grow_checked = (step, time.monotonic())
-            found = ctx.sizes.grow_target(ctx.layout, lambda layout: cluster_fits(ctx, layout, beside=ctx.layout))
-        self._grow_to = (step, found)
-        return found
+        if self.layout_event is not None:
+            event, self.layout_event = self.layout_event, None
+            since = event.pop("since_monotonic")
+            ctx.recovery_log.write(event.pop("event"), step=step, time_to_step_s=time.monotonic() - since, **event)
+        grow = self.grow_watch.layout_after(step)
+        if grow is None or step >= ctx.total_steps or ctx.stop.requested:
+            return
+        if self.pending_save is not None and self.pending_save.step == step:
+            self.commit_pending_save(wait=True)
+        if ctx.snapshots.complete_step == step or self.last_saved_step == step:
+            self.commit_pending_save(wait=True)  # nothing in flight when the groups go
+            raise GrowBack(grow, step)
 
     def _log_tool_events(self, step: int) -> None:
         """The call ledger's events since the generations were redone (calls made again, records that no longer

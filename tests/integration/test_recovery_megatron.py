@@ -76,7 +76,7 @@ def test_megatron_dp2_tp2_rank_killed_mid_update_is_replaced_within_seconds(clus
     processes; one blocked in a tensor-parallel collective with a partner that already left is replaced too, after
     LEAVE_TIMEOUT_S rather than the step timeout; no step is lost and the run ends bit-identical to the uninterrupted
     run at the same layout (its own: dp 2 reduces in another order than the session's tp 2 x dp 1 reference)."""
-    from rlrunner.runner.trainer import LEAVE_TIMEOUT_S
+    from rlrunner.runner.actor_repair import LEAVE_TIMEOUT_S
 
     layout = [
         *NUMERICS,
