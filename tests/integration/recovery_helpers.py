@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -48,6 +49,22 @@ def assert_matches_reference(output_dir: Path, reference: Reference) -> None:
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert without_time(metrics) == without_time(reference.metrics)
     assert_bit_equal(load_model_weights(final_checkpoint(output_dir)), load_model_weights(reference.checkpoint(STEPS)))
+
+
+def train_in_thread(runner: Supervisor) -> tuple[threading.Thread, list[BaseException]]:
+    """`runner.run()` started in a daemon thread (Cluster.add_node must run in the main thread, Ray installs signal
+    handlers there), and the list its error lands in, for the main thread to report."""
+    errors: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            runner.run()
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    return thread, errors
 
 
 def recovery_events(output_dir: Path, event: str) -> list[dict]:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import ray
-from recovery_helpers import RUN, assert_matches_reference, recovery_events, wait_for
+from recovery_helpers import RUN, assert_matches_reference, recovery_events, train_in_thread, wait_for
 from reference_runs import MEGATRON, NUMERICS, Reference, reference_run
 
 from rlrunner.runner.supervisor import Supervisor
@@ -44,16 +44,7 @@ def test_a_preempted_node_shrinks_the_run_then_it_grows_back_with_the_same_weigh
             assert node_back.wait(120)
 
     runner = Supervisor(run_config(tmp_path, *ELASTIC), callbacks=[Inspect(hold_the_shrunk_attempt)])
-    errors: list[BaseException] = []
-
-    def train() -> None:
-        try:
-            runner.run()
-        except BaseException as exc:  # reported by the main thread
-            errors.append(exc)
-
-    trainer = threading.Thread(target=train, daemon=True)  # Cluster.add_node must run in the main thread
-    trainer.start()
+    trainer, errors = train_in_thread(runner)
     wait_for(lambda: metrics_lines(tmp_path) >= 3)
     cluster.remove_node(cluster.actor_node)  # preempted, no replacement for now
     wait_for(lambda: bool(recovery_events(tmp_path, "failure")) or not trainer.is_alive())
@@ -95,16 +86,7 @@ def test_megatron_dp2_tp2_losing_a_tensor_parallel_group_trains_on_at_dp1(cluste
         "runner.recovery.wait_timeout_s=120",
     ]
     runner = Supervisor(run_config(tmp_path, *layout))
-    errors: list[BaseException] = []
-
-    def train() -> None:
-        try:
-            runner.run()
-        except BaseException as exc:  # reported by the main thread
-            errors.append(exc)
-
-    trainer = threading.Thread(target=train, daemon=True)
-    trainer.start()
+    trainer, errors = train_in_thread(runner)
     wait_for(lambda: (tmp_path / "test" / "checkpoints" / "global_step_2").is_dir() and metrics_lines(tmp_path) >= 3)
     assert cluster.actor_node.node_id in {host["node_id"] for host in runner.trainer.actor_group.hosts}
     cluster.remove_node(cluster.actor_node)  # one tensor-parallel group's node, for good

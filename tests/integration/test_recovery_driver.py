@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -19,6 +18,7 @@ from recovery_helpers import (
     driver_command,
     driver_last_line,
     recovery_events,
+    train_in_thread,
     wait_for,
 )
 from reference_runs import Reference, reference_run
@@ -46,17 +46,7 @@ def test_node_lost_and_replaced(cluster, reference, tmp_path, strategy):
     STRICT_SPREAD: one rank on each node, each rank's part on the other node: the lost node takes a rank and the
     other rank's part, the snapshot is incomplete, and the checkpoint on storage is loaded."""
     runner = Supervisor(run_config(tmp_path, *RUN, f"cluster.placement_strategy={strategy}"))
-    errors: list[BaseException] = []
-
-    def train() -> None:
-        try:
-            runner.run()
-        except BaseException as exc:  # reported by the main thread
-            errors.append(exc)
-
-    # Cluster.add_node must run in the main thread (Ray installs signal handlers there): train in a thread
-    trainer = threading.Thread(target=train, daemon=True)
-    trainer.start()
+    trainer, errors = train_in_thread(runner)
     # after step 4, and once step 3's checkpoint is committed (saved in the background): the fallback has one
     wait_for(lambda: metrics_lines(tmp_path) >= 4 and (tmp_path / "test" / "checkpoints" / "global_step_3").is_dir())
     cluster.remove_node(cluster.actor_node)  # preemption
