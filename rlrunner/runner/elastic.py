@@ -49,8 +49,15 @@ def layout_invariant(cfg: Any, supported: bool) -> bool:
         return bool(setting)
     tp = cfg.actor.tensor_model_parallel_size
     dp = cfg.actor.num_workers // tp
-    minimum = cfg.cluster.min_actor_ranks if cfg.cluster.min_actor_ranks is not None else tp
-    return bool(supported and cfg.runner.recovery.elastic and cfg.actor.num_workers > minimum and is_power_of_two(dp))
+    elastic = cfg.runner.recovery.elastic and cfg.actor.num_workers > min_actor_ranks(cfg)
+    return bool(supported and elastic and is_power_of_two(dp))
+
+
+def min_actor_ranks(cfg: Any) -> int:
+    """The fewest actor ranks an elastic run trains on: cluster.min_actor_ranks, null meaning one tensor-parallel
+    group."""
+    minimum = cfg.cluster.min_actor_ranks
+    return minimum if minimum is not None else cfg.actor.tensor_model_parallel_size
 
 
 @dataclass(frozen=True)
@@ -66,7 +73,7 @@ class ElasticSizes:
         configured = Layout(cfg.actor.num_workers, cfg.rollout.num_workers)
         if not cfg.runner.recovery.elastic:
             return cls(configured, (configured.actor_ranks,), (configured.rollout_workers,))
-        min_actor = cfg.cluster.min_actor_ranks if cfg.cluster.min_actor_ranks is not None else tp
+        min_actor = min_actor_ranks(cfg)
         micro = cfg.actor.micro_batch_size
         actor = []
         for dp in range(configured.actor_ranks // tp, 0, -1):
