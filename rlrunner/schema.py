@@ -203,6 +203,10 @@ class MegatronOptions:
     shard_gradients: bool = True  # keep only this data-parallel rank's slice of the gradients (ZeRO-2)
     shard_weights: bool = True  # and of the weights, gathered a layer at a time (ZeRO-3; needs shard_gradients)
     ckpt_format: str = "torch"  # torch: Megatron-LM's per-rank files | torch_dist: megatron-core's distributed format
+    # the Megatron-LM flags (--overlap-grad-reduce, --ddp-bucket-size) of a run that resumes a `torch` checkpoint:
+    # they decide distrib_optim.pt's bucket layout, which megatron-core reads only as its own run lays it out
+    overlap_grad_reduce: bool = False
+    ddp_bucket_size: Optional[int] = None  # null: megatron-core's default, max(40M, 1M x dp) elements
 
 
 @dataclass

@@ -117,7 +117,13 @@ def _training_job(args):
 
     samples = args.global_batch_size
     config, model = gpt_model(args)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+    # the DDP a Megatron-LM run with the checkpoint's flags builds (its buckets decide distrib_optim.pt's layout)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=getattr(args, "overlap_grad_reduce", False),
+        bucket_size=getattr(args, "ddp_bucket_size", None),
+    )
+    ddp = DistributedDataParallel(config, ddp_config, model)
     optimizer_config = OptimizerConfig(
         optimizer="adam",
         lr=args.lr,
@@ -208,6 +214,7 @@ def resume_worker(rank: int, world: int, port: int, folder: str, out: str) -> No
         **_held(model, optimizer, scheduler),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
         "draws": [random.random(), float(np.random.rand()), torch.rand(3)],
+        "buckets": [len(buffer.buckets) for buffer in ddp.buffers],  # its gradient buffer's buckets
     }
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()

@@ -37,6 +37,7 @@ from megatron_models import spawn_workers, worker_kwargs
 
 STEP = 4
 CHUNK = 777  # elements: a slice of the tiny model's moments is many chunks
+BUCKETS = ["actor.megatron.overlap_grad_reduce=true", "actor.megatron.ddp_bucket_size=2000"]
 
 
 def _expected(tp_rank: int, numel: int) -> dict[str, torch.Tensor]:
@@ -122,6 +123,7 @@ def _megatron_core_holds_it(folder: str, out: Path) -> None:
     spawn_ranks(resume_worker, args=(world, free_port(), folder, str(out)), nprocs=world)
     results = [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(world)]
     assert all(result["steps"] == [float(STEP)] for result in results)
+    assert len(results[0]["buckets"]) == 1 and results[0]["buckets"][0] > 2, results[0]["buckets"]  # BUCKETS: several
     weights = {name: tensor for name, tensor in states[0]["model"].items() if tensor is not None}
     held = held_state(results, 0, {name: tensor.shape for name, tensor in weights.items()})
     moments = read_moments(storage, folder, STEP, 0)
@@ -158,8 +160,10 @@ def _as_slice_files(source: Path, target: Path, tp: int, dp: int) -> None:
 
 
 def test_dp2_tp1_saves_one_distrib_optim_file_and_loads_at_dp1_and_dp3(tmp_path) -> None:
+    """Saved for a Megatron-LM run with --overlap-grad-reduce and buckets of 2000 elements: the tiny model's buffer in
+    several buckets, each with its end padding left out (megatron-core checks their sum and reads each bucket's)."""
     folders = {mode: str(tmp_path / mode) for mode in ("sync", "background")}
-    spawn_workers(2, worker_kwargs(tmp_path, 1, 2), _save, folders)  # sharded weights (the default at dp 2)
+    spawn_workers(2, worker_kwargs(tmp_path, 1, 2, *BUCKETS), _save, folders)  # sharded weights (the default at dp 2)
     for url in folders.values():
         _check_layout(Path(url), 1, 2)
     _megatron_core_holds_it(folders["background"], tmp_path / "megatron_core")

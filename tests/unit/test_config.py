@@ -166,6 +166,8 @@ def test_a_config_file_with_a_moved_key_is_refused_with_its_new_name(tmp_path: P
         "shard_gradients": True,
         "shard_weights": False,
         "ckpt_format": "torch",
+        "overlap_grad_reduce": False,
+        "ddp_bucket_size": None,
     }
 
 
@@ -173,6 +175,8 @@ def test_an_unknown_megatron_checkpoint_format_is_named() -> None:
     with pytest.raises(ConfigError, match=r"^actor.megatron.ckpt_format must be one of torch, torch_dist, got 'dcp'$"):
         load_config(["actor.training_backend=megatron", "actor.megatron.ckpt_format=dcp"])
     assert load_config(["actor.megatron.ckpt_format=torch_dist"]).actor.megatron.ckpt_format == "torch_dist"
+    with pytest.raises(ConfigError, match=r"^actor.megatron.ddp_bucket_size must be a positive number of elements or"):
+        load_config(["actor.training_backend=megatron", "actor.megatron.ddp_bucket_size=0"])
 
 
 def test_packing_by_prompt_needs_a_mask_the_attention_takes() -> None:

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from rlrunner.backends.megatron.buffer_geometry import coalesced_offsets
+from rlrunner.backends.megatron.buffer_geometry import bucket_size, coalesced_offsets
 from rlrunner.backends.megatron.megatron_entries import (
     RLRUNNER_SCHEDULER,
     optimizer_entry,
@@ -109,3 +109,10 @@ def test_coalesced_offsets_follow_megatron_core_s_buffer() -> None:
     assert coalesced_offsets([10, 100, 3], dp=3) == ([192, 64, 0], 202)
     with pytest.raises(ValueError, match="a data-parallel size is a positive integer, got 0"):
         coalesced_offsets([1], dp=0)
+
+
+def test_the_bucket_size_is_megatron_core_s_for_the_run_s_flags() -> None:
+    assert bucket_size(8, overlap_grad_reduce=False, ddp_bucket_size=1000) is None  # one bucket without overlap
+    assert bucket_size(8, overlap_grad_reduce=True) == 40_000_000
+    assert bucket_size(64, overlap_grad_reduce=True) == 64_000_000  # grows with dp past 40
+    assert bucket_size(64, overlap_grad_reduce=True, ddp_bucket_size=1000) == 1000

@@ -36,6 +36,11 @@ class MegatronBackend(TrainingBackend):
             raise ConfigError(
                 f"actor.megatron.ckpt_format must be one of {', '.join(CKPT_FORMATS)}, got '{options.ckpt_format}'"
             )
+        if options.ddp_bucket_size is not None and options.ddp_bucket_size < 1:
+            raise ConfigError(
+                f"actor.megatron.ddp_bucket_size must be a positive number of elements or null, "
+                f"got {options.ddp_bucket_size}"
+            )
         if options.shard_weights and not options.shard_gradients:
             raise ConfigError(
                 "actor.megatron.shard_weights=true needs actor.megatron.shard_gradients=true (whole "

@@ -5,8 +5,8 @@ megatron-core (`distributed/param_and_grad_buffer.py`, `_ParamAndGradBuffer`) la
 dtype end to end in one buffer, in reverse order of `named_parameters()` (roughly backward's order). With the
 distributed optimizer each parameter starts at a multiple of 64 elements (the gaps are zeros), and each bucket ends
 padded to a multiple of lcm(DP size, 128) so that it splits evenly over the data-parallel ranks. A bucket closes once
-it holds at least `bucket_size` elements; without `overlap_grad_reduce` (megatron-core's default) `bucket_size` is
-None and the buffer is one bucket. The file's flat tensors are the buffer with each bucket's end padding cut off
+it holds at least `bucket_size` elements (`bucket_size`); without `overlap_grad_reduce` (megatron-core's default)
+`bucket_size` is None and the buffer is one bucket. The file's flat tensors are the buffer with each bucket's end padding cut off
 (`numel_unpadded` elements), so a parameter's offset in them depends on the buckets only through that padding.
 
 The order of the parameters is megatron-core's `GPTModel` (local layer spec), the order its state dict lists them in
@@ -23,6 +23,15 @@ from rlrunner.backends.megatron.layout import EXTRA_STATE, DecoderDims, expected
 
 PARAM_ALIGNMENT = 64  # elements: megatron-core starts every parameter 128-byte aligned (at >= 16-bit precision)
 BUCKET_ALIGNMENT = 128  # a bucket ends at a multiple of lcm(DP size, 128) elements
+
+
+def bucket_size(dp: int, overlap_grad_reduce: bool, ddp_bucket_size: int | None = None) -> int | None:
+    """The `bucket_size` megatron-core's DDP uses for a run with these Megatron-LM flags (`--overlap-grad-reduce`,
+    `--ddp-bucket-size`) at data-parallel size `dp` (`DistributedDataParallel.__init__`): None, one bucket, without
+    overlap."""
+    if not overlap_grad_reduce:
+        return None
+    return ddp_bucket_size if ddp_bucket_size is not None else max(40_000_000, 1_000_000 * dp)
 
 
 def megatron_param_names(dims: DecoderDims) -> list[str]:

@@ -91,14 +91,17 @@ def flat_moments_state(
     }
 
 
-def coalesced_offsets_of(layout: Layout, megatron_names: Sequence[str], dp: int) -> tuple[list[int], int]:
+def coalesced_offsets_of(
+    layout: Layout, megatron_names: Sequence[str], dp: int, bucket_size: int | None = None
+) -> tuple[list[int], int]:
     """(the offset of each parameter of `layout`, our flat order, in the coalesced file's tensors; their length),
-    megatron-core's geometry for its parameters `megatron_names` (its order) at data-parallel size `dp`."""
+    megatron-core's geometry for its parameters `megatron_names` (its order) at data-parallel size `dp`, in buckets of
+    `bucket_size` (None: one)."""
     shapes = dict(layout)
     if sorted(shapes) != sorted(megatron_names):
         extra = sorted(set(shapes) ^ set(megatron_names))
         raise ValueError(f"the optimizer's parameters are not megatron-core's for this model: {extra[:3]} differ")
-    offsets, numel = coalesced_offsets([math.prod(shapes[name]) for name in megatron_names], dp)
+    offsets, numel = coalesced_offsets([math.prod(shapes[name]) for name in megatron_names], dp, bucket_size)
     where = dict(zip(megatron_names, offsets))
     return [where[name] for name, _ in layout], numel
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlrunner.backends.megatron.buffer_geometry import megatron_param_names
+from rlrunner.backends.megatron.buffer_geometry import bucket_size, megatron_param_names
 from rlrunner.backends.megatron.dist_ckpt import (
     is_torch_dist,
     load_torch_dist,
@@ -64,7 +64,9 @@ class MegatronCheckpoints:
             return
         layout = self.optimizer.layout()
         dims = DecoderDims.from_config(self.hf_config)
-        offsets, numel = coalesced_offsets_of(layout, megatron_param_names(dims), self.data_parallel_size)
+        options = self.actor_cfg["megatron"]
+        buckets = bucket_size(self.data_parallel_size, options["overlap_grad_reduce"], options["ddp_bucket_size"])
+        offsets, numel = coalesced_offsets_of(layout, megatron_param_names(dims), self.data_parallel_size, buckets)
         moments = MomentSave(step, self.tp, self.tp_rank, layout, offsets, numel, own, self.save_group)
         # sharded weights are walked a unit at a time by every DP rank (`UnitCursor`); a synchronous save writes each
         # unit while it is gathered (a stand-in now, the values when they are due), a background one copies it now
@@ -145,6 +147,9 @@ class MegatronCheckpoints:
             adam_beta1=float(betas[0]),
             adam_beta2=float(betas[1]),
             use_distributed_optimizer=True,
+            # the flags a resuming Megatron-LM run takes, which laid distrib_optim.pt's buckets out
+            overlap_grad_reduce=bool(self.actor_cfg["megatron"]["overlap_grad_reduce"]),
+            ddp_bucket_size=self.actor_cfg["megatron"]["ddp_bucket_size"],
             **extra_args,
         )
         group = self.optimizer.param_groups_state()
