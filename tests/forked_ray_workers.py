@@ -28,6 +28,7 @@ so a child starts as clean as a fresh interpreter. What differs from a fresh wor
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -229,6 +230,9 @@ def _serve(socket_path: str) -> None:
     if "torch" in sys.modules:
         _default_threads = sys.modules["torch"].get_num_threads()
     assert threading.active_count() == 1 and len(os.listdir("/proc/self/task")) == 1, "threads before forking"
+    # the preloaded libraries' objects out of the collector's reach: a worker's full collection (each `release`, and
+    # Python's own as objects pile up) then walks only what the worker made, not ~600k objects (0.2-0.3 s each)
+    gc.freeze()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     if os.path.exists(socket_path):
         os.unlink(socket_path)
