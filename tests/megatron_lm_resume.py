@@ -11,9 +11,9 @@ loaded by Megatron-LM's `load_checkpoint`, unchanged, into megatron-core's DDP m
 scheduler built in spawned CPU ranks over gloo, with the arguments Megatron-LM's own parser gives for the run's
 command line (`--use-distributed-optimizer --ckpt-format ...`): at the saved tensor-parallel size, and for `torch_dist`
 at tp 1 too (Megatron-LM reads the legacy format only at its saved size). What it then holds (every element of the
-fp32 weights and both Adam moments, the step, the scheduler, the RNG) is compared, bit for bit, with what megatron-core's
-own loaders hold from the same files at tp 2 (which the suite compares with what our run held), and at tp 1 with
-that merged through our converter. Exits 0 when every check holds; prints each check.
+fp32 weights and both Adam moments, the step, the scheduler, the RNG) is compared, bit for bit, with what
+megatron-core's own loaders hold from the same files at tp 2 (which the suite compares with what our run held), and at
+tp 1 with that merged through our converter. Exits 0 when every check holds; prints each check.
 
 What runs on the CPU beyond Megatron-LM's code: the CUDA redirections of tests/megatron_core_loader.py, the `step`
 hold-aside around megatron-core's plain-torch `load_parameter_state_from_dp_zero` (its bug, described there), and
@@ -52,10 +52,11 @@ def megatron_lm_path(checkout: Path, into: Path) -> Path:
 
 def train_and_save(out: Path, ckpt_format: str) -> Path:
     """Our Megatron backend trains 3 steps at tp 2 (dp 1) and saves in `ckpt_format`: the checkpoint's actor folder."""
-    from conftest import run_config
     from reference_runs import MEGATRON, NUMERICS
 
     from rlrunner.runner.supervisor import Supervisor
+
+    from conftest import run_config
 
     cfg = run_config(
         out,
@@ -129,17 +130,15 @@ def load_worker(rank: int, world: int, port: int, tp: int, folder: str, ckpt_for
     import numpy as np
 
     sys.path.insert(0, path)
-    from megatron_core_loader import _cuda_on_cpu, _held, _training_job
-
     from rlrunner.backends.megatron import files as mf
     from rlrunner.storage import open_storage
+
+    from megatron_core_loader import _cuda_on_cpu, _held, _training_job
 
     storage = open_storage(folder)
     _, states = mf.read_rank_states(storage, storage.url) if ckpt_format == "torch" else (None, None)
     saved = (
-        states[0]["args"]
-        if states
-        else mf.load_file(os.path.join(folder, mf.iteration_dir(STEP), "common.pt"))["args"]
+        states[0]["args"] if states else mf.load_file(os.path.join(folder, mf.iteration_dir(STEP), "common.pt"))["args"]
     )
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
@@ -207,7 +206,8 @@ def main() -> int:
 
     work = options.work or Path(tempfile.mkdtemp(prefix="megatron-lm-resume-"))
     path = str(megatron_lm_path(checkout, Path(tempfile.mkdtemp(dir=work.parent if options.work else None))))
-    actors = {fmt: work / fmt / "test" / "checkpoints" / f"global_step_{STEP}" / "actor" for fmt in ("torch", "torch_dist")}
+    saved = Path("test") / "checkpoints" / f"global_step_{STEP}" / "actor"
+    actors = {fmt: work / fmt / saved for fmt in ("torch", "torch_dist")}
     if not all(actor.exists() for actor in actors.values()):
         ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING")
         try:
@@ -221,18 +221,21 @@ def main() -> int:
             out.mkdir()
             spawn_ranks(load_worker, args=(tp, free_port(), tp, str(actor), fmt, str(out), path), nprocs=tp)
             results[fmt, tp] = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(tp)]
-            print(f"Megatron-LM's load_checkpoint read the {fmt} checkpoint at tp {tp}: iteration "
-                  f"{results[fmt, tp][0]['iteration']}")
+            print(
+                f"Megatron-LM's load_checkpoint read the {fmt} checkpoint at tp {tp}: iteration "
+                f"{results[fmt, tp][0]['iteration']}"
+            )
     return compare(results, actors, work)
 
 
 def megatron_core_loads(fmt: str, actor: Path, out: Path) -> list[dict]:
     """What megatron-core's own loaders (tests/megatron_core_loader.py) hold from the checkpoint at its saved size."""
-    from megatron_core_loader import dist_load_worker, resume_worker
     from ports import free_port
     from spawned_ranks import spawn_ranks
 
     from rlrunner.backends.megatron.files import iteration_dir
+
+    from megatron_core_loader import dist_load_worker, resume_worker
 
     out.mkdir()
     if fmt == "torch":
@@ -254,11 +257,11 @@ def held_tensors(results: list[dict], tp_rank: int) -> dict[str, dict[str, torch
 def compare(results: dict, actors: dict[str, Path], work: Path) -> int:
     """Each Megatron-LM load against megatron-core's loaders' (tp 2) or their state merged to tp 1; prints each check
     and returns the exit status."""
-    from conftest import run_config
-
     from rlrunner.backends.megatron.layout import hf_to_megatron
     from rlrunner.backends.megatron.to_hf import megatron_to_hf
     from rlrunner.models.loading import build_hf_config, build_tokenizer
+
+    from conftest import run_config
 
     failures = 0
 

@@ -5,9 +5,10 @@ megatron-core (`distributed/param_and_grad_buffer.py`, `_ParamAndGradBuffer`) la
 dtype end to end in one buffer, in reverse order of `named_parameters()` (roughly backward's order). With the
 distributed optimizer each parameter starts at a multiple of 64 elements (the gaps are zeros), and each bucket ends
 padded to a multiple of lcm(DP size, 128) so that it splits evenly over the data-parallel ranks. A bucket closes once
-it holds at least `bucket_size` elements (`bucket_size`); without `overlap_grad_reduce` (megatron-core's default)
-`bucket_size` is None and the buffer is one bucket. The file's flat tensors are the buffer with each bucket's end padding cut off
-(`numel_unpadded` elements), so a parameter's offset in them depends on the buckets only through that padding.
+it holds at least `bucket_size` elements (`bucket_size` gives megatron-core's for a run's flags); without
+`overlap_grad_reduce` (megatron-core's default) it is None and the buffer is one bucket. The file's flat tensors are
+the buffer with each bucket's end padding cut off (`numel_unpadded` elements), so a parameter's offset in them
+depends on the buckets only through that padding.
 
 The order of the parameters is megatron-core's `GPTModel` (local layer spec), the order its state dict lists them in
 (`layout.expected_megatron_keys` without the `_extra_state` entries); tests hold it against megatron-core's own
