@@ -97,6 +97,20 @@ def _cuda_on_cpu():
         torch.cuda.current_device, torch.tensor, torch.nn.Parameter.type = real_device, real_tensor, real_type
 
 
+@contextlib.contextmanager
+def step_held_aside(distributed):
+    """The `step` bug of the module docstring stepped around: each parameter's optimizer `step` is taken out of its
+    state while a parameter state file is read into `distributed` (a DistributedOptimizer), then put back."""
+    inner = distributed.optimizer
+    params = [param for group in inner.param_groups for param in group["params"] if "step" in inner.state[param]]
+    steps = {param: inner.state[param].pop("step") for param in params}
+    try:
+        yield
+    finally:
+        for param, step in steps.items():
+            inner.state[param]["step"] = step
+
+
 def start_rank(rank: int, world: int, port: int, args) -> None:
     """Join the gloo group of `world` spawned ranks and set megatron-core's parallel state up for a checkpoint's
     `args` (its tensor-parallel size)."""
@@ -196,13 +210,9 @@ def resume_worker(rank: int, world: int, port: int, folder: str, out: str) -> No
         ddp.load_state_dict(dict(state["model"]), strict=True)
         optimizer.load_state_dict(state["optimizer"])
         (distributed,) = optimizer.chained_optimizers
-        inner = distributed.optimizer
-        steps = {param: inner.state[param].pop("step") for group in inner.param_groups for param in group["params"]}
         optim_file = os.path.join(folder, mf.iteration_dir(iteration), mf.rank_dir(tp_rank), "distrib_optim.pt")
-        with torch.no_grad():  # the fp32 main weights are views of the model's parameters
+        with step_held_aside(distributed), torch.no_grad():  # no_grad: the fp32 main weights are views of the params
             distributed.load_parameter_state(optim_file)
-        for param, step in steps.items():
-            inner.state[param]["step"] = step
         scheduler.load_state_dict(state["opt_param_scheduler"])
     entry = state["rng_state"][0]  # Megatron-LM reads data-parallel rank 0's unless data_parallel_random_init
     random.setstate(entry["random_rng_state"])
@@ -252,12 +262,8 @@ def dist_load_worker(rank: int, world: int, port: int, folder: str, out: str) ->
         param_state = state.pop("param_state")
         assert state.pop("param_state_sharding_type") == "fully_reshardable"
         optimizer.load_state_dict(state)
-        inner = distributed.optimizer
-        steps = {param: inner.state[param].pop("step") for group in inner.param_groups for param in group["params"]}
-        with torch.no_grad():  # the fp32 main weights are views of the model's parameters
+        with step_held_aside(distributed), torch.no_grad():  # no_grad: the fp32 main weights are views of the params
             distributed.load_parameter_state_from_fully_reshardable(param_state)
-        for param, step in steps.items():
-            inner.state[param]["step"] = step
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     result = {**_held(model, optimizer, scheduler), "rng_state": loaded["rng_state"], "iteration": loaded["iteration"]}
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))

@@ -133,7 +133,7 @@ def load_worker(rank: int, world: int, port: int, tp: int, folder: str, ckpt_for
     from rlrunner.backends.megatron import files as mf
     from rlrunner.storage import open_storage
 
-    from megatron_core_loader import _cuda_on_cpu, _held, _training_job
+    from megatron_core_loader import _cuda_on_cpu, _held, _training_job, step_held_aside
 
     storage = open_storage(folder)
     _, states = mf.read_rank_states(storage, storage.url) if ckpt_format == "torch" else (None, None)
@@ -159,14 +159,8 @@ def load_worker(rank: int, world: int, port: int, tp: int, folder: str, ckpt_for
 
     def without_step(load):  # megatron-core's plain-torch `step` bug (tests/megatron_core_loader.py), both formats
         def wrapped(self, *args, **kwargs):
-            inner = self.optimizer
-            params = [p for g in inner.param_groups for p in g["params"] if "step" in inner.state[p]]
-            steps = {p: inner.state[p].pop("step") for p in params}
-            try:
+            with step_held_aside(self):
                 return load(self, *args, **kwargs)
-            finally:
-                for param, step in steps.items():
-                    inner.state[param]["step"] = step
 
         return wrapped
 
