@@ -39,14 +39,14 @@ PACKAGES = ("training", "legacy", "rl", "post_training")  # what `megatron.train
 def megatron_lm_path(checkout: Path, into: Path) -> Path:
     """A folder to put on sys.path whose `megatron/` holds links to the checkout's packages other than `core`: the
     namespace package `megatron` then joins them to the installed megatron-core (the version the suite pins)."""
+    if not (checkout / "megatron" / "training" / "__init__.py").exists():
+        raise SystemExit(f"{checkout} is not a Megatron-LM checkout (no megatron/training)")
     folder = into / "megatron_lm" / "megatron"
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)
     for name in PACKAGES:
-        source = checkout / "megatron" / name
-        if not (source / "__init__.py").exists() and name == "training":
-            raise SystemExit(f"{checkout} is not a Megatron-LM checkout (no megatron/training)")
-        if source.exists():
-            (folder / name).symlink_to(source)
+        source, link = checkout / "megatron" / name, folder / name
+        if source.exists() and not link.is_symlink():
+            link.symlink_to(source)
     return folder.parent
 
 
@@ -121,9 +121,9 @@ def megatron_lm_args(saved, tp: int, load: str, ckpt_format: str):
     return args
 
 
-def load_worker(rank: int, world: int, port: int, tp: int, folder: str, ckpt_format: str, out: str, path: str):
-    """One rank of a megatron-core training job at tensor-parallel size `tp` resuming our checkpoint under `folder`
-    (an actor folder) with Megatron-LM's `load_checkpoint`; writes what it then holds."""
+def load_worker(rank: int, tp: int, port: int, folder: str, ckpt_format: str, out: str, path: str):
+    """One of `tp` ranks of a megatron-core training job at tensor-parallel size `tp` (dp 1) resuming our checkpoint
+    under `folder` (an actor folder) with Megatron-LM's `load_checkpoint`; writes what it then holds."""
     import random
     import types
 
@@ -141,7 +141,7 @@ def load_worker(rank: int, world: int, port: int, tp: int, folder: str, ckpt_for
         states[0]["args"] if states else mf.load_file(os.path.join(folder, mf.iteration_dir(STEP), "common.pt"))["args"]
     )
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=tp)
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -199,7 +199,7 @@ def main() -> int:
     from spawned_ranks import spawn_ranks
 
     work = options.work or Path(tempfile.mkdtemp(prefix="megatron-lm-resume-"))
-    path = str(megatron_lm_path(checkout, Path(tempfile.mkdtemp(dir=work.parent if options.work else None))))
+    path = str(megatron_lm_path(checkout, work))
     saved = Path("test") / "checkpoints" / f"global_step_{STEP}" / "actor"
     actors = {fmt: work / fmt / saved for fmt in ("torch", "torch_dist")}
     if not all(actor.exists() for actor in actors.values()):
@@ -212,8 +212,8 @@ def main() -> int:
     for fmt, actor in actors.items():
         for tp in (2, 1) if fmt == "torch_dist" else (2,):
             out = work / f"loaded_{fmt}_tp{tp}"
-            out.mkdir()
-            spawn_ranks(load_worker, args=(tp, free_port(), tp, str(actor), fmt, str(out), path), nprocs=tp)
+            out.mkdir(exist_ok=True)
+            spawn_ranks(load_worker, args=(tp, free_port(), str(actor), fmt, str(out), path), nprocs=tp)
             results[fmt, tp] = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(tp)]
             print(
                 f"Megatron-LM's load_checkpoint read the {fmt} checkpoint at tp {tp}: iteration "
@@ -231,7 +231,7 @@ def megatron_core_loads(fmt: str, actor: Path, out: Path) -> list[dict]:
 
     from megatron_core_loader import dist_load_worker, resume_worker
 
-    out.mkdir()
+    out.mkdir(exist_ok=True)
     if fmt == "torch":
         spawn_ranks(resume_worker, args=(2, free_port(), str(actor), str(out)), nprocs=2)
     else:

@@ -121,7 +121,7 @@ class MegatronCheckpoints:
 
     def _training_entries(self, step: int, **extra_args: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         """(`args`, `optimizer`, `opt_param_scheduler`) of a `model_optim_rng.pt`, as Megatron-LM reads them."""
-        optim = self.actor_cfg["optim"]
+        optim, options = self.actor_cfg["optim"], self.actor_cfg["megatron"]
         samples = self.samples_per_optimizer_step
         steps_done = int(self.scheduler.last_epoch)
         max_lr, min_lr = float(optim["lr"]), float(optim["lr"]) * float(optim["min_lr_ratio"])
@@ -148,8 +148,8 @@ class MegatronCheckpoints:
             adam_beta2=float(betas[1]),
             use_distributed_optimizer=True,
             # the flags a resuming Megatron-LM run takes, which laid distrib_optim.pt's buckets out
-            overlap_grad_reduce=bool(self.actor_cfg["megatron"]["overlap_grad_reduce"]),
-            ddp_bucket_size=self.actor_cfg["megatron"]["ddp_bucket_size"],
+            overlap_grad_reduce=bool(options["overlap_grad_reduce"]),
+            ddp_bucket_size=options["ddp_bucket_size"],
             **extra_args,
         )
         group = self.optimizer.param_groups_state()
