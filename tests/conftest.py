@@ -140,6 +140,7 @@ def _shared_ray_order(item) -> int:
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which names each test's group from the marks set here
 def pytest_collection_modifyitems(session, config, items) -> None:
     """The modules that use ray_session first, then those that use the cluster (each in their order), so that each
     set shares one Ray and its parked workers. Under xdist each set is one group, run whole by one worker (so its
@@ -169,6 +170,21 @@ def _shut_down_kept_ray() -> None:
 def pytest_runtest_setup(item) -> None:
     if _kept is not None and _module(item) not in _shared_modules[_kept]:
         _shut_down_kept_ray()
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook
+def pytest_xdist_node_collection_finished(node, ids) -> None:
+    """In xdist's controller: every test a worker collected is named with its group (`@group`, from the marks
+    `pytest_collection_modifyitems` sets). Where it is not (pytest 9.2 keeps node ids where pytest-xdist 3.8 does
+    not write the suffix), every test would be scheduled alone: each worker would build the shared Rays and module
+    fixtures again, and the suite take twice as long without failing; it stops at once instead."""
+    ungrouped = [nodeid for nodeid in ids if "@" not in nodeid]
+    if node.config.getvalue("dist") == "loadgroup" and ungrouped:
+        pytest.exit(
+            f"pytest-xdist does not group tests under pytest {pytest.__version__} ({ungrouped[0]} has no @group): "
+            "install the test extras' pytest (pip install -e '.[test]'), or run with -n 0",
+            returncode=4,
+        )
 
 
 def pytest_collection_finish(session) -> None:

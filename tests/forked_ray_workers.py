@@ -11,6 +11,9 @@ its child with it (the server sees its connection close). The child registers wi
 one Ray kills, and the one a test's `os.getpid()` in the actor returns. It gets a session of its own, as Ray gives
 its workers, and exits as an interpreter does (threads joined, atexit callbacks run).
 
+Before it, Ray runs its `setup_worker.py` (a fresh interpreter importing Ray, 0.7 s of CPU) to exec that command; the
+nodes the test process starts run tests/ray_setup_worker.py instead, which becomes the client itself.
+
 The job config is set in the environment (`RAY_JOB_CONFIG_JSON_ENV_VAR`, what `ray job submit` gives a driver), so
 every `ray.init` of the test process and of the drivers it starts merges it in. Until the server listens, and if it
 goes, a client execs the worker Ray asked for.
@@ -41,7 +44,8 @@ import sys
 # What a worker imports before its constructor runs (transformers' model code included); a name that fails to
 # import is skipped by the server (the workers then import it themselves).
 PRELOAD = [
-    # not ray: its native part keeps what it read of the environment (the auth token) at first use
+    # not ray: a worker forked with Ray imported dies starting its core worker (Ray's native part keeps what it read
+    # of the environment at import, which is the server's)
     "torch",
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
@@ -51,6 +55,7 @@ PRELOAD = [
 ]
 
 _HEADER = struct.Struct("<Q")
+SETUP_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_setup_worker.py")
 JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # ray._private.runtime_env.constants: its name is its value
 _default_threads = 1  # torch's thread count with no OMP_NUM_THREADS, read by the server
 _site_path: list[str] = []  # the server's sys.path without its script's folder and its PYTHONPATH
@@ -59,6 +64,14 @@ _site_path: list[str] = []  # the server's sys.path without its script's folder 
 def client_command(socket_path: str) -> str:
     """The `py_executable` of a runtime env whose workers are forked by the server at `socket_path`."""
     return f"{sys.executable} -S {os.path.abspath(__file__)} --client {socket_path}"
+
+
+def client_socket(py_executable: str) -> str | None:
+    """The server's socket path if `py_executable` is `client_command`'s, else None."""
+    prefix = client_command("")
+    if not py_executable.startswith(prefix):
+        return None
+    return py_executable[len(prefix) :] or None
 
 
 def serve_ray_workers() -> subprocess.Popen:
@@ -74,6 +87,12 @@ def serve_ray_workers() -> subprocess.Popen:
     )
     # what `ray job submit` gives its driver: a job config whose runtime env every `ray.init` of the job merges in
     os.environ[JOB_CONFIG_ENV] = json.dumps({"runtime_env": {"py_executable": client_command(socket_path)}})
+    # the nodes this process starts run tests/ray_setup_worker.py, not Ray's setup_worker.py (an absolute file name
+    # is the whole path Ray joins it to)
+    from ray._private import ray_constants
+
+    server.setup_worker = ray_constants.SETUP_WORKER_FILENAME
+    ray_constants.SETUP_WORKER_FILENAME = SETUP_WORKER
     server.socket_path = socket_path
     return server
 
@@ -82,6 +101,9 @@ def stop(server: subprocess.Popen) -> int | None:
     """Stop the fork server; jobs begun after this start their workers as Ray does. Returns the server's exit code
     if it had ended before (its workers were then started as Ray does, at the imports' cost)."""
     os.environ.pop(JOB_CONFIG_ENV, None)
+    from ray._private import ray_constants
+
+    ray_constants.SETUP_WORKER_FILENAME = server.setup_worker
     ended = server.poll()
     server.kill()
     server.wait()
@@ -109,7 +131,8 @@ def _recv_exact(conn: socket.socket, size: int) -> bytes:
     return data
 
 
-def _client(socket_path: str, argv: list[str]) -> None:
+def run_client(socket_path: str, argv: list[str]) -> None:
+    """Have the server fork the worker `argv` asks for, and stand for it until it ends (never returns)."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(socket_path)
@@ -291,6 +314,6 @@ def _serve(socket_path: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--client":
-        _client(sys.argv[2], sys.argv[3:])
+        run_client(sys.argv[2], sys.argv[3:])
     else:
         _serve(sys.argv[2])
