@@ -140,15 +140,24 @@ def _shared_ray_order(item) -> int:
     )
 
 
+def _run_order(item, slow_modules: set[str]) -> tuple[int, int]:
+    """The shared Rays' modules first (`_shared_ray_order`), then the other modules with whole runs, then the rest:
+    under xdist the longest groups start first and the many short ones fill the end."""
+    return _shared_ray_order(item), _module(item) not in slow_modules
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's, which names each test's group from the marks set here
 def pytest_collection_modifyitems(session, config, items) -> None:
     """The modules that use ray_session first, then those that use the cluster (each in their order), so that each
-    set shares one Ray and its parked workers. Under xdist each set is one group, run whole by one worker (so its
-    Ray and parked workers are started once), and every other module is a group of its own (its module-scoped
-    fixtures built once)."""
+    set shares one Ray and its parked workers, then the other modules of slow tests, then the rest. Under xdist each
+    set is one group, run whole by one worker (so its Ray and parked workers are started once), and every other
+    module is a group of its own (its module-scoped fixtures built once); the groups start in this order
+    (`--no-loadscope-reorder` in pyproject.toml: xdist would otherwise start those of the most tests first, and a
+    module of one long test last)."""
     for fixture, modules in _shared_modules.items():
         modules.update(_module(item) for item in items if fixture in item.fixturenames)
-    items.sort(key=_shared_ray_order)
+    slow_modules = {_module(item) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: _run_order(item, slow_modules))
     if config.pluginmanager.hasplugin("xdist"):  # `-n 2 --dist loadgroup` (pyproject.toml): what runs in one worker
         for item in items:
             shared = next((fixture for fixture, modules in _shared_modules.items() if _module(item) in modules), None)
