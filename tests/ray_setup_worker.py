@@ -1,5 +1,5 @@
 """The suite's stand-in for Ray's `setup_worker.py`: the first process of every Ray worker that a Ray started by the
-test process runs (tests/conftest.py points `ray_constants.SETUP_WORKER_FILENAME` here).
+test process runs (`forked_ray_workers.serve_ray_workers` points `ray_constants.SETUP_WORKER_FILENAME` here).
 
 Ray's own imports Ray (0.7 s of CPU, for every worker the suite starts) to read the worker's runtime env context, set
 its environment variables and exec its `py_executable` through bash. When that executable is the fork server's client
