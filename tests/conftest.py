@@ -134,16 +134,11 @@ def _module(item) -> str:
     return item.nodeid.split("::")[0]
 
 
-def _shared_ray_order(item) -> int:
-    return next(
-        (i for i, modules in enumerate(_shared_modules.values()) if _module(item) in modules), len(_shared_modules)
-    )
-
-
-def _run_order(item, slow_modules: set[str]) -> tuple[int, int]:
-    """The shared Rays' modules first (`_shared_ray_order`), then the other modules with whole runs, then the rest:
-    under xdist the longest groups start first and the many short ones fill the end."""
-    return _shared_ray_order(item), _module(item) not in slow_modules
+def _run_order(item, slow_modules: set[str]) -> tuple[int, bool]:
+    """The shared Rays' modules first (in `_shared_modules`' order), then the other modules with whole runs, then the
+    rest: under xdist the longest groups start first and the many short ones fill the end."""
+    shared = next((i for i, modules in enumerate(_shared_modules.values()) if _module(item) in modules), None)
+    return len(_shared_modules) if shared is None else shared, _module(item) not in slow_modules
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's, which names each test's group from the marks set here
