@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -29,6 +30,7 @@ def default_config_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parent.parent / "configs"
 
 
+@functools.cache  # once per process: building the structured node is a third of a compose (Hydra copies it on load)
 def _register_schema() -> None:
     from hydra.core.config_store import ConfigStore
 

@@ -13,6 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# Ray's log monitor (one per node: the suite's Rays and its drivers' inherit this) looks for new worker log files
+# every 0.1 s below this many files, every 0.5 s above: a suite's Ray gathers hundreds, so half a second from the start
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+
 
 def _local_storage():
     from rlrunner.storage import open_storage

@@ -52,6 +52,13 @@ PRELOAD = [
     "transformers",
     "transformers.models.qwen2.modeling_qwen2",
     "transformers.models.llama.modeling_llama",
+    # what vLLM's engine imports besides vLLM itself (which imports Ray): 2 s of CPU in each rollout worker of a
+    # `vllm` run; absent without vLLM installed
+    "torch._inductor.lowering",
+    "openai",
+    "fastapi",
+    "aiohttp",
+    "networkx",
 ]
 
 _HEADER = struct.Struct("<Q")

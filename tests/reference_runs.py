@@ -4,10 +4,11 @@ per pytest session and kept as files.
 A run is bit-for-bit reproducible whatever its failures, resumes, worker processes or cluster: any run of the same
 numbers (the model, the data, the algorithm, the seeds) logs the same metrics and holds the same weights after each
 step as the reference, whatever its worker counts, CPUs per worker, timeouts, Ray cluster, save schedule or
-`runner.max_steps` (the LR schedule is constant). So one reference per backend serves every module: the first test
-that asks for it trains it (inside the Ray that is up then, or a local one of its own, shut down afterwards), and later
-tests only read its files (its metrics.jsonl, its checkpoints, and the policy's weights and the actor ranks' RNG
-states after every step), whatever Ray came and went in between.
+`runner.max_steps` (the LR schedule is constant). So one reference per backend serves every module and both xdist
+workers: the first test that asks for it trains it (inside the Ray that is up then, or a local one of its own, shut
+down afterwards; a test of the other worker asking meanwhile waits for it), and later tests only read its files (its
+metrics.jsonl, its checkpoints, and the policy's weights and the actor ranks' RNG states after every step), whatever
+Ray came and went in between.
 
 The data has 26 problems in batches of 4: 6 steps per epoch, so step 3 is mid-epoch and step 6 the end of epoch 0 (its
 2 leftover prompts are dropped). The reference trains 10 steps and saves at 3, 6, 9 and 10.
@@ -15,6 +16,9 @@ The data has 26 problems in batches of 4: 6 steps per epoch, so step 3 is mid-ep
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,22 +147,49 @@ _references: dict[str, Reference | BaseException] = {}
 
 def reference_run(backend: str, tmp_path_factory) -> Reference:
     """The session's reference run of `backend` ("fsdp" or "megatron"; "..._lag1" with LAG1): trained at the first
-    call, inside the Ray that is up (else a local one, shut down afterwards), then the same files for every later
-    call."""
+    call of the session's processes (pytest-xdist's workers share it), inside the Ray that is up (else a local one,
+    shut down afterwards), then the same files for every later call."""
     if backend not in _references:
-        output_dir = tmp_path_factory.mktemp(f"{backend}_reference")
-        own_ray = not ray.is_initialized()
-        if own_ray:
-            ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING")
         try:
-            _references[backend] = train_reference(output_dir, reference_config(output_dir, backend))
-        except BaseException as exc:
+            _references[backend] = _trained_once(backend, _session_folder(tmp_path_factory) / "references")
+        except Exception as exc:
             _references[backend] = exc  # not trained again by every later test
             raise
-        finally:
-            if own_ray:
-                ray.shutdown()
     found = _references[backend]
     if isinstance(found, BaseException):
         raise RuntimeError(f"the {backend} reference run failed earlier in this session: {found!r}") from found
     return found
+
+
+def _session_folder(tmp_path_factory) -> Path:
+    """A folder every process of the session sees: an xdist worker's base temp folder is one of the controller's."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _trained_once(backend: str, folder: Path) -> Reference | BaseException:
+    """`backend`'s reference from `folder`, trained there first by whichever process gets its lock first; the others
+    wait for its files (a reference costs more than the wait), or for its failure (not trained again by each)."""
+    folder.mkdir(exist_ok=True)
+    output_dir, done, failed = folder / backend, folder / f"{backend}.done", folder / f"{backend}.failed"
+    with open(folder / f"{backend}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when its process dies
+        if failed.exists():
+            return RuntimeError(f"failed in another process of the session: {failed.read_text()}")
+        if done.exists():
+            return Reference(output_dir, read_metrics(output_dir / "test" / "metrics.jsonl"))
+        shutil.rmtree(output_dir, ignore_errors=True)  # what a process that died training it left
+        output_dir.mkdir()
+        own_ray = not ray.is_initialized()
+        if own_ray:
+            ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING")
+        try:
+            reference = train_reference(output_dir, reference_config(output_dir, backend))
+        except Exception as exc:
+            failed.write_text(repr(exc))
+            raise
+        finally:
+            if own_ray:
+                ray.shutdown()
+        done.touch()
+        return reference

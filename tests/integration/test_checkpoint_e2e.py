@@ -320,7 +320,7 @@ def test_a_save_killed_halfway_is_skipped_by_auto(ray_session, tmp_path, subproc
             if root.is_dir():
                 staged = next((p for p in root.iterdir() if p.name.startswith(layout.STAGING_PREFIX)), None)
             if staged is None:
-                time.sleep(0.001)
+                time.sleep(0.005)
         assert staged is not None, "never saw a save in progress"
         os.killpg(driver.pid, signal.SIGKILL)
     finally:

@@ -191,6 +191,10 @@ def test_ray_job_submit_runs_the_launch_script(repo_root: Path, tmp_path: Path):
             "runner.logger.progress_bar=false",
         ]
         runtime_env = {"env_vars": {"PYTHON": sys.executable, "RLRUNNER_MAX_RESTARTS": "0"}}
+        # the job's workers forked like the suite's (tests/forked_ray_workers.py): its runtime env's py_executable
+        suite_runtime_env = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env", {})
+        if "py_executable" in suite_runtime_env:
+            runtime_env["py_executable"] = suite_runtime_env["py_executable"]
         command = [
             str(ray),
             "job",

