@@ -52,14 +52,10 @@ PRELOAD = [
     "transformers",
     "transformers.models.qwen2.modeling_qwen2",
     "transformers.models.llama.modeling_llama",
-    # what vLLM's engine imports besides vLLM itself (which imports Ray): 2 s of CPU in each rollout worker of a
-    # `vllm` run; absent without vLLM installed
-    "torch._inductor.lowering",
-    "openai",
-    "fastapi",
-    "aiohttp",
-    "networkx",
 ]
+# what vLLM's engine imports besides vLLM itself (which imports Ray): 2 s of CPU in each rollout worker of a `vllm`
+# run; absent without vLLM installed
+VLLM_PRELOAD = ["torch._inductor.lowering", "openai", "fastapi", "aiohttp", "networkx"]
 
 _HEADER = struct.Struct("<Q")
 SETUP_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_setup_worker.py")
@@ -249,7 +245,7 @@ def _serve(socket_path: str) -> None:
     import selectors
     import threading
 
-    for name in PRELOAD:
+    for name in [*PRELOAD, *VLLM_PRELOAD]:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the workers import it themselves, and fail there if they must
