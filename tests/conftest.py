@@ -16,8 +16,6 @@ import torch
 # Ray's log monitor (one per node: the suite's Rays and its drivers' inherit this) looks for new worker log files
 # every 0.1 s below this many files, every 0.5 s above: a suite's Ray gathers hundreds, so half a second from the start
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
-# and its dashboard agent's reporter reads every process's stats every 5 s, for a dashboard the suite never shows
-os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
 
 
 def _local_storage():
@@ -234,8 +232,6 @@ def run_config(tmp_path: Path, *overrides: str):
         "cluster.placement_timeout_s=30",
         *TEST_LAYOUT,
         "data.synthetic.val_size=0",  # no validation set: tests that validate ask for one
-        # more than a short run draws; the default 4096 take a second to tokenize in each run's driver
-        "data.synthetic.num_problems=64",
         *TINY_MODEL,
     ]
     return load_config(base + list(overrides))
