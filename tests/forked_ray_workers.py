@@ -26,7 +26,7 @@ so a child starts as clean as a fresh interpreter. What differs from a fresh wor
 - `sys.path` is rebuilt from the worker's PYTHONPATH;
 - the string hash seed is the server's, shared by all children (a fresh interpreter draws its own);
 - `/proc/<pid>/environ` and the command line show the server's (a test that finds processes by a marker in their
-  environment, test_embedded_ray.py, starts its drivers without the job config).
+  environment, test_embedded_ray.py, finds the worker's client, which takes the worker along when killed).
 """
 
 from __future__ import annotations
