@@ -167,7 +167,7 @@ def _session_folder(tmp_path_factory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
-def _trained_once(backend: str, folder: Path) -> Reference | BaseException:
+def _trained_once(backend: str, folder: Path) -> Reference:
     """`backend`'s reference from `folder`, trained there first by whichever process gets its lock first; the others
     wait for its files (a reference costs more than the wait), or for its failure (not trained again by each)."""
     folder.mkdir(exist_ok=True)
@@ -175,7 +175,7 @@ def _trained_once(backend: str, folder: Path) -> Reference | BaseException:
     with open(folder / f"{backend}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when its process dies
         if failed.exists():
-            return RuntimeError(f"failed in another process of the session: {failed.read_text()}")
+            raise RuntimeError(f"the {backend} reference run failed in another process: {failed.read_text()}")
         if done.exists():
             return Reference(output_dir, read_metrics(output_dir / "test" / "metrics.jsonl"))
         shutil.rmtree(output_dir, ignore_errors=True)  # what a process that died training it left
