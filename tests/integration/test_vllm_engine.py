@@ -236,15 +236,15 @@ def test_weights_pushed_into_vllm_give_the_hf_engines_greedy_output(ray_session,
         assert second["hf"] != first["hf"], "the update did not change the greedy output: nothing was checked"
 
         cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
-        multiprocessing = rollouts["vllm-mp"]
-        worker_pid, cores = ray.get(multiprocessing.workers[0].__ray_call__.remote(own_process_and_engine_cores))
+        own_core = rollouts["vllm-mp"]
+        worker_pid, cores = ray.get(own_core.workers[0].__ray_call__.remote(own_process_and_engine_cores))
         assert len(cores) == 1, f"the rollout worker has no engine core process of its own: {cores}"
         worker = psutil.Process(worker_pid)
         os.kill(cores[0], signal.SIGKILL)
         # a generate asked right after: never answered by the dead core, it ends with its worker (the watcher's exit,
         # within about a second), as a lost rollout worker, not at the time bound as a hang
         with pytest.raises(ray.exceptions.RayActorError):
-            multiprocessing.call_rank(0, "generate", 1, [records], timeout_s=30)
+            own_core.call_rank(0, "generate", 1, [records], timeout_s=30)
         worker.wait(timeout=10)
     finally:
         for group in groups:
