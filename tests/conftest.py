@@ -16,6 +16,11 @@ import torch
 # Ray's log monitor (one per node: the suite's Rays and its drivers' inherit this) looks for new worker log files
 # every 0.1 s below this many files, every 0.5 s above: a suite's Ray gathers hundreds, so half a second from the start
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+# Ray starts idle Python workers ahead of demand (a node's CPU count when it starts and when the first driver
+# connects, more as tasks queue); the suite's actors each need a worker of their job's runtime env (the fork server's
+# `py_executable`), so those are started and never used: a fifth of a short module's CPU
+os.environ.setdefault("RAY_enable_worker_prestart", "0")
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 
 def _local_storage():

@@ -26,6 +26,7 @@ PRELOAD = [
     "rlrunner.backends.fsdp.worker",
     "rlrunner.backends.megatron.worker",
     "megatron.core",
+    "frozen_heap",  # last: everything above out of the collector's reach
 ]
 
 
