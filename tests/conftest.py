@@ -21,6 +21,10 @@ os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 # `py_executable`), so those are started and never used: a fifth of a short module's CPU
 os.environ.setdefault("RAY_enable_worker_prestart", "0")
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+# Nothing of ours uses torch.compile, but vLLM compiles a helper of its sampler (the ranks of the sampled tokens, a
+# count of integers) in each rollout worker: dynamo, inductor and a hash of triton's files, a third of a vLLM test's
+# CPU. The suite runs it eagerly: the same integers
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
 def _local_storage():
