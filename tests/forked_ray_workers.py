@@ -71,6 +71,17 @@ RAY_DEPENDENCIES = [
 # what vLLM's engine imports besides vLLM itself (which imports Ray): 2 s of CPU in each rollout worker of a `vllm`
 # run; absent without vLLM installed
 VLLM_PRELOAD = ["torch._inductor.lowering", "openai", "fastapi", "aiohttp", "networkx"]
+# vLLM's own engine, CPU worker and the model the tests run (~3 s of CPU in each of its rollout workers), imported
+# with Ray hidden: vLLM imports it only for executors of its own, which a rollout worker does not use (its engine
+# runs in-process or in processes of vLLM's multiprocessing executor), and those modules then hold no Ray. Its logging
+# is set up at import: as the engine sets it up (rlrunner/rollout/vllm_engine.py)
+VLLM_MODULES = [
+    "vllm.entrypoints.llm",
+    "vllm.v1.engine.core",
+    "vllm.v1.executor.uniproc_executor",
+    "vllm.v1.worker.cpu_model_runner",
+    "vllm.model_executor.models.qwen2",
+]
 
 _HEADER = struct.Struct("<Q")
 SETUP_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_setup_worker.py")
@@ -260,11 +271,16 @@ def _serve(socket_path: str) -> None:
     import selectors
     import threading
 
-    for name in [*PRELOAD, *RAY_DEPENDENCIES, *VLLM_PRELOAD]:
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - the workers import it themselves, and fail there if they must
-            pass
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    sys.modules["ray"] = None  # `import ray` raises ImportError (vLLM's optional imports of it give up)
+    try:
+        for name in [*PRELOAD, *RAY_DEPENDENCIES, *VLLM_PRELOAD, *VLLM_MODULES]:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - the workers import it themselves, and fail there if they must
+                pass
+    finally:
+        del sys.modules["ray"]
     global _default_threads, _site_path
     own = {os.path.abspath(sys.path[0]), *_pythonpath()}
     _site_path = [entry for entry in sys.path[1:] if os.path.abspath(entry) not in own]
