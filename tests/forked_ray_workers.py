@@ -25,6 +25,8 @@ so a child starts as clean as a fresh interpreter. What differs from a fresh wor
   OpenBLAS keeps one thread;
 - `sys.path` is rebuilt from the worker's PYTHONPATH;
 - the string hash seed is the server's, shared by all children (a fresh interpreter draws its own);
+- vLLM's modules were imported with Ray hidden: those that import it optionally hold none (its Ray executors' code;
+  a rollout worker runs vLLM's engine in-process or with vLLM's own multiprocessing, which never use it);
 - `/proc/<pid>/environ` and the command line show the server's (a test that finds processes by a marker in their
   environment, test_embedded_ray.py, finds the worker's client, which takes the worker along when killed).
 """
