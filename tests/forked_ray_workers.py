@@ -55,8 +55,9 @@ PRELOAD = [
     "transformers.models.qwen2.modeling_qwen2",
     "transformers.models.llama.modeling_llama",
 ]
-# Ray's own pure-Python dependencies (its import in each worker, after the fork: 0.35 -> 0.24 s of CPU); not pyarrow,
-# which starts a thread when imported
+# Ray's own dependencies (its import in each worker, after the fork: 0.35 -> 0.24 s of CPU), and what its serialization
+# context imports at a worker's first deserialization (pydantic's field types, starlette's State, pyarrow: 0.3 s of CPU
+# a worker; pyarrow starts jemalloc's background thread unless the server's environment turns it off, below)
 RAY_DEPENDENCIES = [
     "requests",
     "jsonschema",
@@ -66,6 +67,13 @@ RAY_DEPENDENCIES = [
     "google.protobuf.json_format",
     "google.protobuf.text_format",
     "pydantic",
+    "pydantic.main",
+    "pydantic.fields",
+    "pydantic.v1.fields",
+    "packaging.version",
+    "starlette.datastructures",
+    "pyarrow",
+    "pyarrow.json",
     "yaml",
     "msgpack",
     "uvloop",
@@ -113,6 +121,7 @@ def serve_ray_workers() -> subprocess.Popen:
     # no OMP_NUM_THREADS: the server reads torch's default thread count; OpenBLAS one thread: numpy starts no thread
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
     env["OPENBLAS_NUM_THREADS"] = "1"
+    env["JE_ARROW_MALLOC_CONF"] = "background_thread:false"  # pyarrow's jemalloc: no thread at import either
     server = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--serve", socket_path], env=env, start_new_session=True
     )
