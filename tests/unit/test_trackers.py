@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,14 @@ from rlrunner.trackers.base import REDACTED, redact
 from rlrunner.trackers.registry import check_backends, missing_package
 from rlrunner.trackers.session import Trackers
 from rlrunner.trackers.state import TRACKERS_FILE
-from rlrunner.trackers.wandb_offline import history_records, offline_config, offline_history, offline_last_step
+from rlrunner.trackers.wandb_offline import (
+    history_records,
+    offline_config,
+    offline_history,
+    offline_last_step,
+    payloads,
+    run_folders,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,8 +78,34 @@ def mlflow_history(log_dir: Path, run_id: str, key: str) -> list[tuple[int, floa
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
-def wandb_history(log_dir: Path, run_id: str) -> list[tuple[int, dict]]:
-    return [record for _, history in offline_history(log_dir / "wandb", run_id) for record in history]
+def finished_history(wandb_dir: Path, run_id: str) -> list[tuple[str, list[tuple[int, dict]]]]:
+    """`offline_history` of a run last finished in this process, read once its newest folder holds W&B's exit record
+    (up to 30 s): `run.finish()` can return before W&B's service has written the file (seen once, on a loaded machine:
+    no history in it yet)."""
+    from wandb.proto import wandb_internal_pb2
+
+    def exited() -> bool:
+        folders = run_folders(wandb_dir, run_id)
+        if not folders:
+            return False
+        with open(folders[-1] / f"run-{run_id}.wandb", "rb") as handle:
+            for payload in payloads(handle):
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(payload)
+                if record.WhichOneof("record_type") == "exit":
+                    return True
+        return False
+
+    deadline = time.monotonic() + 30
+    while not exited() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return offline_history(wandb_dir, run_id)
+
+
+def wandb_history(log_dir: Path, run_id: str, finished: bool = True) -> list[tuple[int, dict]]:
+    """The run's history over its offline folders (`finished`: its last launch was finished in this process)."""
+    folders = finished_history(log_dir / "wandb", run_id) if finished else offline_history(log_dir / "wandb", run_id)
+    return [record for _, history in folders for record in history]
 
 
 def assert_each_step_once(log_dir: Path, steps: range, time_of_step) -> None:
@@ -117,7 +151,7 @@ def test_a_resumed_run_continues_each_tracker_and_holds_every_step_once(tmp_path
     assert len(client.search_runs([client.get_experiment_by_name("rlrunner").experiment_id])) == 1
     # steps 4 and 5 were in the stores already: not sent again (their time/step_s is the first attempt's)
     assert_each_step_once(tmp_path, range(9), lambda step: 1.0 if step <= 5 else 2.0)
-    assert len(offline_history(tmp_path / "wandb", ids["wandb"])) == 2  # one offline folder per launch
+    assert len(finished_history(tmp_path / "wandb", ids["wandb"])) == 2  # one offline folder per launch
 
 
 def test_steps_a_tracker_lost_are_sent_again_from_the_metrics_log(tmp_path):
@@ -137,7 +171,7 @@ def test_steps_a_tracker_lost_are_sent_again_from_the_metrics_log(tmp_path):
 
     assert run_ids(tmp_path) == ids
     assert_each_step_once(tmp_path, range(8), lambda step: 1.0 if step <= 5 else 2.0)
-    assert [[step for step, _ in history] for _, history in offline_history(tmp_path / "wandb", ids["wandb"])] == [
+    assert [[step for step, _ in history] for _, history in finished_history(tmp_path / "wandb", ids["wandb"])] == [
         [0, 1, 2],
         [3, 4, 5, 6, 7],
     ]
@@ -169,7 +203,7 @@ def test_a_sigkilled_driver_is_continued_without_gaps_or_repeats(tmp_path):
         child.send_signal(signal.SIGKILL)
         child.wait()
     ids = run_ids(tmp_path)
-    lost = 6 - len(wandb_history(tmp_path, ids["wandb"]))  # unflushed W&B records die with the process
+    lost = 6 - len(wandb_history(tmp_path, ids["wandb"], finished=False))  # unflushed W&B records die with the process
 
     second = trackers(tmp_path, continue_runs=True)
     second.begin(5, records(range(6)))  # the child's metrics.jsonl (written and flushed line by line)
@@ -323,7 +357,7 @@ def test_in_job_repair_keeps_the_runs_open_and_sends_nothing_twice(tmp_path, cap
         session.log(step, metrics(step, attempt=2))
     session.end_attempt()
     session.close("finished")
-    assert len(offline_history(tmp_path / "wandb", run_ids(tmp_path)["wandb"])) == 1  # one W&B run, one folder
+    assert len(finished_history(tmp_path / "wandb", run_ids(tmp_path)["wandb"])) == 1  # one W&B run, one folder
     assert_each_step_once(tmp_path, range(8), lambda step: 1.0 if step <= 5 else 2.0)
     assert tensorboard_scalars(tmp_path, "time/step_s") == [(s, 1.0 if s <= 3 else 2.0) for s in range(8)]
 
@@ -365,7 +399,7 @@ def test_the_offline_reader_stops_at_a_cut_or_damaged_record(tmp_path, caplog):
         session.log(step, {"step_value": float(step), **big})
     session.close("finished")
     run_id = run_ids(tmp_path)["wandb"]
-    ((folder, full),) = offline_history(tmp_path / "wandb", run_id)
+    ((folder, full),) = finished_history(tmp_path / "wandb", run_id)
     assert [step for step, _ in full] == list(range(40)) and full[7][1] == {"step_value": 7.0, **big}
     assert offline_last_step(tmp_path / "wandb", run_id) == 39
     data = (Path(folder) / f"run-{run_id}.wandb").read_bytes()
