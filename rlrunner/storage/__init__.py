@@ -88,8 +88,9 @@ def open_storage(url: str | os.PathLike, storage_options: Mapping[str, Any] | No
         raise ConfigError(
             f"{text}: cannot open the {protocol}:// filesystem ({type(exc).__name__}: {first_line(str(exc))}){hint}"
         ) from exc
-    from rlrunner.storage.remote import FsspecStorage  # fsspec's heavier imports only when a store is used
+    from rlrunner.storage.remote import FsspecStorage, share_botocore_data  # fsspec's imports only for a store
 
+    share_botocore_data(fs)
     return FsspecStorage(text.rstrip("/"), protocol, fs, options)
 
 

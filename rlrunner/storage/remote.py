@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import time
 from datetime import datetime
 from typing import Any, BinaryIO, Iterator
@@ -20,6 +21,29 @@ OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oci
 # (and on CompleteMultipartUpload); gcsfs sends `ifGenerationMatch=0` (marked experimental by gcsfs).
 EXCLUSIVE_CREATE = frozenset({"s3", "s3a", "gs", "gcs"})
 _CONFLICT_RETRIES = 5
+
+
+def share_botocore_data(fs: Any) -> None:
+    """Give an s3fs filesystem the botocore session s3fs would make for it (`fs.kwargs`: a profile, say), but reading
+    botocore's data files (the endpoints, the S3 API's model) through the process's one loader. s3fs makes a session
+    per filesystem, each session parses those files again (0.16 s of CPU a filesystem against 0.05 s shared), and
+    a run opens a filesystem for every save and every check of a store. The files are read-only data, keyed by
+    botocore's data path; credentials and configuration stay each session's own. Other filesystems are left as they
+    are, as is an s3fs filesystem that already has a session."""
+    if type(fs).__module__.split(".")[0] != "s3fs" or getattr(fs, "session", False) is not None:
+        return
+    from aiobotocore.session import AioSession
+
+    session = AioSession(**getattr(fs, "kwargs", {}))
+    session.register_component("data_loader", _botocore_loader(session.get_config_variable("data_path")))
+    fs.session = session
+
+
+@functools.lru_cache(maxsize=None)
+def _botocore_loader(data_path: str | None) -> Any:
+    from botocore.loaders import create_loader
+
+    return create_loader(data_path)
 
 
 class FsspecStorage(Storage):

@@ -222,6 +222,19 @@ def test_listings_are_never_stale(s3_store):
     assert open_storage(url, options).fs is not reader.fs  # no shared instance (and no shared cache)
 
 
+def test_s3_storages_share_botocore_data_not_sessions(s3_store):
+    """Each S3 storage has a botocore session of its own (its credentials and configuration) whose data files (the
+    endpoints, the S3 API's model) come through the process's one loader, so they are parsed once."""
+    url, options = s3_store
+    first, second = open_storage(url, options), open_storage(url, options)
+    first.write_bytes(join(url, "x"), b"x")
+    assert second.read_bytes(join(url, "x")) == b"x"
+    assert first.fs.session is not second.fs.session
+    loader = first.fs.session.get_component("data_loader")
+    assert second.fs.session.get_component("data_loader") is loader
+    assert open_storage(url).fs.session.get_component("data_loader") is loader  # credentials from the environment
+
+
 def test_s3_from_environment_only(s3_store):
     """With no storage_options, the endpoint and keys come from AWS_* variables (as on a real cluster)."""
     url, _ = s3_store
