@@ -96,26 +96,34 @@ def _value(item: Any) -> Any:
     return getattr(item, kind)
 
 
+def run_records(path: str | Path) -> Iterator[tuple[str | None, Any]]:
+    """(kind, `wandb_internal_pb2.Record`) for each intact record of one `.wandb` file, in order, the kind being the
+    record's `record_type` ("history", "config", "exit", ...); stops at the first damaged, cut or unparseable one.
+    ValueError if the file is not a transaction log."""
+    from wandb.proto import wandb_internal_pb2
+
+    with open(path, "rb") as handle:
+        for payload in payloads(handle):
+            record = wandb_internal_pb2.Record()
+            try:
+                record.ParseFromString(payload)
+            except Exception:  # passed its CRC but does not parse: stop as at damage
+                logger.debug("%s: unreadable record; reading stops there", path)
+                return
+            yield record.WhichOneof("record_type"), record
+
+
 def history_records(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
     """The (step, metrics) history records of one `.wandb` file, in order (W&B's `_step`, `_runtime`, `_timestamp`
     left out). A file that is not a transaction log counts as holding none (with a warning)."""
-    from wandb.proto import wandb_internal_pb2
-
-    records: list[tuple[int, dict[str, Any]]] = []
-    with open(path, "rb") as handle:
-        try:
-            for payload in payloads(handle):
-                record = wandb_internal_pb2.Record()
-                try:
-                    record.ParseFromString(payload)
-                except Exception:  # passed its CRC but does not parse: stop as at damage
-                    logger.debug("%s: unreadable record; reading stops there", path)
-                    break
-                if record.WhichOneof("record_type") == "history":
-                    records.append((record.history.step.num, _metrics(record.history.item)))
-        except ValueError as exc:
-            logger.warning("%s: %s; taken as holding no steps", path, exc)
-    return records
+    found: list[tuple[int, dict[str, Any]]] = []
+    try:
+        for kind, record in run_records(path):
+            if kind == "history":
+                found.append((record.history.step.num, _metrics(record.history.item)))
+    except ValueError as exc:
+        logger.warning("%s: %s; taken as holding no steps", path, exc)
+    return found
 
 
 def _metrics(items: Any) -> dict[str, Any]:
@@ -141,21 +149,15 @@ def offline_last_step(wandb_dir: str | Path, run_id: str) -> int:
 def offline_config(wandb_dir: str | Path, run_id: str) -> dict[str, Any]:
     """The run config the offline folders of run `run_id` record (their run and config records applied in order;
     W&B's own `_wandb` entry left out)."""
-    from wandb.proto import wandb_internal_pb2
-
     config: dict[str, Any] = {}
     for folder in run_folders(wandb_dir, run_id):
-        with open(folder / f"run-{run_id}.wandb", "rb") as handle:
-            for payload in payloads(handle):
-                record = wandb_internal_pb2.Record()
-                record.ParseFromString(payload)
-                kind = record.WhichOneof("record_type")
-                if kind not in ("run", "config"):
-                    continue
-                change = record.run.config if kind == "run" else record.config
-                for item in change.update:
-                    config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
-                for item in change.remove:
-                    config.pop(item.key or "/".join(item.nested_key), None)
+        for kind, record in run_records(folder / f"run-{run_id}.wandb"):
+            if kind not in ("run", "config"):
+                continue
+            change = record.run.config if kind == "run" else record.config
+            for item in change.update:
+                config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+            for item in change.remove:
+                config.pop(item.key or "/".join(item.nested_key), None)
     config.pop("_wandb", None)
     return config

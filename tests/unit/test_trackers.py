@@ -28,8 +28,8 @@ from rlrunner.trackers.wandb_offline import (
     offline_config,
     offline_history,
     offline_last_step,
-    payloads,
     run_folders,
+    run_records,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,19 +82,10 @@ def finished_history(wandb_dir: Path, run_id: str) -> list[tuple[str, list[tuple
     """`offline_history` of a run last finished in this process, read once its newest folder holds W&B's exit record
     (up to 30 s): `run.finish()` can return before W&B's service has written the file (seen once, on a loaded machine:
     no history in it yet)."""
-    from wandb.proto import wandb_internal_pb2
 
     def exited() -> bool:
         folders = run_folders(wandb_dir, run_id)
-        if not folders:
-            return False
-        with open(folders[-1] / f"run-{run_id}.wandb", "rb") as handle:
-            for payload in payloads(handle):
-                record = wandb_internal_pb2.Record()
-                record.ParseFromString(payload)
-                if record.WhichOneof("record_type") == "exit":
-                    return True
-        return False
+        return bool(folders) and any(kind == "exit" for kind, _ in run_records(folders[-1] / f"run-{run_id}.wandb"))
 
     deadline = time.monotonic() + 30
     while not exited() and time.monotonic() < deadline:
