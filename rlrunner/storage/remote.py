@@ -26,10 +26,10 @@ _CONFLICT_RETRIES = 5
 def share_botocore_data(fs: Any) -> None:
     """Give an s3fs filesystem the botocore session s3fs would make for it (`fs.kwargs`: a profile, say), but reading
     botocore's data files (the endpoints, the S3 API's model) through the process's one loader. s3fs makes a session
-    per filesystem, each session parses those files again (0.16 s of CPU a filesystem against 0.05 s shared), and
-    a run opens a filesystem for every save and every check of a store. The files are read-only data, keyed by
-    botocore's data path; credentials and configuration stay each session's own. Other filesystems are left as they
-    are, as is an s3fs filesystem that already has a session."""
+    per filesystem and each session parsed those files again, where a run opens a filesystem for every save and
+    every check of a store (shared: 0.27x the CPU of an open, benchmarks/bench_s3_open.py). The files are read-only
+    data, keyed by botocore's data path; credentials and configuration stay each session's own. Other filesystems are
+    left as they are, as is an s3fs filesystem that already has a session."""
     if type(fs).__module__.split(".")[0] != "s3fs" or getattr(fs, "session", False) is not None:
         return
     from aiobotocore.session import AioSession
